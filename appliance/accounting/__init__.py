@@ -1,0 +1,1 @@
+"""Per-request records and (later) the chargeback ledger. Knows nothing of HTTP."""

@@ -1,0 +1,55 @@
+"""What the daemon reports about each request and each engine iteration.
+
+`RecordSink` is the seam the ledger plugs into; until then `LogSink` writes one JSON
+line per request so nothing is silently dropped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+from appliance.engines.messages import IterationRecord
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    tenant: str
+    model: str
+    endpoint: str                   # "chat" | "completions"
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    arrival: float                  # unix seconds
+    first_token: float | None
+    finish: float
+    prefill_worker: str | None
+    decode_worker: str | None
+    status: str                     # "ok" | "error" | "aborted" | "rejected"
+    finish_reason: str | None
+    error: str | None = None
+    simulated: bool = False
+
+
+class RecordSink(Protocol):
+    def request(self, record: RequestRecord) -> None: ...
+    def iteration(self, record: IterationRecord) -> None: ...
+
+
+class LogSink:
+    """Writes finished requests as JSON lines; ignores iterations (too many to log)."""
+
+    def __init__(self, enabled: bool = True, stream=None):
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.log = logging.getLogger("applianced.requests")
+
+    def request(self, record: RequestRecord) -> None:
+        if self.enabled:
+            print(json.dumps(asdict(record), separators=(",", ":")), file=self.stream, flush=True)
+
+    def iteration(self, record: IterationRecord) -> None:
+        pass

@@ -1,0 +1,186 @@
+"""`applianced` command line. Every failure is one line on stderr and a non-zero exit."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from appliance import __version__
+
+
+def _serve_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config (default /etc/applianced/config.toml if present)")
+    p.add_argument("--devices", help="auto | cpu | sim:8xH100 | sim:4xH100+4xL40S ...")
+    p.add_argument("--split", help="auto | P+D: prefill and decode worker counts")
+    p.add_argument("--mode", choices=["disagg", "agg"], help="disaggregated (default) or aggregated")
+    p.add_argument("--tp", type=int, help="devices per worker (tensor parallel size)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="applianced",
+                                     description="On-prem LLM inference appliance.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("serve", help="run the daemon", description="Run the daemon.")
+    _serve_overrides(p)
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--engine", choices=["auto", "torch", "sim", "trtllm"])
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: generated tiny model)")
+    p.add_argument("--model-name", help="name served on /v1/models")
+    p.add_argument("--model-spec", help="simulator model shape, e.g. llama-3.1-70b-fp8")
+    p.add_argument("--sim-speed", type=float, help="simulated time runs this many times faster")
+    p.add_argument("--state-dir", help="state directory (default /var/lib/applianced or XDG)")
+    p.add_argument("--log-requests", action="store_true", help="log one JSON line per request")
+
+    p = sub.add_parser("devices", help="show devices and the partition plan",
+                       description="Show the devices and how they would be split.")
+    _serve_overrides(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("model", help="model tools", description="Model tools.")
+    msub = p.add_subparsers(dest="model_command", metavar="SUBCOMMAND", required=True)
+    q = msub.add_parser("init-tiny", help="write a small generated Llama checkpoint",
+                        description="Write a small Llama checkpoint with seeded random weights "
+                                    "and a BPE tokenizer trained offline.")
+    q.add_argument("dir")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--preset", choices=["tiny", "20m"], default="tiny")
+
+    p = sub.add_parser("status", help="ask a running daemon for its status",
+                       description="Ask a running daemon for its status.")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("config", help="configuration tools", description="Configuration tools.")
+    csub = p.add_subparsers(dest="config_command", metavar="SUBCOMMAND", required=True)
+    q = csub.add_parser("check", help="validate a config file", description="Validate a config file.")
+    q.add_argument("file")
+
+    p = sub.add_parser("key", help="API key tools", description="API key tools.")
+    ksub = p.add_subparsers(dest="key_command", metavar="SUBCOMMAND", required=True)
+    q = ksub.add_parser("digest", help="print the SHA-256 digest to put in [auth.keys]",
+                        description="Print the SHA-256 digest of an API key for [auth.keys].")
+    q.add_argument("key")
+
+    sub.add_parser("version", help="print the version", description="Print the version.")
+
+    p = sub.add_parser("worker", help="(internal) run one engine worker",
+                       description="Internal: started by the daemon, not by hand.")
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--spec", required=True)
+    return parser
+
+
+def _config(args):
+    from appliance import config
+    cfg = config.load(getattr(args, "config", None))
+    for attr, section, key in [("devices", "devices", "spec"), ("split", "devices", "split"),
+                               ("mode", "devices", "mode"), ("tp", "devices", "tp"),
+                               ("host", "server", "host"), ("port", "server", "port"),
+                               ("engine", "engine", "kind"), ("model", "engine", "model"),
+                               ("model_name", "engine", "model_name"),
+                               ("model_spec", "engine", "model_spec"),
+                               ("sim_speed", "engine", "sim_speed")]:
+        value = getattr(args, attr, None)
+        if value is not None:
+            setattr(getattr(cfg, section), key, value)
+    if getattr(args, "log_requests", False):
+        cfg.server.log_requests = True
+    return config.validate(cfg)
+
+
+def cmd_serve(args) -> int:
+    from appliance import config
+    from appliance.daemon.app import serve
+    cfg = _config(args)
+    return serve(cfg, config.state_dir(cfg, args.state_dir))
+
+
+def cmd_devices(args) -> int:
+    from appliance.partitions import discover, format_devices, inventory_json, plan_partition
+    cfg = _config(args)
+    inv = discover(cfg.devices.spec)
+    plan = plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode)
+    if args.json:
+        print(json.dumps(inventory_json(inv, plan), indent=2))
+    else:
+        print(format_devices(inv, plan))
+    return 0
+
+
+def cmd_model(args) -> int:
+    from appliance.models.tiny import init_tiny
+    out = init_tiny(Path(args.dir), seed=args.seed, preset=args.preset,
+                    progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    print(out)
+    return 0
+
+
+def cmd_status(args) -> int:
+    url = args.url.rstrip("/") + "/admin/status"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            data = json.load(resp)
+    except urllib.error.HTTPError as exc:
+        raise SystemExit(f"applianced: {url} answered HTTP {exc.code}")
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise SystemExit(f"applianced: no daemon at {args.url} ({reason})")
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    sim = " [SIMULATED]" if data.get("simulated") else ""
+    print(f"applianced {data['version']}{sim}: {data['model']} on {data['engine']}, "
+          f"mode {data['mode']}, {'ready' if data['ready'] else 'NOT ready'}"
+          f"{', draining' if data['draining'] else ''}, {data['inflight']} in flight, "
+          f"up {data['uptime_s']:.0f}s")
+    print(f"{'worker':<10} {'role':<8} {'state':<11} {'pid':>7} {'devices':<16} "
+          f"{'KV free/total':>15} {'run':>4} {'wait':>5} {'restarts':>8}")
+    for w in data["workers"]:
+        kv = (f"{w['kv_blocks_free']}/{w['kv_blocks_total']}"
+              if w["kv_blocks_total"] is not None else "-")
+        print(f"{w['worker']:<10} {w['role']:<8} {w['state']:<11} {w['pid'] or '-':>7} "
+              f"{','.join(w['devices']):<16} {kv:>15} {w['running'] if w['running'] is not None else '-':>4} "
+              f"{w['waiting'] if w['waiting'] is not None else '-':>5} {w['restarts']:>8}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    from appliance import config
+    config.load(args.file)
+    print(f"{args.file}: ok")
+    return 0
+
+
+def cmd_key(args) -> int:
+    print(hashlib.sha256(args.key.encode()).hexdigest())
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from appliance.worker.main import run
+    from appliance.worker.spec import WorkerSpec
+    return run(args.fd, WorkerSpec.from_json(args.spec))
+
+
+COMMANDS = {"serve": cmd_serve, "devices": cmd_devices, "model": cmd_model,
+            "status": cmd_status, "config": cmd_config, "key": cmd_key, "worker": cmd_worker,
+            "version": lambda args: print(f"applianced {__version__}") or 0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:     # `applianced devices --json | head`
+        return 0
+    except ValueError as exc:   # ConfigError, PlanError, bad device spec: all one line
+        print(f"applianced: {exc}", file=sys.stderr)
+        return 1

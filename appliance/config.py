@@ -1,0 +1,191 @@
+"""The daemon's TOML configuration: every field has a default, every mistake is one line.
+
+Why strict: an operator who misspells `max_batch_tokens` must learn it at start-up,
+not after a week of wondering why the setting did nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = Path("/etc/applianced/config.toml")
+
+
+class ConfigError(ValueError):
+    """One line naming the key and what is wrong with it."""
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 1 << 20
+    max_inflight: int = 1024          # requests admitted at once; more get 503 + Retry-After
+    drain_timeout_s: float = 30.0     # SIGTERM: how long in-flight requests may finish
+    log_requests: bool = False        # one JSON line per finished request on stderr
+
+
+@dataclass
+class DevicesConfig:
+    spec: str = "auto"                # auto | cpu | sim:8xH100 | sim:4xH100+4xL40S ...
+    split: str = "auto"               # auto | P+D (worker counts)
+    mode: str = "disagg"              # disagg | agg
+    tp: int = 1
+
+
+@dataclass
+class EngineConfig:
+    kind: str = "auto"                # auto | sim | torch | trtllm
+    model: str = ""                   # checkpoint dir; "" = the generated tiny model
+    model_name: str = ""              # name served on /v1/models; "" = the dir's name
+    model_spec: str = ""              # simulator shape (llama-3.1-70b-fp8 ...); "" = model's config.json
+    sim_speed: float = 1.0            # simulated time runs this many times faster than real
+    block_size: int = 16
+    max_batch_tokens: int = 8192      # prefill token budget per iteration
+    max_seqs: int = 256               # sequences per batch
+    kv_cache_bytes: int = 1 << 30     # KV pool per worker on the CPU
+    gpu_mem_fraction: float = 0.9
+    reserve_ratio: float = 1.0        # share of max_tokens reserved at admission (1 = never preempt)
+    handoff_timeout_s: float = 30.0   # free handed-off KV nobody picked up after this
+    conditional_disagg_tokens: int = 0  # >0: prompts shorter than this skip the prefill worker
+
+
+@dataclass
+class WorkersConfig:
+    restart_backoff_s: float = 0.5
+    restart_backoff_max_s: float = 30.0
+    start_timeout_s: float = 600.0
+
+
+@dataclass
+class AuthConfig:
+    # SHA-256 hex digest of an API key -> tenant (the microservice that holds the key).
+    keys: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    state_dir: str = ""
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_value(key: str, value, typ):
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"config: {key} must be {_TYPE_NAMES[typ]}, got {value!r}")
+    if typ in _TYPE_NAMES:
+        if not isinstance(value, typ):
+            raise ConfigError(f"config: {key} must be {_TYPE_NAMES[typ]}, got {value!r}")
+        return value
+    raise ConfigError(f"config: {key} has an unsupported type")  # pragma: no cover
+
+
+def _fill(obj, data: dict, prefix: str):
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    hints = {f.name: f.type for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"config: unknown key {path} (known here: {known})")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config: {path} must be a table")
+            _fill(current, value, f"{path}.")
+        elif isinstance(current, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config: {path} must be a table")
+            setattr(obj, key, dict(value))
+        else:
+            typ = {"int": int, "float": float, "str": str, "bool": bool}[hints[key]]
+            setattr(obj, key, _check_value(path, value, typ))
+
+
+def validate(cfg: Config) -> Config:
+    for digest, tenant in cfg.auth.keys.items():
+        if not _DIGEST.match(digest):
+            raise ConfigError(f"config: auth.keys: {digest!r} is not a lowercase SHA-256 hex digest "
+                              f"(make one with: applianced key digest KEY)")
+        if not isinstance(tenant, str) or not tenant:
+            raise ConfigError(f"config: auth.keys.{digest[:12]}… must name a tenant (a string)")
+    if cfg.devices.mode not in ("disagg", "agg"):
+        raise ConfigError(f"config: devices.mode must be disagg or agg, got {cfg.devices.mode!r}")
+    if cfg.engine.kind not in ("auto", "sim", "torch", "trtllm"):
+        raise ConfigError(f"config: engine.kind must be auto, sim, torch or trtllm, got {cfg.engine.kind!r}")
+    positive = [("server.port", cfg.server.port), ("devices.tp", cfg.devices.tp),
+                ("engine.block_size", cfg.engine.block_size),
+                ("engine.max_batch_tokens", cfg.engine.max_batch_tokens),
+                ("engine.max_seqs", cfg.engine.max_seqs), ("engine.sim_speed", cfg.engine.sim_speed),
+                ("server.max_inflight", cfg.server.max_inflight),
+                ("server.max_body_bytes", cfg.server.max_body_bytes)]
+    for key, value in positive:
+        if value <= 0:
+            raise ConfigError(f"config: {key} must be positive, got {value}")
+    if not 0 < cfg.server.port < 65536:
+        raise ConfigError(f"config: server.port must be 1-65535, got {cfg.server.port}")
+    if not 0.0 <= cfg.engine.reserve_ratio <= 1.0:
+        raise ConfigError(f"config: engine.reserve_ratio must be within 0..1, got {cfg.engine.reserve_ratio}")
+    if not 0.0 < cfg.engine.gpu_mem_fraction <= 1.0:
+        raise ConfigError(f"config: engine.gpu_mem_fraction must be within (0, 1], got {cfg.engine.gpu_mem_fraction}")
+    return cfg
+
+
+def parse(text: str, origin: str = "config") -> Config:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{origin}: not valid TOML: {exc}") from None
+    cfg = Config()
+    try:
+        _fill(cfg, data, "")
+    except ConfigError as exc:
+        raise ConfigError(f"{origin}: {exc}") from None
+    try:
+        return validate(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{origin}: {exc}") from None
+
+
+def load(path: str | Path | None) -> Config:
+    """--config PATH, else /etc/applianced/config.toml if present, else defaults."""
+    if path is None:
+        if not DEFAULT_CONFIG_PATH.exists():
+            return Config()
+        path = DEFAULT_CONFIG_PATH
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse(text, str(path))
+
+
+def state_dir(cfg: Config, override: str | None = None) -> Path:
+    """--state-dir, then the config, then /var/lib/applianced (root) or XDG state."""
+    if override:
+        return Path(override)
+    if cfg.state_dir:
+        return Path(cfg.state_dir)
+    if os.geteuid() == 0:
+        return Path("/var/lib/applianced")
+    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(xdg) / "applianced"

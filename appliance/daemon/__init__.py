@@ -1,0 +1,1 @@
+"""The daemon: wires devices, worker processes and engines to the HTTP API."""

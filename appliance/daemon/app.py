@@ -1,0 +1,246 @@
+"""Wires the appliance together and runs it: devices -> plan -> workers -> router -> HTTP.
+
+The only module that knows every other; nothing imports it but the CLI.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from appliance import __version__
+from appliance.accounting.records import LogSink, RecordSink
+from appliance.config import Config
+from appliance.daemon import systemd
+from appliance.daemon.http import build_app
+from appliance.daemon.metrics import Metrics
+from appliance.daemon.router import Router
+from appliance.daemon.tokenizer import ServedTokenizer
+from appliance.daemon.workers import WorkerGone, WorkerPool
+from appliance.partitions import Inventory, PartitionPlan, discover, inventory_json, plan_partition
+from appliance.worker.spec import WorkerSpec
+
+log = logging.getLogger("applianced")
+
+
+class StartupError(Exception):
+    """One line for the operator; the daemon exits 1."""
+
+
+@dataclass
+class Setup:
+    """Everything decided before any process starts (also what `devices` prints)."""
+
+    inventory: Inventory
+    plan: PartitionPlan
+    engine: str
+    model_dir: Path
+    model_name: str
+    max_context: int
+    specs: list[WorkerSpec]
+
+    @property
+    def simulated(self) -> bool:
+        return self.engine == "sim" or any(d.simulated for d in self.inventory.devices)
+
+
+def resolve_engine(kind: str, inv: Inventory) -> str:
+    """`auto`: simulated devices -> sim; the CPU -> torch when its engine is present,
+    else sim; real GPUs -> TensorRT-LLM if installed, else torch."""
+    if kind != "auto":
+        return kind
+    if inv.source == "sim":
+        return "sim"
+    if inv.source == "cpu":
+        try:
+            import appliance.engines.torch_engine  # noqa: F401
+            return "torch"
+        except ImportError:
+            return "sim"
+    import importlib.util
+    return "trtllm" if importlib.util.find_spec("tensorrt_llm") else "torch"
+
+
+def _max_context(model_dir: Path, model_spec: str) -> int:
+    from appliance.models.specs import lookup_model_spec, spec_from_hf_config
+    spec = lookup_model_spec(model_spec) if model_spec else spec_from_hf_config(model_dir / "config.json")
+    return spec.max_context
+
+
+def plan_setup(cfg: Config, state_dir: Path, progress=None) -> Setup:
+    from appliance.models.tiny import ensure_default_model
+    inv = discover(cfg.devices.spec)
+    plan = plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode)
+    engine = resolve_engine(cfg.engine.kind, inv)
+    if cfg.engine.model:
+        model_dir = Path(cfg.engine.model).expanduser()
+        if not (model_dir / "config.json").exists():
+            raise StartupError(f"model directory {model_dir} has no config.json")
+    else:
+        model_dir = ensure_default_model(state_dir, progress=progress)
+    if not (model_dir / "tokenizer.json").exists():
+        raise StartupError(f"model directory {model_dir} has no tokenizer.json")
+    e = cfg.engine
+    name = e.model_name or e.model_spec or model_dir.name
+    devices = {d.id: d for d in inv.devices}
+    specs = []
+    cores = itertools.count()
+    for slot in plan.workers():
+        first = devices[slot.devices[0]]
+        specs.append(WorkerSpec(
+            worker=slot.worker, role=slot.role, engine=engine, devices=list(slot.devices),
+            device_kind=first.kind, model_dir=str(model_dir),
+            gpu_name=first.spec.name if first.spec else None,
+            device_uuids=[devices[d].uuid or "" for d in slot.devices],
+            cpu_core=next(cores) if first.kind == "cpu" else None,
+            model_spec=e.model_spec or None, sim_speed=e.sim_speed, block_size=e.block_size,
+            max_batch_tokens=e.max_batch_tokens, max_seqs=e.max_seqs,
+            kv_cache_bytes=e.kv_cache_bytes, gpu_mem_fraction=e.gpu_mem_fraction,
+            handoff_timeout_s=e.handoff_timeout_s, reserve_ratio=e.reserve_ratio))
+    try:
+        max_context = _max_context(model_dir, e.model_spec)
+    except (ValueError, OSError) as exc:
+        raise StartupError(str(exc)) from None
+    return Setup(inv, plan, engine, model_dir, name, max_context, specs)
+
+
+class Service:
+    """The running appliance, as the HTTP handlers see it."""
+
+    def __init__(self, cfg: Config, setup: Setup, sink: RecordSink | None = None):
+        self.cfg = cfg
+        self.setup = setup
+        self.model_name = setup.model_name
+        self.max_context = setup.max_context
+        self.simulated = setup.simulated
+        self.fingerprint = f"applianced-{__version__}-{setup.engine}"
+        self.tokenizer = ServedTokenizer(setup.model_dir)
+        self.sink = sink or LogSink(enabled=cfg.server.log_requests)
+        self.pool = WorkerPool(setup.specs, self._on_iteration,
+                               backoff_s=cfg.workers.restart_backoff_s,
+                               backoff_max_s=cfg.workers.restart_backoff_max_s,
+                               start_timeout_s=cfg.workers.start_timeout_s)
+        self.router = Router(self.pool, setup.plan.mode, cfg.engine.conditional_disagg_tokens)
+        self.metrics = Metrics(self.pool, self.model_name, self.simulated)
+        from appliance.daemon.http import Auth
+        self.auth = Auth(cfg.auth.keys)
+        self._tenants = set(cfg.auth.keys.values()) | {"default"}
+        self.max_inflight = cfg.server.max_inflight
+        self.inflight = 0
+        self.draining = False
+        self.started_at = time.time()
+        self._prefix = secrets.token_hex(4)
+        self._ids = itertools.count(1)
+
+    def next_request_id(self) -> str:
+        return f"{self._prefix}{next(self._ids):08x}"
+
+    def _on_iteration(self, rec) -> None:
+        self.metrics.iteration(rec)
+        self.sink.iteration(rec)
+
+    def finished(self, comp) -> None:
+        rec = comp.record()
+        tenant_label = rec.tenant if rec.tenant in self._tenants else "other"
+        self.metrics.request(rec, tenant_label)
+        try:
+            self.sink.request(rec)
+        except Exception:   # a broken sink must not break serving
+            log.exception("request sink failed")
+
+    def status(self) -> dict:
+        s = self.setup
+        return {
+            "version": __version__, "simulated": self.simulated, "engine": s.engine,
+            "model": self.model_name, "model_dir": str(s.model_dir), "max_context": self.max_context,
+            "mode": s.plan.mode, "uptime_s": round(time.time() - self.started_at, 3),
+            "ready": self.router.ready(), "draining": self.draining, "inflight": self.inflight,
+            **inventory_json(s.inventory, s.plan),
+            "workers": [w.status() for w in self.pool.workers.values()],
+        }
+
+
+def _progress_printer():
+    if sys.stderr.isatty():
+        return lambda line: print(f"applianced: {line}", file=sys.stderr, flush=True)
+    return lambda line: log.info("%s", line)
+
+
+async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = None) -> int:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    systemd.notify("STATUS=preparing the model")
+    try:
+        setup = plan_setup(cfg, state_dir, progress=_progress_printer())
+    except ValueError as exc:   # bad device spec, impossible split, unknown model spec
+        raise StartupError(str(exc)) from None
+    if setup.inventory.note:
+        log.warning("%s", setup.inventory.note)
+    log.info("plan: %s", setup.plan.reason)
+    svc = Service(cfg, setup, sink)
+    systemd.notify(f"STATUS=starting {len(setup.specs)} workers")
+    try:
+        await svc.pool.start()
+    except (WorkerGone, OSError) as exc:
+        await svc.pool.stop(2)
+        raise StartupError(str(exc)) from None
+    app = build_app(svc, cfg.server.max_body_bytes)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as exc:
+        await svc.pool.stop(2)
+        await runner.cleanup()
+        raise StartupError(f"cannot listen on {cfg.server.host}:{cfg.server.port}: "
+                           f"{exc.strerror}") from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("serving %s on http://%s:%s (%s, %s%s)", svc.model_name, cfg.server.host,
+             cfg.server.port, setup.engine, setup.plan.mode, ", simulated" if svc.simulated else "")
+    print(json.dumps({"event": "ready", "host": cfg.server.host, "port": cfg.server.port,
+                      "model": svc.model_name, "engine": setup.engine,
+                      "simulated": svc.simulated}), file=sys.stderr, flush=True)
+    systemd.notify("READY=1", f"STATUS=serving {svc.model_name}")
+    watchdog = asyncio.create_task(systemd.watchdog_loop())
+    await stop.wait()
+    # Drain: refuse new work, let in-flight requests finish, then stop workers.
+    systemd.notify("STOPPING=1", "STATUS=draining")
+    svc.draining = True
+    deadline = time.monotonic() + cfg.server.drain_timeout_s
+    while svc.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if svc.inflight:
+        log.warning("drain timeout: %d requests still in flight are cut off", svc.inflight)
+    watchdog.cancel()
+    await site.stop()
+    await svc.pool.stop()
+    await runner.cleanup()
+    return 0
+
+
+def serve(cfg: Config, state_dir: Path) -> int:
+    logging.basicConfig(level=os.environ.get("APPLIANCED_LOG", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run
+    try:
+        return runner(run_daemon(cfg, state_dir))
+    except StartupError as exc:
+        print(f"applianced: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,103 @@
+"""Prometheus series. The daemon owns the one registry; workers report over IPC.
+
+Worker gauges are read at scrape time from the live worker table (a custom
+collector), so a scrape never sees a stale copy. Every series carries `simulated`
+so a fleet dashboard can never mix simulated numbers with measured ones unknowingly.
+"""
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from appliance.accounting.records import RequestRecord
+from appliance.engines.messages import IterationRecord
+
+disable_created_metrics()   # *_created series only add noise to an appliance's scrape
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class WorkerCollector:
+    def __init__(self, pool, simulated: bool):
+        self.pool = pool
+        self.sim = "true" if simulated else "false"
+
+    def collect(self):
+        up = GaugeMetricFamily("applianced_worker_up", "1 if the worker process is ready",
+                               labels=["worker", "role", "simulated"])
+        restarts = CounterMetricFamily("applianced_worker_restarts", "Worker restarts",
+                                       labels=["worker", "role", "simulated"])
+        kv = GaugeMetricFamily("applianced_kv_blocks", "KV blocks by state",
+                               labels=["worker", "role", "state", "simulated"])
+        queued = GaugeMetricFamily("applianced_worker_queued_prefill_tokens",
+                                   "Prompt tokens waiting for prefill",
+                                   labels=["worker", "role", "simulated"])
+        running = GaugeMetricFamily("applianced_worker_running_sequences",
+                                    "Sequences in the running batch",
+                                    labels=["worker", "role", "simulated"])
+        for w in self.pool.workers.values():
+            labels = [w.id, w.role, self.sim]
+            up.add_metric(labels, 1.0 if w.ready else 0.0)
+            restarts.add_metric(labels, float(w.restarts))
+            s = w.stats
+            if s is not None:
+                kv.add_metric([w.id, w.role, "free", self.sim], s.kv_blocks_free)
+                kv.add_metric([w.id, w.role, "used", self.sim], s.kv_blocks_total - s.kv_blocks_free)
+                kv.add_metric([w.id, w.role, "handed_off", self.sim], s.kv_blocks_handed_off)
+                queued.add_metric(labels, s.queued_prefill_tokens)
+                running.add_metric(labels, s.running)
+        return [up, restarts, kv, queued, running]
+
+
+class Metrics:
+    def __init__(self, pool, model: str, simulated: bool):
+        self.registry = CollectorRegistry()
+        self.model = model
+        self.sim = "true" if simulated else "false"
+        r = self.registry
+        self.requests = Counter("applianced_requests", "Finished requests",
+                                ["model", "tenant", "status", "simulated"], registry=r)
+        self.prompt_tokens = Counter("applianced_prompt_tokens", "Prompt tokens of finished requests",
+                                     ["model", "tenant", "simulated"], registry=r)
+        self.output_tokens = Counter("applianced_output_tokens", "Generated tokens",
+                                     ["model", "tenant", "simulated"], registry=r)
+        self.ttft = Histogram("applianced_time_to_first_token_seconds", "Arrival to first token",
+                              ["model", "simulated"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("applianced_request_duration_seconds", "Arrival to finish",
+                             ["model", "simulated"], buckets=LATENCY_BUCKETS, registry=r)
+        self.iterations = Counter("applianced_engine_iterations", "Engine iterations",
+                                  ["worker", "phase", "simulated"], registry=r)
+        self.busy = Counter("applianced_engine_busy_seconds", "Wall time inside engine iterations",
+                            ["worker", "phase", "simulated"], registry=r)
+        self.rejections = Counter("applianced_rejected_requests", "Requests refused as overloaded",
+                                  ["model", "simulated"], registry=r)
+        r.register(WorkerCollector(pool, simulated))
+        self._iter_children: dict[tuple[str, str], tuple] = {}
+
+    def iteration(self, rec: IterationRecord) -> None:
+        key = (rec.worker, rec.phase)
+        children = self._iter_children.get(key)
+        if children is None:
+            children = (self.iterations.labels(rec.worker, rec.phase, self.sim),
+                        self.busy.labels(rec.worker, rec.phase, self.sim))
+            self._iter_children[key] = children
+        children[0].inc()
+        children[1].inc(rec.wall_s)
+
+    def request(self, rec: RequestRecord, tenant_label: str) -> None:
+        self.requests.labels(self.model, tenant_label, rec.status, self.sim).inc()
+        self.prompt_tokens.labels(self.model, tenant_label, self.sim).inc(rec.prompt_tokens)
+        self.output_tokens.labels(self.model, tenant_label, self.sim).inc(rec.output_tokens)
+        if rec.first_token is not None:
+            self.ttft.labels(self.model, self.sim).observe(rec.first_token - rec.arrival)
+        if rec.status == "ok":
+            self.e2e.labels(self.model, self.sim).observe(rec.finish - rec.arrival)
+
+    def rejected(self) -> None:
+        self.rejections.labels(self.model, self.sim).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,205 @@
+"""OpenAI request parsing and response shapes. Pure functions: no aiohttp, no workers.
+
+Every rejection is an `ApiError` carrying the HTTP status and OpenAI's error body
+fields, so the HTTP layer turns all of them into the same JSON shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from appliance.engines.messages import SamplingParams
+
+MAX_STOP_STRINGS = 4
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type_: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or _default_type(status)
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def _default_type(status: int) -> str:
+    return {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+            429: "rate_limit_error", 503: "service_unavailable_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    endpoint: str                       # "chat" | "completions"
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str] = field(default_factory=list)
+    messages: list[dict] | None = None  # chat
+    prompt_text: str | None = None      # completions
+    prompt_ids: list[int] | None = None  # completions given token ids
+    ignore_eos: bool = False
+
+    def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, seed=self.seed, stop_token_ids=stop_token_ids,
+                              ignore_eos=self.ignore_eos)
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float,
+            lo_open: bool = False) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"'{key}' must be a number", key, "invalid_type")
+    if value < lo or value > hi or (lo_open and value == lo):
+        span = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise bad(f"'{key}' must be in {span}, got {value}", key)
+    return float(value)
+
+
+def _int(body: dict, key: str, lo: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"'{key}' must be an integer", key, "invalid_type")
+    if lo is not None and value < lo:
+        raise bad(f"'{key}' must be at least {lo}, got {value}", key)
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+        raise bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop")
+    return stop
+
+
+def _content_text(content, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str):
+                raise bad(f"messages[{index}].content: only text parts are supported",
+                          f"messages[{index}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{index}].content must be a string or a list of text parts",
+              f"messages[{index}].content", "invalid_type")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages", "missing_required_parameter"
+                  if messages is None else "invalid_type")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}",
+                      f"messages[{i}].role")
+        out.append({"role": role, "content": _content_text(m.get("content"), i)})
+    return out
+
+
+def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad("'prompt' is required", "prompt", "missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]           # a batch of one
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, prompt
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise bad("only one prompt per request is supported", "prompt")
+    raise bad("'prompt' must be a string, a list of one string, or a list of token ids",
+              "prompt", "invalid_type")
+
+
+def parse_request(body, endpoint: str) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_type")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' is required", "model", "missing_required_parameter")
+    n = _int(body, "n", 1)
+    if n not in (None, 1):
+        raise bad("only n=1 is supported", "n")
+    for unsupported in ("logprobs", "echo", "tools", "functions"):
+        value = body.get(unsupported)
+        if value and not (unsupported == "logprobs" and value is False):
+            raise bad(f"'{unsupported}' is not supported", unsupported, "unsupported_parameter")
+    best_of = _int(body, "best_of", 1)
+    if best_of not in (None, 1):
+        raise bad("only best_of=1 is supported", "best_of")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad("'stream' must be true or false", "stream", "invalid_type")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
+        if not stream:
+            raise bad("'stream_options' is only allowed with stream=true", "stream_options")
+        include_usage = bool(opts.get("include_usage", False))
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    legacy = _int(body, "max_tokens", 1)
+    if max_tokens is None:
+        max_tokens = legacy
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("'ignore_eos' must be true or false", "ignore_eos", "invalid_type")
+    req = GenerationRequest(
+        endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
+        max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=_int(body, "seed"),
+        stop=_stop(body), ignore_eos=ignore_eos)
+    if endpoint == "chat":
+        req.messages = _messages(body)
+    else:
+        req.prompt_text, req.prompt_ids = _prompt(body)
+    return req
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -1,0 +1,186 @@
+"""One request's path through the workers: prefill -> KV handoff -> decode.
+
+The router picks the prefill worker with the fewest queued prompt tokens and the
+decode worker with the most free KV (Dynamo's cost idea, without the overlap term
+until we have a cross-worker prefix index). It also owns the handoff bookkeeping:
+the source worker's blocks are released as soon as the decode worker reports its
+copy, or when the request ends any other way.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from appliance.engines.messages import (
+    Abort, Decode, KvImported, Prefill, PrefillDone, Release, RequestFailed, SamplingParams,
+    Tokens,
+)
+from appliance.daemon.workers import WorkerGone, WorkerLink, WorkerPool
+
+
+class NoWorker(Exception):
+    """No worker of a needed role is ready (starting or restarting)."""
+
+
+class EngineError(Exception):
+    def __init__(self, message: str, code: str = "engine_error"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class Trace:
+    """What the request path learned, for the request record."""
+
+    request_id: str
+    arrival: float
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    first_token: float | None = None
+    cached_tokens: int = 0
+
+
+def _free_blocks(w: WorkerLink) -> int:
+    return w.stats.kv_blocks_free if w.stats else 0
+
+
+class Router:
+    def __init__(self, pool: WorkerPool, mode: str, conditional_tokens: int = 0):
+        self.pool = pool
+        self.mode = mode
+        self.conditional_tokens = conditional_tokens
+        self.prefill = pool.by_role("prefill")
+        self.decode = pool.by_role("decode")
+        self.agg = pool.by_role("agg")
+
+    def ready(self) -> bool:
+        if self.mode == "agg":
+            return any(w.ready for w in self.agg)
+        return any(w.ready for w in self.prefill) and any(w.ready for w in self.decode)
+
+    @staticmethod
+    def _least_queued(workers: list[WorkerLink], role: str) -> WorkerLink:
+        ready = [w for w in workers if w.ready]
+        if not ready:
+            raise NoWorker(f"no {role} worker is ready")
+        return min(ready, key=lambda w: (w.pending_prefill_tokens, w.inflight))
+
+    @staticmethod
+    def _most_free(workers: list[WorkerLink]) -> WorkerLink:
+        ready = [w for w in workers if w.ready]
+        if not ready:
+            raise NoWorker("no decode worker is ready")
+        return max(ready, key=lambda w: (_free_blocks(w), -w.inflight))
+
+    async def generate(self, trace: Trace, prompt: list[int],
+                       params: SamplingParams) -> AsyncIterator[tuple[list[int], str | None]]:
+        """Yield (new tokens, finish reason or None) until the request finishes.
+
+        Closing the generator early (client gone, stop string) aborts the request on
+        whichever worker holds it and releases any handed-off KV."""
+        if self.mode == "agg":
+            worker = self._least_queued(self.agg, "aggregated")
+            trace.prefill_worker = trace.decode_worker = worker.id
+            async for item in self._run_local(trace, worker, prompt, params):
+                yield item
+            return
+        if self.conditional_tokens and len(prompt) < self.conditional_tokens:
+            worker = self._most_free(self.decode)
+            trace.prefill_worker = trace.decode_worker = worker.id
+            async for item in self._run_local(trace, worker, prompt, params):
+                yield item
+            return
+        async for item in self._run_disagg(trace, prompt, params):
+            yield item
+
+    async def _run_local(self, trace: Trace, worker: WorkerLink, prompt: list[int],
+                         params: SamplingParams):
+        rid = trace.request_id
+        queue = worker.open(rid)
+        worker.pending_prefill_tokens += len(prompt)
+        counted = True
+        done = False
+        try:
+            worker.send(Prefill(rid, prompt, params, handoff=False))
+            while True:
+                ev = await queue.get()
+                if isinstance(ev, Tokens):
+                    if counted:
+                        worker.pending_prefill_tokens -= len(prompt)
+                        counted = False
+                        trace.first_token = time.time()
+                        trace.cached_tokens = ev.cached_tokens
+                    done = ev.finish_reason is not None
+                    yield ev.tokens, ev.finish_reason
+                    if done:
+                        return
+                else:
+                    self._raise(ev)
+        finally:
+            if counted:
+                worker.pending_prefill_tokens = max(0, worker.pending_prefill_tokens - len(prompt))
+            if not done:
+                worker.send(Abort(rid))
+            worker.close(rid)
+
+    async def _run_disagg(self, trace: Trace, prompt: list[int], params: SamplingParams):
+        rid = trace.request_id
+        pw = self._least_queued(self.prefill, "prefill")
+        trace.prefill_worker = pw.id
+        queue = pw.open(rid)
+        pw.pending_prefill_tokens += len(prompt)
+        prefilled = False
+        try:
+            pw.send(Prefill(rid, prompt, params, handoff=True))
+            ev = await queue.get()
+            if not isinstance(ev, PrefillDone):
+                self._raise(ev)
+            prefilled = True
+        finally:
+            pw.pending_prefill_tokens = max(0, pw.pending_prefill_tokens - len(prompt))
+            if not prefilled:
+                pw.send(Abort(rid))
+            pw.close(rid)
+        trace.first_token = time.time()
+        trace.cached_tokens = ev.cached_tokens
+        if ev.handle is None:
+            yield [ev.first_token], ev.finish_reason or "length"
+            return
+        # From here the prefill worker holds KV for us until we release it.
+        released = False
+        done = False
+        dw: WorkerLink | None = None
+        try:
+            yield [ev.first_token], None
+            dw = self._most_free(self.decode)
+            trace.decode_worker = dw.id
+            dqueue = dw.open(rid)
+            dw.send(Decode(rid, prompt, ev.first_token, params, ev.handle))
+            while True:
+                dev = await dqueue.get()
+                if isinstance(dev, Tokens):
+                    done = dev.finish_reason is not None
+                    yield dev.tokens, dev.finish_reason
+                    if done:
+                        return
+                elif isinstance(dev, KvImported):
+                    pw.send(Release(rid))
+                    released = True
+                else:
+                    self._raise(dev)
+        finally:
+            if not released:
+                pw.send(Release(rid))
+            if dw is not None:
+                if not done:
+                    dw.send(Abort(rid))
+                dw.close(rid)
+
+    @staticmethod
+    def _raise(ev) -> None:
+        if isinstance(ev, WorkerGone):
+            raise ev
+        if isinstance(ev, RequestFailed):
+            raise EngineError(ev.message, ev.code)
+        raise EngineError(f"unexpected worker event {type(ev).__name__}")

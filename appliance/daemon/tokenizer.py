@@ -1,0 +1,117 @@
+"""Tokenization in the daemon: prompts in, text out, with the model's own chat template.
+
+Uses `tokenizers` (Rust) and Jinja directly rather than `transformers`, which would
+add seconds of start-up and hundreds of MB to the daemon for the same result.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class ServedTokenizer:
+    def __init__(self, model_dir: Path):
+        self.model_dir = Path(model_dir)
+        self.tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        cfg_path = self.model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.bos_token = _token_text(cfg.get("bos_token")) or ""
+        self.eos_token = _token_text(cfg.get("eos_token")) or ""
+        template = cfg.get("chat_template")
+        if isinstance(template, list):   # HF allows named templates; take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = self._raise
+        self._template = env.from_string(template) if template else None
+        self.vocab_size = self.tok.get_vocab_size()
+
+    @staticmethod
+    def _raise(message: str):
+        raise ChatTemplateError(message)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=True).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=True)]
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        return self._template.render(messages=messages, add_generation_prompt=True,
+                                     bos_token=self.bos_token, eos_token=self.eos_token)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template writes BOS itself, so no special tokens are added here.
+        return self.tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def stream(self) -> "Detokenizer":
+        return Detokenizer(self.tok)
+
+
+class Detokenizer:
+    """Incremental detokenization: text comes out only when its bytes are complete."""
+
+    __slots__ = ("_tok", "_stream")
+
+    def __init__(self, tok: Tokenizer):
+        self._tok = tok
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def push(self, ids: list[int]) -> str:
+        out = []
+        for i in ids:
+            piece = self._stream.step(self._tok, i)
+            if piece:
+                out.append(piece)
+        return "".join(out)
+
+
+class StopMatcher:
+    """Finds stop strings across chunk boundaries, holding back text that might be
+    the start of one so a streamed client never sees part of a stop string."""
+
+    __slots__ = ("stops", "_pending", "_hold")
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self._pending = ""
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        buf = self._pending + text
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self._pending = ""
+            return buf[:cut], True
+        keep = 0
+        for k in range(min(self._hold, len(buf)), 0, -1):
+            if any(s.startswith(buf[-k:]) for s in self.stops):
+                keep = k
+                break
+        self._pending = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out

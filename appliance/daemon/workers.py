@@ -1,0 +1,242 @@
+"""Worker processes as the daemon sees them: start, watch, restart, talk.
+
+Each worker is `applianced worker` started with exec (the spawn model: no fork of a
+process that holds threads, CUDA contexts or an event loop), connected by a
+socketpair. A worker that dies fails every request it held at once (their clients
+get a clear error, never a hang) and is restarted with exponential backoff.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Callable
+
+from appliance.engines.messages import (
+    AttachPeer, Hello, IterationRecord, KvImported, PrefillDone, RequestFailed, Shutdown,
+    Tokens, WorkerStats,
+)
+from appliance.worker import wire
+from appliance.worker.spec import WorkerSpec
+
+log = logging.getLogger("applianced.workers")
+
+# A worker that stayed up this long is healthy again: its next crash backs off from the start.
+HEALTHY_AFTER_S = 60.0
+
+
+class WorkerGone(Exception):
+    """The worker holding a request died or was stopped."""
+
+
+def worker_command(spec: WorkerSpec, fd: int) -> list[str]:
+    # A frozen binary is its own interpreter: `applianced worker ...`.
+    base = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "appliance"]
+    return base + ["worker", "--fd", str(fd), "--spec", spec.to_json()]
+
+
+class WorkerLink:
+    def __init__(self, spec: WorkerSpec, pool: "WorkerPool"):
+        self.spec = spec
+        self.pool = pool
+        self.id = spec.worker
+        self.role = spec.role
+        self.state = "stopped"            # starting | ready | restarting | stopped | failed
+        self.proc: asyncio.subprocess.Process | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.hello: Hello | None = None
+        self.stats: WorkerStats | None = None
+        self.restarts = 0
+        self.last_exit: str | None = None
+        self.started_at = 0.0
+        self.channels: dict[str, asyncio.Queue] = {}
+        self.pending_prefill_tokens = 0   # router's own count, fresher than stats
+        self.inflight = 0
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    # ---- lifecycle --------------------------------------------------------
+    async def start(self) -> None:
+        self.state = "starting"
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        if self.spec.device_kind == "gpu":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.spec.device_uuids)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *worker_command(self.spec, child.fileno()), pass_fds=(child.fileno(),),
+                env=env, stdin=asyncio.subprocess.DEVNULL)
+        finally:
+            child.close()
+        reader, self.writer = await asyncio.open_unix_connection(sock=parent)
+        try:
+            first = await asyncio.wait_for(wire.recv_async(reader),
+                                           self.pool.start_timeout_s)
+        except asyncio.TimeoutError:
+            first = None
+        if not first or not isinstance(first[0], Hello):
+            code = await self._reap()
+            raise WorkerGone(f"worker {self.id} exited before it was ready ({code})")
+        self.hello = first[0]
+        self.state = "ready"
+        self.started_at = time.monotonic()
+        self._task = asyncio.create_task(self._read(reader), name=f"read-{self.id}")
+        self.pool.on_ready(self)
+
+    async def _reap(self) -> str:
+        if self.proc is None:
+            return "not started"
+        try:
+            await asyncio.wait_for(self.proc.wait(), 5)
+        except asyncio.TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+        rc = self.proc.returncode
+        return f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self.proc is None or self.proc.returncode is not None:
+            self.state = "stopped"
+            return
+        self.send(Shutdown())
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+        if self._task:
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.state = "stopped"
+
+    # ---- traffic ----------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def send(self, msg) -> None:
+        if self.writer is not None and not self.writer.is_closing():
+            self.writer.write(wire.pack(msg))
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self.channels[request_id] = queue
+        self.inflight += 1
+        return queue
+
+    def close(self, request_id: str) -> None:
+        if self.channels.pop(request_id, None) is not None:
+            self.inflight -= 1
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        pool = self.pool
+        channels = self.channels
+        while True:
+            frame = await wire.recv_async(reader)
+            if frame is None:
+                break
+            for ev in frame:
+                if isinstance(ev, (Tokens, PrefillDone, KvImported, RequestFailed)):
+                    queue = channels.get(ev.request_id)
+                    if queue is not None:
+                        queue.put_nowait(ev)
+                elif isinstance(ev, IterationRecord):
+                    pool.on_iteration(ev)
+                elif isinstance(ev, WorkerStats):
+                    self.stats = ev
+        await self._died()
+
+    async def _died(self) -> None:
+        code = await self._reap()
+        self.writer = None
+        gone = WorkerGone(f"worker {self.id} stopped" if self._stopping
+                          else f"worker {self.id} died ({code})")
+        for queue in self.channels.values():
+            queue.put_nowait(gone)
+        self.channels.clear()
+        self.inflight = 0
+        self.pending_prefill_tokens = 0
+        self.stats = None
+        if self._stopping:
+            return
+        self.last_exit = code
+        log.warning("worker %s died (%s); restarting", self.id, code)
+        self.pool.on_death(self)
+        asyncio.create_task(self._restart(), name=f"restart-{self.id}")
+
+    async def _restart(self) -> None:
+        delay = self.pool.backoff_s
+        if time.monotonic() - self.started_at < HEALTHY_AFTER_S:
+            delay = min(self.pool.backoff_max_s, self.pool.backoff_s * 2 ** min(self.restarts, 10))
+        self.state = "restarting"
+        while not self._stopping:
+            await asyncio.sleep(delay)
+            if self._stopping:
+                return
+            self.restarts += 1
+            try:
+                await self.start()
+                log.info("worker %s restarted (pid %s)", self.id, self.proc.pid)
+                return
+            except (WorkerGone, OSError) as exc:
+                self.last_exit = str(exc)
+                log.error("%s", exc)
+                delay = min(self.pool.backoff_max_s, delay * 2)
+
+    def status(self) -> dict:
+        s = self.stats
+        return {
+            "worker": self.id, "role": self.role, "state": self.state,
+            "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
+            "engine": self.spec.engine, "devices": self.spec.devices,
+            "simulated": self.hello.simulated if self.hello else self.spec.engine == "sim",
+            "restarts": self.restarts, "last_exit": self.last_exit, "inflight": self.inflight,
+            "kv_blocks_total": s.kv_blocks_total if s else None,
+            "kv_blocks_free": s.kv_blocks_free if s else None,
+            "kv_blocks_handed_off": s.kv_blocks_handed_off if s else None,
+            "waiting": s.waiting if s else None, "running": s.running if s else None,
+            "queued_prefill_tokens": s.queued_prefill_tokens if s else None,
+            "iterations": s.iterations if s else None, "busy_s": s.busy_s if s else None,
+            "preemptions": s.preemptions if s else None,
+            "prefix_hit_tokens": s.prefix_hit_tokens if s else None,
+        }
+
+
+class WorkerPool:
+    """All worker processes of the partition plan."""
+
+    def __init__(self, specs: list[WorkerSpec], on_iteration: Callable[[IterationRecord], None],
+                 backoff_s: float = 0.5, backoff_max_s: float = 30.0, start_timeout_s: float = 600.0):
+        self.workers = {s.worker: WorkerLink(s, self) for s in specs}
+        self.on_iteration = on_iteration
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.start_timeout_s = start_timeout_s
+        self.death_listeners: list[Callable[[WorkerLink], None]] = []
+
+    def by_role(self, role: str) -> list[WorkerLink]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    async def start(self) -> None:
+        await asyncio.gather(*(w.start() for w in self.workers.values()))
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        await asyncio.gather(*(w.stop(timeout) for w in self.workers.values()),
+                             return_exceptions=True)
+
+    def on_ready(self, worker: WorkerLink) -> None:
+        """Introduce a (re)started worker's KV pool to its peers, and theirs to it."""
+        for other in self.workers.values():
+            if other is worker or not other.ready:
+                continue
+            if worker.hello.peer_handle is not None:
+                other.send(AttachPeer(worker.id, worker.hello.peer_handle))
+            if other.hello and other.hello.peer_handle is not None:
+                worker.send(AttachPeer(other.id, other.hello.peer_handle))
+
+    def on_death(self, worker: WorkerLink) -> None:
+        for listener in self.death_listeners:
+            listener(worker)

@@ -1,0 +1,224 @@
+"""The engine contract, and the batch loop shared by the simulator and the torch engine.
+
+`Engine` is what a worker process drives: messages in, events out, one `step()` per
+iteration. TensorRT-LLM runs its own loop and implements `Engine` directly; the
+simulator and the torch engine subclass `BatchEngine`, which owns the scheduler, the
+block manager and the handoff table, so the only thing they differ in is
+`run_batch` (and how KV is imported).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from appliance.engines.block_manager import BlockManager
+from appliance.engines.messages import (
+    Decode, IterationRecord, KvHandle, KvImported, Prefill, PrefillDone, RequestFailed,
+    Tokens, WorkerStats,
+)
+from appliance.engines.scheduler import Batch, Scheduler
+from appliance.engines.sequence import Role, Sequence
+
+Event = Any
+
+
+class KvLayoutError(ValueError):
+    """A KV handle whose layout does not match this pool: refused, never reinterpreted."""
+
+
+class Engine(Protocol):
+    name: str
+    simulated: bool
+
+    def hello_info(self) -> dict: ...
+    def add(self, msg: Prefill | Decode) -> list[Event]: ...
+    def abort(self, request_id: str) -> None: ...
+    def release(self, request_id: str) -> None: ...
+    def attach_peer(self, worker: str, handle: Any) -> None: ...
+    def has_work(self) -> bool: ...
+    def step(self) -> list[Event]: ...
+    def sweep(self, now: float) -> list[Event]: ...
+    def stats(self) -> WorkerStats: ...
+
+
+class BatchEngine:
+    """Continuous batching over a paged pool; subclasses run the batches."""
+
+    name = "batch"
+    simulated = False
+
+    def __init__(self, worker: str, devices: tuple[str, ...], num_blocks: int, block_size: int,
+                 max_batch_tokens: int, max_seqs: int, max_context: int,
+                 eos_token_ids: tuple[int, ...] = (), handoff_timeout_s: float = 30.0,
+                 reserve_ratio: float = 1.0):
+        self.worker = worker
+        self.devices = devices
+        self.blocks = BlockManager(num_blocks, block_size, reserve_ratio)
+        self.scheduler = Scheduler(self.blocks, max_batch_tokens, max_seqs)
+        self.max_context = max_context
+        self.eos_token_ids = eos_token_ids
+        self.handoff_timeout_s = handoff_timeout_s
+        self._seqs: dict[str, Sequence] = {}
+        self._handed_off: dict[str, tuple[Sequence, float]] = {}
+        self.iterations = 0
+        self.busy_s = 0.0
+        self.prefix_hit_tokens = 0
+
+    # ---- backend hooks ----------------------------------------------------
+    def layout(self) -> str:
+        raise NotImplementedError
+
+    def run_batch(self, batch: Batch) -> list[int]:
+        """Run one forward pass over batch.seqs; return one sampled token per sequence."""
+        raise NotImplementedError
+
+    def import_kv(self, seqs: list[Sequence]) -> None:
+        """Copy each seq.handle's blocks from its source pool into seq.block_table."""
+        raise NotImplementedError
+
+    def new_sampler(self, request_id: str, params) -> Any:
+        return None
+
+    def peer_handle(self) -> Any:
+        return None
+
+    def attach_peer(self, worker: str, handle: Any) -> None:
+        pass
+
+    # ---- contract ---------------------------------------------------------
+    def hello_info(self) -> dict:
+        return {"layout": self.layout(), "block_size": self.blocks.block_size,
+                "kv_blocks_total": self.blocks.num_blocks, "peer_handle": self.peer_handle()}
+
+    def add(self, msg: Prefill | Decode) -> list[Event]:
+        rid = msg.request_id
+        if rid in self._seqs or rid in self._handed_off:
+            return [RequestFailed(rid, f"request id {rid} is already on worker {self.worker}")]
+        if isinstance(msg, Decode):
+            if msg.handle.layout != self.layout():
+                return [RequestFailed(rid, f"KV layout mismatch: source {msg.handle.layout}, "
+                                           f"this worker {self.layout()}", "kv_layout_mismatch")]
+            seq = Sequence(rid, msg.prompt, msg.params, Role.DECODE, msg.handle,
+                           msg.first_token, time.time())
+        else:
+            seq = Sequence(rid, msg.prompt, msg.params,
+                           Role.PREFILL if msg.handoff else Role.FULL, arrival=time.time())
+        needed = self.blocks.blocks_for(len(seq.tokens) + 1)
+        if needed > self.blocks.num_blocks:
+            return [RequestFailed(rid, f"request needs {needed} KV blocks, the pool has "
+                                       f"{self.blocks.num_blocks}", "kv_capacity")]
+        seq.sampler = self.new_sampler(rid, msg.params)
+        self._seqs[rid] = seq
+        self.scheduler.add(seq)
+        return []
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+            self.blocks.free(seq)
+        self.release(request_id)
+
+    def release(self, request_id: str) -> None:
+        held = self._handed_off.pop(request_id, None)
+        if held is not None:
+            self.blocks.free(held[0])
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def sweep(self, now: float) -> list[Event]:
+        """Free handed-off KV whose decode side never acknowledged it."""
+        expired = [rid for rid, (_, deadline) in self._handed_off.items() if deadline < now]
+        for rid in expired:
+            self.release(rid)
+        return []
+
+    def step(self) -> list[Event]:
+        batch = self.scheduler.schedule()
+        if batch is None or not batch.seqs:
+            return []
+        start = time.time()
+        t0 = time.perf_counter()
+        entries = [(s.request_id, 1 if batch.phase == "decode" else s.uncached, len(s.tokens))
+                   for s in batch.seqs]
+        events: list[Event] = []
+        if batch.phase == "kv_import":
+            events = self._import(batch.seqs)
+            entries = [(s.request_id, 0, s.num_cached) for s in batch.seqs]
+        else:
+            tokens = self.run_batch(batch)
+            events = self._postprocess(batch, tokens)
+        wall = time.perf_counter() - t0
+        self.iterations += 1
+        self.busy_s += wall
+        events.append(IterationRecord(self.worker, batch.phase, start, wall, self.devices,
+                                      self.simulated, entries))
+        return events
+
+    def _import(self, seqs: list[Sequence]) -> list[Event]:
+        events: list[Event] = []
+        try:
+            self.import_kv(seqs)
+        except Exception as exc:  # a dead or mismatched source: fail these, keep serving
+            for seq in seqs:
+                self._finish(seq)
+                events.append(RequestFailed(seq.request_id, f"KV import failed: {exc}",
+                                            "kv_import_failed"))
+            return events
+        for seq in seqs:
+            events.append(KvImported(seq.request_id, seq.handle.worker))
+            seq.num_cached = seq.handle.num_tokens
+        self.scheduler.mark_imported(seqs)
+        return events
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in seq.params.stop_token_ids or (
+                not seq.params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_output >= seq.params.max_tokens or len(seq.tokens) >= self.max_context:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.request_id, None)
+        self.scheduler.remove(seq)
+        self.blocks.free(seq)
+
+    def _postprocess(self, batch: Batch, tokens: list[int]) -> list[Event]:
+        events: list[Event] = []
+        prefill = batch.phase == "prefill"
+        for seq, token in zip(batch.seqs, tokens):
+            seq.num_cached = len(seq.tokens)
+            seq.tokens.append(token)
+            self.blocks.commit(seq)
+            reason = self._finish_reason(seq, token)
+            cached = seq.prefix_hit if prefill else 0
+            if prefill:
+                self.prefix_hit_tokens += seq.prefix_hit
+            if prefill and seq.role is Role.PREFILL:
+                handle = None
+                if reason is None:
+                    handle = KvHandle(self.worker, seq.request_id, list(seq.block_table),
+                                      seq.num_cached, self.layout())
+                    self._seqs.pop(seq.request_id, None)
+                    self.scheduler.remove(seq)
+                    self._handed_off[seq.request_id] = (seq, time.time() + self.handoff_timeout_s)
+                else:
+                    self._finish(seq)
+                events.append(PrefillDone(seq.request_id, token, handle, reason, cached))
+                continue
+            events.append(Tokens(seq.request_id, [token], reason, cached))
+            if reason is not None:
+                self._finish(seq)
+        return events
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(
+            worker=self.worker, waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+            kv_blocks_total=self.blocks.num_blocks, kv_blocks_free=self.blocks.num_free,
+            kv_blocks_handed_off=sum(len(s.block_table) for s, _ in self._handed_off.values()),
+            iterations=self.iterations, busy_s=self.busy_s,
+            preemptions=self.scheduler.preemptions, prefix_hit_tokens=self.prefix_hit_tokens)

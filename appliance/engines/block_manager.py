@@ -1,0 +1,153 @@
+"""Paged KV bookkeeping: which blocks each sequence holds, shared prefixes, reservations.
+
+Knows blocks only, not tensors: the simulator and the torch engine share it, and only
+the torch engine has a pool behind the ids.
+
+Invariants:
+- a block is either free (ref 0, in `_free`) or used (ref > 0); never both.
+- a free block may still carry the hash of its full contents: it is a prefix-cache
+  entry until it is handed out again (LRU order: the longest-free goes first).
+- `reserved` <= number of free blocks: blocks promised to admitted sequences for their
+  future decode steps. New admissions only see `free - reserved`, so an admitted
+  sequence with a full reservation never runs out of KV (mini-sglang's rule).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from appliance.engines.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, reserve_ratio: float = 1.0):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("the KV pool needs at least one block of at least one token")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.reserve_ratio = reserve_ratio
+        self._ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._by_hash: dict[int, int] = {}
+        self.reserved = 0
+
+    # ---- queries ----------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def available(self) -> int:
+        """Free blocks not promised to anyone."""
+        return len(self._free) - self.reserved
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _chain(self, tokens: list[int], upto: int):
+        """Yield (hash, block_tokens) for each full block of tokens[:upto]."""
+        bs = self.block_size
+        h = 0
+        for start in range(0, upto - upto % bs, bs):
+            chunk = tuple(tokens[start:start + bs])
+            h = hash((h, chunk))
+            yield h, chunk
+
+    def _lookup(self, h: int, chunk: tuple[int, ...]) -> int | None:
+        block = self._by_hash.get(h)
+        if block is not None and self._tokens[block] == chunk:
+            return block
+        return None
+
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        # The last token is always recomputed: its logits give the next token.
+        hits = []
+        for h, chunk in self._chain(seq.tokens, len(seq.tokens) - 1):
+            block = self._lookup(h, chunk)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _reservation(self, seq: Sequence, total_blocks_now: int) -> int:
+        future = int(seq.remaining_output() * self.reserve_ratio)
+        return max(0, self.blocks_for(len(seq.tokens) + future) - total_blocks_now)
+
+    def admission_cost(self, seq: Sequence, use_cache: bool = True) -> tuple[int, int]:
+        """(free blocks this sequence would take now, blocks it would reserve)."""
+        hits = self._cache_hits(seq) if use_cache else []
+        hits_in_free = sum(1 for b in hits if self._ref[b] == 0)
+        total = self.blocks_for(len(seq.tokens))
+        take = total - len(hits) + hits_in_free
+        return take, self._reservation(seq, total)
+
+    def can_admit(self, seq: Sequence, use_cache: bool = True) -> bool:
+        take, reserve = self.admission_cost(seq, use_cache)
+        return take + reserve <= self.available
+
+    # ---- changes ----------------------------------------------------------
+    def _take_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        h = self._hash[block]
+        if h is not None and self._by_hash.get(h) == block:
+            del self._by_hash[h]
+        self._hash[block] = None
+        self._tokens[block] = None
+        self._ref[block] = 1
+        return block
+
+    def allocate(self, seq: Sequence, use_cache: bool = True) -> None:
+        """Give seq blocks for all its tokens, reusing cached full-block prefixes."""
+        hits = self._cache_hits(seq) if use_cache else []
+        for block in hits:
+            if self._ref[block] == 0:
+                del self._free[block]
+            self._ref[block] += 1
+        table = list(hits)
+        for _ in range(self.blocks_for(len(seq.tokens)) - len(hits)):
+            table.append(self._take_free())
+        seq.block_table = table
+        seq.num_cached = len(hits) * self.block_size
+        seq.prefix_hit = seq.num_cached
+        seq.reserved_blocks = self._reservation(seq, len(table))
+        self.reserved += seq.reserved_blocks
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the hashes of seq's full, computed blocks so later requests hit them.
+
+        Called after a forward pass, never at allocation: a block must hold real KV
+        before another sequence may read it."""
+        for i, (h, chunk) in enumerate(self._chain(seq.tokens, seq.num_cached)):
+            block = seq.block_table[i]
+            if self._hash[block] is None:
+                self._hash[block] = h
+                self._tokens[block] = chunk
+                self._by_hash.setdefault(h, block)
+
+    def needs_block(self, seq: Sequence) -> bool:
+        return len(seq.tokens) > len(seq.block_table) * self.block_size
+
+    def can_append(self, seq: Sequence) -> bool:
+        if not self.needs_block(seq):
+            return True
+        return seq.reserved_blocks > 0 or self.available > 0
+
+    def append_block(self, seq: Sequence) -> None:
+        """Make room for seq's newest token (called before a decode step)."""
+        if not self.needs_block(seq):
+            return
+        if seq.reserved_blocks > 0:
+            seq.reserved_blocks -= 1
+            self.reserved -= 1
+        seq.block_table.append(self._take_free())
+
+    def free(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free[block] = None
+        seq.block_table = []
+        seq.num_cached = 0
+        self.reserved -= seq.reserved_blocks
+        seq.reserved_blocks = 0

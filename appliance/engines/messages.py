@@ -1,0 +1,168 @@
+"""Typed messages that cross the daemon <-> worker process boundary.
+
+Every backend (simulator, torch, TensorRT-LLM) speaks this same contract, so the
+daemon never knows which engine sits behind a worker. The KV handle is opaque to
+the daemon: it only carries it from the prefill worker to the decode worker and
+back as a release. TensorRT-LLM's `DisaggregatedParams` ride in `KvHandle.payload`.
+
+Messages are small slotted dataclasses pickled over a local socket; workers send a
+list of events per engine iteration in one frame so the cost stays per-step, not
+per-token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class KvHandle:
+    """Where a request's prefilled KV lives. Opaque outside the engines."""
+
+    worker: str                 # source (prefill) worker id
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int             # tokens whose KV is in the blocks
+    layout: str                 # layout tag; a receiver with another layout refuses
+    payload: Any = None         # engine-specific (e.g. TensorRT-LLM DisaggregatedParams)
+
+
+# ---- daemon -> worker -------------------------------------------------------
+
+@dataclass(slots=True)
+class Prefill:
+    """Run the prompt. handoff=True: keep the KV and return a handle (disagg);
+    handoff=False: generate the whole answer here (agg / conditional disagg)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    handoff: bool
+
+
+@dataclass(slots=True)
+class Decode:
+    """Continue a request whose prompt KV sits in another worker's pool."""
+
+    request_id: str
+    prompt: list[int]
+    first_token: int
+    params: SamplingParams
+    handle: KvHandle
+
+
+@dataclass(slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class Release:
+    """The KV of a handed-off request is no longer needed on its source worker."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class AttachPeer:
+    """A peer worker's exported KV pool (sent once after it says Hello)."""
+
+    worker: str
+    handle: Any
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+# ---- worker -> daemon -------------------------------------------------------
+
+@dataclass(slots=True)
+class Hello:
+    worker: str
+    pid: int
+    role: str
+    engine: str
+    simulated: bool
+    devices: tuple[str, ...]
+    layout: str
+    block_size: int
+    kv_blocks_total: int
+    peer_handle: Any = None     # shared KV pool handle (torch engine) for peers
+
+
+@dataclass(slots=True)
+class PrefillDone:
+    """First token of a disaggregated request; handle is None when it already finished."""
+
+    request_id: str
+    first_token: int
+    handle: KvHandle | None
+    finish_reason: str | None   # "stop" | "length" | None (continue on a decode worker)
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Tokens:
+    request_id: str
+    tokens: list[int]
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class KvImported:
+    """The decode worker has its own copy of the KV: the source may free it."""
+
+    request_id: str
+    source_worker: str
+
+
+@dataclass(slots=True)
+class RequestFailed:
+    request_id: str
+    message: str
+    code: str = "engine_error"
+
+
+@dataclass(slots=True)
+class IterationRecord:
+    """One engine iteration. Telemetry turns these into per-request GPU-seconds,
+    so wall time and batch composition must be exact.
+
+    entries: (request_id, new_tokens, context_len) for every request in the batch.
+    """
+
+    worker: str
+    phase: str                  # "prefill" | "decode" | "kv_import"
+    start: float                # time.time() at the start of the iteration
+    wall_s: float
+    devices: tuple[str, ...]
+    simulated: bool
+    entries: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    worker: str
+    waiting: int
+    running: int
+    queued_prefill_tokens: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_handed_off: int
+    iterations: int
+    busy_s: float
+    preemptions: int
+    prefix_hit_tokens: int

@@ -1,0 +1,65 @@
+"""A request as the scheduler sees it: tokens, blocks, and what to do after prefill."""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from appliance.engines.messages import KvHandle, SamplingParams
+
+
+class Role(enum.Enum):
+    FULL = "full"          # prefill then decode here (agg, or a preempted decode)
+    PREFILL = "prefill"    # prefill, then hand the KV off and stop
+    DECODE = "decode"      # import KV from a prefill worker, then decode
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class Sequence:
+    __slots__ = (
+        "request_id", "tokens", "num_prompt", "params", "role", "status",
+        "block_table", "num_cached", "handle", "sampler", "reserved_blocks",
+        "prefix_hit", "arrival",
+    )
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 role: Role, handle: KvHandle | None = None, first_token: int | None = None,
+                 arrival: float = 0.0):
+        self.request_id = request_id
+        self.tokens = list(prompt)
+        self.num_prompt = len(prompt)
+        self.params = params
+        self.role = role
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_cached = 0          # tokens whose KV is in this worker's pool
+        self.handle = handle         # KV to import (DECODE role)
+        self.sampler: Any = None     # engine-specific sampling state (rng, generator)
+        self.reserved_blocks = 0     # decode reservation held by this sequence
+        self.prefix_hit = 0          # prompt tokens served from the prefix cache
+        self.arrival = arrival
+        if first_token is not None:
+            self.tokens.append(first_token)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def uncached(self) -> int:
+        """Tokens that the next forward pass must compute."""
+        return len(self.tokens) - self.num_cached
+
+    def remaining_output(self) -> int:
+        return max(0, self.params.max_tokens - self.num_output)

@@ -1,0 +1,615 @@
+"""Llama-family forward pass over a paged KV pool (the execution half of the torch engine).
+
+This module only *runs* a batch. Which sequences run, and which KV blocks they own, is
+decided elsewhere (scheduler / block manager); they arrive here as an `AttnBatch`.
+
+KV pool layout (shared with the KV handoff, see `copy_blocks` and `layout_tag`):
+
+    kv[2, layers, num_blocks, block_size, kv_heads, head_dim]     index 0 = K, 1 = V
+
+Token slot ``s = block_id * block_size + offset``; K is stored *after* RoPE, so a cached
+block is position-encoded once and reused as is (prefix caching, handoff between workers).
+
+Supported checkpoints: HF ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
+in safetensors (single file or sharded index). Sliding-window attention (Mistral v0.1,
+Qwen2 ``use_sliding_window``) is ignored: attention is always over the full context, which
+is exact for contexts shorter than the window and an approximation beyond it.
+
+Weights are plain tensors held in per-layer records (not registered parameters): to move a
+model to another device or dtype, load it again with those arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "AttnBatch",
+    "LlamaModel",
+    "LlamaShape",
+    "ModelLoadError",
+    "RopeScaling",
+    "allocate_kv_pool",
+    "copy_blocks",
+    "kv_pool_bytes_per_block",
+    "layout_tag",
+    "load_model",
+]
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint cannot be served: unsupported config, missing/corrupt file or tensor."""
+
+
+# --------------------------------------------------------------------------- shape
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3.1 ("llama3") frequency scaling of RoPE."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaShape:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    tie_word_embeddings: bool
+    qkv_bias: bool  # bias on q/k/v projections (Qwen2; Llama attention_bias)
+    o_bias: bool  # bias on the output projection (Llama attention_bias only)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaShape:
+        """Parse an HF ``config.json`` dict (transformers 4.x or 5.x spelling)."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(cfg.get("model_type", ""), "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {arch or cfg.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {act!r} for {arch}; only 'silu'")
+        if cfg.get("mlp_bias", False):
+            raise ModelLoadError(f"unsupported mlp_bias=true for {arch}")
+
+        def need(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise ModelLoadError(f"config.json for {arch} lacks {key!r}")
+            return cfg[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        if head_dim % 2:
+            raise ModelLoadError(f"head_dim {head_dim} must be even for RoPE")
+        rope_theta, rope_scaling = _parse_rope(cfg)
+
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias, o_bias = True, False
+        elif arch == "LlamaForCausalLM":
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        else:
+            qkv_bias = o_bias = False
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+        )
+
+
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    # transformers 5 writes "rope_parameters" (with rope_theta inside); 4.x writes
+    # "rope_theta" + "rope_scaling" (with "type" or "rope_type").
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"rope parameters must be an object, got {params!r}")
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelLoadError("unsupported partial_rotary_factor != 1.0")
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ModelLoadError(f"unsupported rope scaling type {kind!r}; supported: default, llama3")
+    try:
+        scaling = RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"llama3 rope scaling lacks {e.args[0]!r}") from None
+    return theta, scaling
+
+
+def _rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
+    dim = shape.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (shape.rope_theta**exponents)
+    rs = shape.rope_scaling
+    if rs is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths divided by `factor`, short kept, a smooth blend between.
+    old_len = rs.original_max_position_embeddings
+    low_wavelen = old_len / rs.low_freq_factor
+    high_wavelen = old_len / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+# --------------------------------------------------------------------------- KV pool
+
+
+def allocate_kv_pool(
+    shape: LlamaShape,
+    num_blocks: int,
+    block_size: int,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Zeroed pool ``[2, layers, num_blocks, block_size, kv_heads, head_dim]``."""
+    if num_blocks <= 0 or block_size <= 0:
+        raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+    return torch.zeros(
+        (2, shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
+        device=device,
+        dtype=dtype,
+    )
+
+
+def kv_pool_bytes_per_block(shape: LlamaShape, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * elem
+
+
+def layout_tag(shape: LlamaShape, block_size: int, dtype: torch.dtype) -> str:
+    """Identity of a pool's block layout; KV may only move between equal tags."""
+    dname = str(dtype).removeprefix("torch.")
+    return f"L{shape.num_layers}-kvh{shape.num_kv_heads}-hd{shape.head_dim}-bs{block_size}-{dname}"
+
+
+def copy_blocks(
+    src_pool: torch.Tensor,
+    src_block_ids: Sequence[int] | torch.Tensor,
+    dst_pool: torch.Tensor,
+    dst_block_ids: Sequence[int] | torch.Tensor,
+) -> None:
+    """Copy whole blocks (all layers, K and V) ``src_pool[.., src[i]] -> dst_pool[.., dst[i]]``.
+
+    The pools may live in different processes (``src_pool`` shared via /dev/shm or CUDA
+    IPC) or on different devices; layouts other than ``num_blocks`` must match.
+    """
+    if src_pool.dim() != 6 or dst_pool.dim() != 6:
+        raise ValueError("KV pools must be 6-d [2, layers, blocks, block_size, kv_heads, head_dim]")
+    if src_pool.shape[:2] != dst_pool.shape[:2] or src_pool.shape[3:] != dst_pool.shape[3:]:
+        raise ValueError(
+            f"KV pool layouts differ: {tuple(src_pool.shape)} vs {tuple(dst_pool.shape)}"
+        )
+    if src_pool.dtype != dst_pool.dtype:
+        raise ValueError(f"KV pool dtypes differ: {src_pool.dtype} vs {dst_pool.dtype}")
+    src = torch.as_tensor(src_block_ids, dtype=torch.long).flatten()
+    dst = torch.as_tensor(dst_block_ids, dtype=torch.long).flatten()
+    if src.numel() != dst.numel():
+        raise ValueError(f"{src.numel()} source blocks but {dst.numel()} destination blocks")
+    if src.numel() == 0:
+        return
+    for name, ids, pool in (("source", src, src_pool), ("destination", dst, dst_pool)):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= pool.shape[2]:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} block id {bad} out of range [0, {pool.shape[2]})")
+    if torch.unique(dst).numel() != dst.numel():
+        raise ValueError("duplicate destination block ids")
+    moved = src_pool.index_select(2, src.to(src_pool.device))
+    dst_pool.index_copy_(2, dst.to(dst_pool.device), moved.to(dst_pool.device))
+
+
+# --------------------------------------------------------------------------- batch
+
+
+@dataclass(slots=True)
+class AttnBatch:
+    """One step's attention metadata, tokens flattened in sequence order.
+
+    ``seq_lens_q[i]`` new tokens of sequence i; ``context_lens[i]`` = cached + new tokens;
+    ``block_tables[i]`` covers ``context_lens[i]`` slots; ``slot_mapping[t]`` is where the
+    K/V of flat token t is written. A decode batch has exactly one new token per sequence.
+    """
+
+    is_prefill: bool
+    seq_lens_q: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor
+
+
+@dataclass(slots=True)
+class _Plan:
+    """Per-forward index tensors shared by all layers (computed once per step)."""
+
+    last_token_idx: torch.Tensor  # [B] rows of the last new token of each sequence
+    # prefill: per sequence (q_start, q_end, ctx_slots | None, mask | None)
+    prefill: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
+    # decode: gather slots [B*max_ctx]; bool mask [B, 1, 1, max_ctx] (True = attend) or None
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    max_ctx: int
+
+
+def _context_slots(
+    table: Sequence[int], n: int, block_size: int, device: torch.device
+) -> torch.Tensor:
+    blocks = torch.tensor(table[: (n + block_size - 1) // block_size], dtype=torch.long)
+    pos = torch.arange(n)
+    return (blocks[pos // block_size] * block_size + pos % block_size).to(device)
+
+
+def _plan(batch: AttnBatch, num_tokens: int, block_size: int, device: torch.device) -> _Plan:
+    q_lens, ctx_lens, tables = batch.seq_lens_q, batch.context_lens, batch.block_tables
+    nseq = len(q_lens)
+    if nseq == 0 or len(ctx_lens) != nseq or len(tables) != nseq:
+        raise ValueError(
+            f"AttnBatch lists differ in length: seq_lens_q {nseq}, context_lens "
+            f"{len(ctx_lens)}, block_tables {len(tables)}"
+        )
+    if sum(q_lens) != num_tokens or batch.slot_mapping.numel() != num_tokens:
+        raise ValueError(
+            f"{num_tokens} input tokens, sum(seq_lens_q) {sum(q_lens)}, "
+            f"slot_mapping {batch.slot_mapping.numel()}"
+        )
+    for i, (q, c, t) in enumerate(zip(q_lens, ctx_lens, tables)):
+        if q <= 0 or c < q or len(t) * block_size < c:
+            raise ValueError(
+                f"sequence {i}: seq_len_q {q}, context_len {c}, {len(t)} blocks of {block_size}"
+            )
+    ends = torch.tensor(q_lens, dtype=torch.long).cumsum(0)
+    last = (ends - 1).to(device)
+    if batch.is_prefill:
+        steps: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        start = 0
+        for q, c, t in zip(q_lens, ctx_lens, tables):
+            if c == q:  # no cached prefix: attend over this step's own K/V, causal
+                steps.append((start, start + q, None, None))
+            else:
+                slots = _context_slots(t, c, block_size, device)
+                qpos = torch.arange(c - q, c, device=device)
+                mask = torch.arange(c, device=device)[None, :] <= qpos[:, None]
+                steps.append((start, start + q, slots, mask))
+            start += q
+        return _Plan(last, steps, None, None, max(ctx_lens))
+
+    if any(q != 1 for q in q_lens):
+        raise ValueError(f"decode batch must have one new token per sequence, got {q_lens}")
+    max_ctx = max(ctx_lens)
+    max_blocks = (max_ctx + block_size - 1) // block_size
+    padded = [t[:max_blocks] + [t[0]] * (max_blocks - min(len(t), max_blocks)) for t in tables]
+    bt = torch.tensor(padded, dtype=torch.long)  # [B, max_blocks]
+    pos = torch.arange(max_ctx)
+    slots = bt[:, pos // block_size] * block_size + pos % block_size  # [B, max_ctx]
+    mask = None
+    if min(ctx_lens) != max_ctx:
+        valid = pos[None, :] < torch.tensor(ctx_lens)[:, None]
+        # Padding reads the sequence's own first slot: always finite data, masked out.
+        slots = torch.where(valid, slots, slots[:, :1])
+        mask = valid[:, None, None, :].to(device)
+    return _Plan(last, [], slots.reshape(-1).to(device), mask, max_ctx)
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(slots=True)
+class _Layer:
+    attn_norm: torch.Tensor
+    w_qkv: torch.Tensor  # [q + 2*kv, hidden]
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    mlp_norm: torch.Tensor
+    w_gate_up: torch.Tensor  # [2*intermediate, hidden]
+    w_down: torch.Tensor
+
+
+class LlamaModel(torch.nn.Module):
+    def __init__(
+        self,
+        shape: LlamaShape,
+        embed: torch.Tensor,
+        layers: list[_Layer],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+    ) -> None:
+        super().__init__()
+        self.shape = shape
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        # RoPE tables for every position, [max_pos, head_dim/2], computed in fp32 once.
+        pos = torch.arange(shape.max_position_embeddings, dtype=torch.float32)
+        freqs = pos[:, None] * _rope_inv_freq(shape)[None, :]
+        self.rope_cos = freqs.cos().to(embed.device, embed.dtype)
+        self.rope_sin = freqs.sin().to(embed.device, embed.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @torch.inference_mode()
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttnBatch,
+        kv: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one step; returns fp32 logits ``[B, vocab]`` of each sequence's last new token.
+
+        ``positions`` must be below ``shape.max_position_embeddings`` (the RoPE table size).
+        """
+        s = self.shape
+        H, KVH, hd = s.num_heads, s.num_kv_heads, s.head_dim
+        T = input_ids.numel()
+        expected = (2, s.num_layers, kv.shape[2] if kv.dim() == 6 else -1)
+        if kv.dim() != 6 or kv.shape[:3] != expected or kv.shape[4:] != (KVH, hd):
+            raise ValueError(
+                f"KV pool shape {tuple(kv.shape)} does not fit {layout_tag(s, 0, kv.dtype)}"
+            )
+        if kv.dtype != self.dtype or not kv.is_contiguous():
+            raise ValueError(f"KV pool must be a contiguous {self.dtype} tensor, got {kv.dtype}")
+        input_ids = input_ids.to(self.device)
+        positions = positions.to(self.device)
+        block_size = kv.shape[3]
+        plan = _plan(batch, T, block_size, kv.device)
+        kv_flat = kv.view(2, s.num_layers, kv.shape[2] * block_size, s.num_kv_heads, s.head_dim)
+        slot_mapping = batch.slot_mapping.to(kv.device, torch.long)
+
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, hd/2]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        half = hd // 2
+        eps = s.rms_norm_eps
+
+        h = self.embed[input_ids]  # [T, D]
+        for li, layer in enumerate(self.layers):
+            x = F.rms_norm(h, (s.hidden_size,), layer.attn_norm, eps)
+            qkv = F.linear(x, layer.w_qkv, layer.b_qkv).view(T, H + 2 * KVH, hd)
+            # RoPE on q and k heads together (rotate-half convention, as HF).
+            qk = qkv[:, : H + KVH]
+            x1, x2 = qk[..., :half], qk[..., half:]
+            qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, H + KVH :]
+            k_cache, v_cache = kv_flat[0, li], kv_flat[1, li]
+            k_cache.index_copy_(0, slot_mapping, k)
+            v_cache.index_copy_(0, slot_mapping, v)
+
+            if batch.is_prefill:
+                o = self._prefill_attention(q, k, v, k_cache, v_cache, plan)
+            else:
+                o = self._decode_attention(q, k_cache, v_cache, plan)
+            h = h + F.linear(o, layer.w_o, layer.b_o)
+
+            x = F.rms_norm(h, (s.hidden_size,), layer.mlp_norm, eps)
+            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+
+        last = F.rms_norm(h.index_select(0, plan.last_token_idx), (s.hidden_size,), self.norm, eps)
+        return F.linear(last, self.lm_head).float()
+
+    def _prefill_attention(
+        self,
+        q: torch.Tensor,  # [T, H, hd]
+        k: torch.Tensor,  # [T, KVH, hd]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [slots, KVH, hd]
+        v_cache: torch.Tensor,
+        plan: _Plan,
+    ) -> torch.Tensor:
+        s = self.shape
+        out = torch.empty(q.shape[0], s.q_size, device=q.device, dtype=q.dtype)
+        for start, end, ctx_slots, mask in plan.prefill:
+            qi = q[start:end].transpose(0, 1)  # [H, n, hd]
+            if ctx_slots is None:
+                ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+            else:
+                ki = k_cache.index_select(0, ctx_slots).transpose(0, 1)  # [KVH, ctx, hd]
+                vi = v_cache.index_select(0, ctx_slots).transpose(0, 1)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+            out[start:end] = oi.transpose(0, 1).reshape(end - start, s.q_size)
+        return out
+
+    def _decode_attention(
+        self,
+        q: torch.Tensor,  # [B, H, hd]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: _Plan,
+    ) -> torch.Tensor:
+        s = self.shape
+        B = q.shape[0]
+        assert plan.decode_slots is not None
+        gathered = (B, plan.max_ctx, s.num_kv_heads, s.head_dim)
+        kb = k_cache.index_select(0, plan.decode_slots).view(gathered)
+        vb = v_cache.index_select(0, plan.decode_slots).view(gathered)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, H, 1, hd]
+            kb.transpose(1, 2),  # [B, KVH, ctx, hd]
+            vb.transpose(1, 2),
+            attn_mask=plan.decode_mask,
+            enable_gqa=True,
+        )
+        return o.reshape(B, s.q_size)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"missing {path}") from None
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"unreadable {path}: {e}") from None
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Map tensor name -> safetensors file (sharded index or a single model.safetensors)."""
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"unreadable {index}: {e!r}") from None
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    if single.exists():
+        return {}  # resolved lazily from the file's own header
+    raise ModelLoadError(f"no weights in {model_dir}: neither model.safetensors nor {index.name}")
+
+
+def _load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    mapping = _tensor_files(model_dir)
+    files = sorted(set(mapping.values())) if mapping else [model_dir / "model.safetensors"]
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        if not path.exists():
+            raise ModelLoadError(f"missing weight shard {path}")
+        try:
+            tensors.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"corrupt safetensors file {path}: {e}") from None
+    return tensors
+
+
+def load_model(
+    model_dir: Path | str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LlamaModel:
+    """Load an HF Llama/Mistral/Qwen2 safetensors checkpoint; raises ModelLoadError."""
+    model_dir = Path(model_dir)
+    shape = LlamaShape.from_hf_config(_read_config(model_dir))
+    raw = _load_tensors(model_dir)
+    D, I = shape.hidden_size, shape.intermediate_size
+
+    def get(name: str, expected: tuple[int, ...]) -> torch.Tensor:
+        t = raw.get(name)
+        if t is None:
+            raise ModelLoadError(f"checkpoint {model_dir} lacks tensor {name!r}")
+        if tuple(t.shape) != expected:
+            raise ModelLoadError(
+                f"tensor {name!r} in {model_dir} has shape {tuple(t.shape)}, expected {expected}"
+            )
+        return t.to(device=device, dtype=dtype)
+
+    embed = get("model.embed_tokens.weight", (shape.vocab_size, D))
+    if shape.tie_word_embeddings:
+        lm_head = embed
+    else:
+        lm_head = get("lm_head.weight", (shape.vocab_size, D))
+    layers: list[_Layer] = []
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        w_qkv = torch.cat(
+            [
+                get(p + "self_attn.q_proj.weight", (shape.q_size, D)),
+                get(p + "self_attn.k_proj.weight", (shape.kv_size, D)),
+                get(p + "self_attn.v_proj.weight", (shape.kv_size, D)),
+            ]
+        )
+        b_qkv = None
+        if shape.qkv_bias:
+            b_qkv = torch.cat(
+                [
+                    get(p + "self_attn.q_proj.bias", (shape.q_size,)),
+                    get(p + "self_attn.k_proj.bias", (shape.kv_size,)),
+                    get(p + "self_attn.v_proj.bias", (shape.kv_size,)),
+                ]
+            )
+        layers.append(
+            _Layer(
+                attn_norm=get(p + "input_layernorm.weight", (D,)),
+                w_qkv=w_qkv,
+                b_qkv=b_qkv,
+                w_o=get(p + "self_attn.o_proj.weight", (D, shape.q_size)),
+                b_o=get(p + "self_attn.o_proj.bias", (D,)) if shape.o_bias else None,
+                mlp_norm=get(p + "post_attention_layernorm.weight", (D,)),
+                w_gate_up=torch.cat(
+                    [get(p + "mlp.gate_proj.weight", (I, D)), get(p + "mlp.up_proj.weight", (I, D))]
+                ),
+                w_down=get(p + "mlp.down_proj.weight", (D, I)),
+            )
+        )
+    norm = get("model.norm.weight", (D,))
+    del raw
+    return LlamaModel(shape, embed, layers, norm, lm_head)

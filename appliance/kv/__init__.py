@@ -1,0 +1,1 @@
+"""KV-cache handoff between prefill and decode workers (CUDA IPC / shared memory)."""

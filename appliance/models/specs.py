@@ -1,0 +1,233 @@
+"""Model shapes for the timing simulator: sizes that set weight traffic and KV footprint.
+
+A `ModelSpec` holds only what a roofline needs. Dense models are described by their
+Hugging Face config.json and counted from shapes (`spec_from_hf_config`), so the
+catalogue and a user's checkpoint go through the same arithmetic. MoE entries whose
+checkpoints mix precisions are written out by hand from their model cards.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from appliance.models.tiny import DEFAULT_MODEL_NAME, tiny_config
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    params: float            # total parameters
+    active_params: float     # parameters touched per token (MoE: active experts only; dense: = params)
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    weight_bytes: float      # bytes per weight (bf16=2, fp8=1, mxfp4≈0.53)
+    kv_bytes: float          # bytes per KV element
+    max_context: int
+
+    def kv_bytes_per_token(self) -> float:
+        """K and V for one token across all layers. For models with sliding-window
+        layers (gpt-oss) this is the full-attention upper bound."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes
+
+    def weight_total_bytes(self) -> float:
+        return self.params * self.weight_bytes
+
+
+# --- reading Hugging Face configs --------------------------------------------------
+
+_DTYPE_BYTES = {
+    "float32": 4.0, "float": 4.0,
+    "bfloat16": 2.0, "float16": 2.0, "half": 2.0,
+    "float8_e4m3fn": 1.0, "float8_e5m2": 1.0,
+}
+# MXFP4: 4-bit elements plus one 8-bit scale per 32 -> 4.25 bits = 0.53 bytes.
+_MXFP4_BYTES = 4.25 / 8
+# NVFP4: 4-bit elements plus one FP8 scale per 16 -> 4.5 bits.
+_NVFP4_BYTES = 4.5 / 8
+# Families whose layers are Llama's (q/k/v/o, gate/up/down, two RMSNorms). Differences
+# handled below: qwen2 has q/k/v biases, qwen3 has per-head q/k RMSNorms,
+# mixtral replaces the MLP with routed experts.
+_DENSE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
+_MOE_FAMILIES = {"mixtral"}
+
+
+def spec_from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | None = None) -> ModelSpec:
+    """A ModelSpec from an HF config.json (a dict, the file, or its directory).
+
+    Parameter counts are computed from shapes and match
+    `sum(p.numel() for p in model.parameters())` of the transformers model.
+    """
+    if isinstance(path_or_dict, dict):
+        cfg = path_or_dict
+        default_name = str(cfg.get("_name_or_path") or cfg.get("model_type") or "model")
+    else:
+        path = Path(path_or_dict)
+        if path.is_dir():
+            path = path / "config.json"
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+        default_name = path.parent.name
+    family = cfg.get("model_type")
+    if family not in _DENSE_FAMILIES | _MOE_FAMILIES:
+        known = ", ".join(sorted(_DENSE_FAMILIES | _MOE_FAMILIES))
+        raise ValueError(f"cannot size model_type {family!r} from its config; supported: {known}")
+
+    vocab = int(cfg["vocab_size"])
+    hidden = int(cfg["hidden_size"])
+    layers = int(cfg["num_hidden_layers"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    # Qwen3Config defaults head_dim to 128; the others derive it.
+    head_dim = int(cfg.get("head_dim") or (128 if family == "qwen3" else hidden // heads))
+    inter = int(cfg["intermediate_size"])
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+
+    attn = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
+    if family == "qwen2":
+        attn += q_dim + 2 * kv_dim                  # q/k/v biases, no o bias
+    elif cfg.get("attention_bias", False):
+        attn += q_dim + 2 * kv_dim + hidden         # q/k/v/o biases
+    if family == "qwen3":
+        attn += 2 * head_dim                        # q_norm, k_norm
+
+    expert = 3 * hidden * inter                     # gate, up, down
+    if cfg.get("mlp_bias", False):
+        expert += 2 * inter + hidden
+    if family in _MOE_FAMILIES:
+        experts = int(cfg["num_local_experts"])
+        top_k = int(cfg["num_experts_per_tok"])
+        router = hidden * experts
+        mlp, active_mlp = router + experts * expert, router + top_k * expert
+    else:
+        mlp = active_mlp = expert
+
+    norms = 2 * hidden
+    embed = vocab * hidden
+    head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
+    outside = embed + head + hidden                 # + final norm
+    params = outside + layers * (attn + mlp + norms)
+    active = outside + layers * (attn + active_mlp + norms)
+
+    weight_bytes, kv_bytes = _bytes_per_element(cfg)
+    return ModelSpec(
+        name=name or default_name,
+        params=float(params),
+        active_params=float(active),
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=vocab,
+        weight_bytes=weight_bytes,
+        kv_bytes=kv_bytes,
+        max_context=int(cfg.get("max_position_embeddings") or 0),
+    )
+
+
+def _bytes_per_element(cfg: dict[str, Any]) -> tuple[float, float]:
+    """(weight bytes, KV bytes). KV is kept in the compute dtype unless the checkpoint
+    says it is quantized. Quantized checkpoints usually keep embeddings and lm_head
+    in 16 bits; that few-percent difference is ignored here."""
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r} in config")
+    compute = _DTYPE_BYTES[dtype]
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return compute, compute
+    method = str(quant.get("quant_method", "")).lower()
+    kv_quantized = bool(quant.get("kv_cache_scheme") or quant.get("kv_cache_quant_algo"))
+    algo = str(quant.get("quant_algo", "")).upper()
+    if method in {"fp8", "fbgemm_fp8"} or (method == "modelopt" and algo == "FP8"):
+        weight = 1.0
+    elif method == "mxfp4":
+        weight = _MXFP4_BYTES
+    elif method == "modelopt" and algo == "NVFP4":
+        weight = _NVFP4_BYTES
+    elif method == "compressed-tensors":
+        groups = (quant.get("config_groups") or {}).values()
+        bits = {int(g["weights"]["num_bits"]) for g in groups if g.get("weights")}
+        if len(bits) != 1:
+            raise ValueError(f"cannot size compressed-tensors weights with bit widths {bits}")
+        weight = bits.pop() / 8
+    elif "bits" in quant:                           # GPTQ, AWQ
+        weight = int(quant["bits"]) / 8
+    else:
+        raise ValueError(f"cannot size weights quantized with {method!r}")
+    return weight, (1.0 if kv_quantized else compute)
+
+
+# --- catalogue -----------------------------------------------------------------------
+
+def _llama31(hidden: int, inter: int, layers: int, heads: int) -> dict[str, Any]:
+    # meta-llama/Llama-3.1-{8B,70B} config.json: GQA with 8 KV heads, head_dim 128,
+    # vocab 128256, 128K context (rope_scaling "llama3"), untied embeddings, bf16.
+    return {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _catalogue() -> dict[str, ModelSpec]:
+    specs: list[ModelSpec] = [
+        # 8,030,261,248 parameters (model card: "8B"; HF safetensors total 8.03B).
+        spec_from_hf_config(_llama31(4096, 14336, 32, 32), "llama-3.1-8b"),
+        # 70,553,706,496 parameters (model card: "70B").
+        spec_from_hf_config(_llama31(8192, 28672, 80, 64), "llama-3.1-70b"),
+        # FP8 weights and FP8 KV cache, as in nvidia/Llama-3.1-70B-Instruct-FP8 (ModelOpt,
+        # kv_cache_quant_algo FP8) or neuralmagic's FP8 checkpoint served with
+        # vLLM --kv-cache-dtype fp8.
+        spec_from_hf_config(
+            _llama31(8192, 28672, 80, 64)
+            | {"quantization_config": {"quant_method": "fp8", "kv_cache_scheme": "fp8"}},
+            "llama-3.1-70b-fp8",
+        ),
+        # Llama 3.2 1B: tied embeddings, head_dim 64 (meta-llama/Llama-3.2-1B config.json).
+        spec_from_hf_config(
+            _llama31(2048, 8192, 16, 32) | {"tie_word_embeddings": True, "head_dim": 64},
+            "llama-3.2-1b",
+        ),
+        # gpt-oss: OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card" (arXiv:2508.10925),
+        # Table 1: 116.83B total / 5.13B active (120b), 20.91B / 3.61B (20b); checkpoint
+        # 60.8 GiB / 12.8 GiB. Shapes from openai/gpt-oss-120b config.json: hidden 2880,
+        # 64 query heads and 8 KV heads of dim 64, vocab 201088, 131072 context,
+        # 128 experts top-4 (20b: 32 experts, 24 layers). MoE weights are MXFP4
+        # (~0.53 B/weight), the rest bf16, so weight_bytes is the checkpoint's average
+        # (GiB * 2^30 / params). KV is bf16. Half of the layers use a 128-token sliding
+        # window, so kv_bytes_per_token() overstates long-context KV by up to 2x.
+        ModelSpec(
+            name="gpt-oss-120b", params=116.83e9, active_params=5.13e9, layers=36,
+            hidden=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088,
+            weight_bytes=60.8 * 2**30 / 116.83e9, kv_bytes=2.0, max_context=131072,
+        ),
+        ModelSpec(
+            name="gpt-oss-20b", params=20.91e9, active_params=3.61e9, layers=24,
+            hidden=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088,
+            weight_bytes=12.8 * 2**30 / 20.91e9, kv_bytes=2.0, max_context=131072,
+        ),
+        # The checkpoints appliance.models.tiny generates, sized from the same config.
+        spec_from_hf_config(tiny_config("tiny"), DEFAULT_MODEL_NAME),
+        spec_from_hf_config(tiny_config("20m"), f"{DEFAULT_MODEL_NAME}-20m"),
+    ]
+    return {spec.name: spec for spec in specs}
+
+
+MODEL_SPECS: dict[str, ModelSpec] = _catalogue()
+
+
+def lookup_model_spec(name: str) -> ModelSpec:
+    """The catalogue entry for name, case-insensitively."""
+    spec = MODEL_SPECS.get(name.lower())
+    if spec is None:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODEL_SPECS))}")
+    return spec

@@ -1,0 +1,234 @@
+"""Decide which devices each worker gets: the partition plan.
+
+Only a decision, no processes: the daemon reads the plan and starts one worker per slot.
+The rules follow what the disaggregated stacks do on one node (Dynamo runs gpt-oss-120b
+as 4 prefill GPUs + 4 decode GPUs on an 8xH100 box): split the workers half and half,
+keep every tensor-parallel group inside one NVLink island, and keep each phase's GPUs
+together so its pool is one contiguous block.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.partitions.devices import NVLINK, Device, Inventory
+
+MODES = ("disagg", "agg")
+
+_SPLIT = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*$")
+
+
+class PlanError(ValueError):
+    """The requested partition cannot be built; the message is one line for the operator."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSlot:
+    worker: str  # "prefill0", "decode0", "agg0", ...
+    role: str  # "prefill" | "decode" | "agg"
+    devices: tuple[str, ...]  # device ids
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    mode: str  # "disagg" | "agg"
+    prefill: tuple[WorkerSlot, ...]  # disagg only; empty in agg mode
+    decode: tuple[WorkerSlot, ...]  # disagg only; empty in agg mode
+    agg: tuple[WorkerSlot, ...]  # agg only; empty in disagg mode
+    tp: int
+    reason: str  # one line explaining the choice
+
+    def workers(self) -> tuple[WorkerSlot, ...]:
+        return self.prefill + self.decode + self.agg
+
+    def to_json(self) -> dict[str, Any]:
+        def slots(group: tuple[WorkerSlot, ...]) -> list[dict[str, Any]]:
+            return [{"worker": s.worker, "devices": list(s.devices)} for s in group]
+
+        return {
+            "mode": self.mode,
+            "prefill": slots(self.prefill),
+            "decode": slots(self.decode),
+            "agg": slots(self.agg),
+            "tp": self.tp,
+            "reason": self.reason,
+        }
+
+
+def plan_partition(inv: Inventory, tp: int = 1, split: str = "auto", mode: str = "disagg") -> PartitionPlan:
+    """Plan workers over the inventory's usable GPUs (lost ones excluded), or the CPU.
+
+    disagg: W = N/tp workers, P = W//2 prefill and the rest decode, unless `split` is
+    "P+D" (worker counts; may leave devices idle, and then N need not divide by tp).
+    agg: W workers that each run both phases.
+    """
+    if mode not in MODES:
+        raise PlanError(f"unknown mode {mode!r}: expected 'disagg' or 'agg'")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise PlanError(f"tp must be a whole number >= 1, got {tp!r}")
+    manual = None if split.strip().lower() == "auto" else _parse_split(split)
+    if mode == "agg" and manual is not None:
+        raise PlanError(f"split {split!r} applies to disagg mode only; agg mode uses every device")
+
+    gpus = [d for d in inv.devices if d.is_gpu and not d.lost]
+    lost = sum(1 for d in inv.devices if d.is_gpu and d.lost)
+    if not gpus:
+        cpu = next((d for d in inv.devices if d.kind == "cpu"), None)
+        if cpu is None:
+            what = f"all {lost} GPU(s) are lost" if lost else "the inventory is empty"
+            raise PlanError(f"no usable devices: {what}")
+        return _cpu_plan(cpu, tp, manual, mode)
+
+    n = len(gpus)
+    if tp > n:
+        raise PlanError(f"tp={tp} needs {tp} devices per worker, only {n} usable exist")
+    if manual is None and n % tp:
+        raise PlanError(
+            f"{n} usable devices are not divisible by tp={tp}; choose a tp that divides {n} "
+            "or a manual split that leaves devices idle"
+        )
+
+    label = f"{n} {'simulated ' if all(d.simulated for d in gpus) else ''}GPU{'s' if n != 1 else ''}"
+    if mode == "agg":
+        workers = n // tp
+        counts = f"{workers} agg worker{'s' if workers != 1 else ''}"
+        prefill_n, decode_n = 0, 0
+    elif manual is None:
+        workers = n // tp
+        if workers < 2:
+            smaller = " or a smaller tp" if tp > 1 else ""
+            raise PlanError(
+                f"disagg needs at least 2 workers, but {n} device(s) at tp={tp} make {workers}; "
+                f"use --mode agg{smaller}"
+            )
+        prefill_n = workers // 2
+        decode_n = workers - prefill_n
+        counts = f"{prefill_n} prefill + {decode_n} decode (default half/half, odd rounds toward decode)"
+    else:
+        prefill_n, decode_n = manual
+        workers = prefill_n + decode_n
+        need = workers * tp
+        if need > n:
+            raise PlanError(f"split {prefill_n}+{decode_n} at tp={tp} needs {need} devices, only {n} exist")
+        counts = f"{prefill_n} prefill + {decode_n} decode (manual split"
+        counts += f", uses {need} of {n} devices, {n - need} idle)" if need < n else ")"
+
+    islands = _usable_islands(inv, gpus)
+    groups, spanning = _pack(islands, tp, workers)
+    if mode == "agg":
+        agg = tuple(WorkerSlot(f"agg{i}", "agg", g) for i, g in enumerate(groups))
+        prefill: tuple[WorkerSlot, ...] = ()
+        decode: tuple[WorkerSlot, ...] = ()
+    else:
+        agg = ()
+        prefill = tuple(WorkerSlot(f"prefill{i}", "prefill", g) for i, g in enumerate(groups[:prefill_n]))
+        decode = tuple(WorkerSlot(f"decode{i}", "decode", g) for i, g in enumerate(groups[prefill_n:]))
+
+    parts = [f"{label}, tp={tp}: {counts}"]
+    parts += _topology_notes(inv, islands, tp, prefill, decode, agg, spanning)
+    if lost:
+        parts.append(f"{lost} lost GPU{'s' if lost != 1 else ''} excluded")
+    return PartitionPlan(mode=mode, prefill=prefill, decode=decode, agg=agg, tp=tp, reason="; ".join(parts))
+
+
+def _parse_split(split: str) -> tuple[int, int]:
+    match = _SPLIT.match(split)
+    if match is None:
+        raise PlanError(f"malformed split {split!r}: expected 'auto' or 'P+D' worker counts, e.g. '4+4'")
+    prefill_n, decode_n = int(match.group(1)), int(match.group(2))
+    if prefill_n < 1:
+        raise PlanError(f"zero prefill workers in split {split!r}: disagg needs at least one of each")
+    if decode_n < 1:
+        raise PlanError(f"zero decode workers in split {split!r}: disagg needs at least one of each")
+    return prefill_n, decode_n
+
+
+def _cpu_plan(cpu: Device, tp: int, manual: tuple[int, int] | None, mode: str) -> PartitionPlan:
+    """The CPU box: one prefill and one decode process, which the daemon pins to one core each."""
+    if tp != 1:
+        raise PlanError(f"tp={tp} needs GPUs; the CPU runs tp=1")
+    if mode == "agg":
+        slot = WorkerSlot("agg0", "agg", (cpu.id,))
+        reason = f"CPU only ({cpu.cores} cores): 1 agg worker on {cpu.id}"
+        return PartitionPlan(mode="agg", prefill=(), decode=(), agg=(slot,), tp=1, reason=reason)
+    if manual is not None and manual != (1, 1):
+        raise PlanError(
+            f"split {manual[0]}+{manual[1]} is not possible on the CPU: it runs exactly one "
+            "prefill and one decode worker (1+1)"
+        )
+    pinning = "each pinned to one core" if cpu.cores >= 2 else "sharing its only core"
+    reason = f"CPU only ({cpu.cores} cores): 1 prefill + 1 decode worker on {cpu.id}, {pinning}"
+    return PartitionPlan(
+        mode="disagg",
+        prefill=(WorkerSlot("prefill0", "prefill", (cpu.id,)),),
+        decode=(WorkerSlot("decode0", "decode", (cpu.id,)),),
+        agg=(),
+        tp=1,
+        reason=reason,
+    )
+
+
+def _usable_islands(inv: Inventory, gpus: list[Device]) -> list[list[str]]:
+    """NVLink islands of the usable GPUs, largest first (stable: ties keep device order)."""
+    usable = {d.id for d in gpus}
+    islands = [[i for i in island if i in usable] for island in inv.islands()]
+    islands = [island for island in islands if island]
+    return sorted(islands, key=len, reverse=True)
+
+
+def _pack(islands: list[list[str]], tp: int, workers: int) -> tuple[list[tuple[str, ...]], list[int]]:
+    """Cut `workers` groups of `tp` devices, inside islands where they fit.
+
+    Greedy over islands largest first; groups come out in island order, so taking the
+    first P for prefill and the rest for decode keeps each phase contiguous. What is left
+    of each island after its whole groups is pooled, and groups cut from that pool span
+    islands (their indices are returned so the reason can say so).
+    """
+    groups: list[tuple[str, ...]] = []
+    leftovers: list[str] = []
+    for island in islands:
+        whole = len(island) // tp
+        groups += [tuple(island[k * tp : (k + 1) * tp]) for k in range(whole)]
+        leftovers += island[whole * tp :]
+    groups = groups[:workers]
+    spanning: list[int] = []
+    k = 0
+    while len(groups) < workers:
+        spanning.append(len(groups))
+        groups.append(tuple(leftovers[k * tp : (k + 1) * tp]))
+        k += 1
+    return groups, spanning
+
+
+def _topology_notes(
+    inv: Inventory,
+    islands: list[list[str]],
+    tp: int,
+    prefill: tuple[WorkerSlot, ...],
+    decode: tuple[WorkerSlot, ...],
+    agg: tuple[WorkerSlot, ...],
+    spanning: list[int],
+) -> list[str]:
+    island_of = {dev: i for i, island in enumerate(islands) for dev in island}
+    slots = prefill + decode + agg
+    used = {dev for s in slots for dev in s.devices}
+    notes: list[str] = []
+    used_islands = {island_of[d] for d in used}
+    if len(used) > 1 and len(used_islands) == 1:
+        notes.append("all workers in one NVLink island")
+    elif tp > 1 and not spanning:
+        notes.append("each worker inside one NVLink island")
+    elif spanning:
+        names = ", ".join(slots[i].worker for i in spanning)
+        notes.append(f"NVLink islands too small for tp={tp}: {names} span islands over PCIe")
+    if prefill and decode and len(used_islands) > 1:
+        if not any(kind == NVLINK for kind in inv.links.values()):
+            notes.append("no NVLink: prefill->decode KV handoff over PCIe")
+        else:
+            p_islands = {island_of[d] for s in prefill for d in s.devices}
+            d_islands = {island_of[d] for s in decode for d in s.devices}
+            if not p_islands & d_islands:
+                notes.append("prefill->decode KV handoff crosses NVLink islands over PCIe")
+    return notes

@@ -1,0 +1,1 @@
+"""Worker processes: one engine each, started by the daemon as `applianced worker`."""

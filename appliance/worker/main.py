@@ -1,0 +1,114 @@
+"""The worker process: one engine, a socket to the daemon, and a loop.
+
+The loop blocks on the socket only when the engine is idle, so an idle worker costs
+nothing and a busy one never waits for a message between iterations. Messages that
+arrive during an iteration are queued by a reader thread and applied before the next.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+
+from appliance.engines.messages import (
+    Abort, AttachPeer, Decode, Hello, Prefill, Release, RequestFailed, Shutdown,
+)
+from appliance.worker import wire
+from appliance.worker.spec import WorkerSpec
+
+STATS_INTERVAL_S = 0.05
+IDLE_WAKE_S = 0.5
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL us when the daemon dies, even by kill -9."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent or parent == 1:   # the parent died before prctl took effect
+        os._exit(1)
+
+
+def pin(spec: WorkerSpec) -> None:
+    if spec.cpu_core is not None and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[spec.cpu_core % len(cores)]})
+
+
+def run(fd: int, spec: WorkerSpec) -> int:
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # the daemon decides when we stop
+    pin(spec)
+    sock = socket.socket(fileno=fd)
+    from appliance.worker.engine_factory import build_engine
+    try:
+        engine = build_engine(spec)
+    except Exception as exc:
+        print(f"applianced worker {spec.worker}: cannot start engine: {exc}", file=sys.stderr)
+        return 3
+    info = engine.hello_info()
+    sock.sendall(wire.pack([Hello(spec.worker, os.getpid(), spec.role, engine.name,
+                                  engine.simulated, tuple(spec.devices), info["layout"],
+                                  info["block_size"], info["kv_blocks_total"],
+                                  info["peer_handle"])]))
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def reader() -> None:
+        while True:
+            msg = wire.recv(sock)
+            inbox.put(msg)
+            if msg is None:
+                return
+
+    threading.Thread(target=reader, name="worker-reader", daemon=True).start()
+    last_stats = 0.0
+    while True:
+        msgs = []
+        try:
+            msgs.append(inbox.get(block=not engine.has_work(), timeout=IDLE_WAKE_S))
+            while True:
+                msgs.append(inbox.get_nowait())
+        except queue.Empty:
+            pass
+        events: list = []
+        for msg in msgs:
+            if msg is None or isinstance(msg, Shutdown):
+                return 0
+            if isinstance(msg, (Prefill, Decode)):
+                events += engine.add(msg)
+            elif isinstance(msg, Abort):
+                engine.abort(msg.request_id)
+            elif isinstance(msg, Release):
+                engine.release(msg.request_id)
+            elif isinstance(msg, AttachPeer):
+                engine.attach_peer(msg.worker, msg.handle)
+        if engine.has_work():
+            try:
+                events += engine.step()
+            except Exception as exc:   # an engine bug must not take the process down silently
+                print(f"applianced worker {spec.worker}: engine step failed: {exc!r}",
+                      file=sys.stderr)
+                raise
+        now = time.monotonic()
+        if now - last_stats >= STATS_INTERVAL_S or (events and not engine.has_work()):
+            events += engine.sweep(time.time())
+            events.append(engine.stats())
+            last_stats = now
+        if events:
+            try:
+                sock.sendall(wire.pack(events))
+            except OSError:
+                return 0
+
+
+__all__ = ["run", "RequestFailed"]

@@ -1,0 +1,35 @@
+"""What the daemon tells a worker process to be. Crosses the process boundary as JSON
+on the command line, so a frozen single binary can start its own workers."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    worker: str                     # "prefill0", "decode1", "agg0"
+    role: str                       # "prefill" | "decode" | "agg"
+    engine: str                     # "sim" | "torch" | "trtllm"
+    devices: list[str]              # device ids from the partition plan
+    device_kind: str                # "gpu" | "cpu" | "sim"
+    model_dir: str
+    gpu_name: str | None = None     # catalogue name (sim and gpu)
+    device_uuids: list[str] = field(default_factory=list)
+    cpu_core: int | None = None
+    model_spec: str | None = None   # simulator shape; None = read model_dir/config.json
+    sim_speed: float = 1.0
+    block_size: int = 16
+    max_batch_tokens: int = 8192
+    max_seqs: int = 256
+    kv_cache_bytes: int = 1 << 30   # CPU pool budget
+    gpu_mem_fraction: float = 0.9
+    handoff_timeout_s: float = 30.0
+    reserve_ratio: float = 1.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerSpec":
+        return cls(**json.loads(text))

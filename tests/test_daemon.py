@@ -1,0 +1,199 @@
+"""A real daemon under failure: keys, overload, disconnects, dying workers, SIGTERM,
+kill -9 of the daemon, and the simulated 8xH100 partition."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from conftest import http, pid_alive
+
+MODEL = "tiny-llama"
+MSG = [{"role": "user", "content": "Tell me a long story"}]
+# The CPU roofline makes a decode step ~2.5 ms; at this speed one is ~50 ms, so a
+# 200-token answer takes ~10 s: long enough to act on it mid-flight.
+SLOW = ("--sim-speed", "0.05")
+
+
+def kv_idle(status) -> bool:
+    return all(w["kv_blocks_free"] == w["kv_blocks_total"] and w["running"] == 0
+               and w["kv_blocks_handed_off"] == 0 for w in status["workers"])
+
+
+def test_api_keys(daemon_factory, tiny_model):
+    key = "sk-team-search-123"
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", "--sim-speed", "50",
+                       model=tiny_model, config=f'[auth.keys]\n"{digest}" = "search"\n')
+    with pytest.raises(openai.AuthenticationError):
+        d.client(api_key="wrong").chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+    code, _, body = d.post("/v1/chat/completions", {"model": MODEL, "messages": MSG})
+    assert code == 401 and body["error"]["code"] == "invalid_api_key"
+    assert http("GET", d.url + "/v1/models")[0] == 401
+    r = d.client(api_key=key).chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+    assert r.usage.completion_tokens == 2
+    metrics = http("GET", d.url + "/metrics")[2].decode()
+    assert 'tenant="search"' in metrics and 'status="ok"' in metrics
+
+
+def test_overload_is_503_with_retry_after(daemon_factory, tiny_model):
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", *SLOW, model=tiny_model,
+                       config="[server]\nmax_inflight = 1\n")
+    stream = d.client().chat.completions.create(model=MODEL, messages=MSG, max_tokens=200,
+                                                stream=True)
+    next(iter(stream))
+    code, headers, body = d.post("/v1/chat/completions", {"model": MODEL, "messages": MSG})
+    assert code == 503 and body["error"]["code"] == "overloaded"
+    assert headers["Retry-After"] == "1"
+    stream.close()
+
+
+def test_client_disconnect_frees_kv(daemon_factory, tiny_model):
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", *SLOW, model=tiny_model)
+    stream = d.client().chat.completions.create(model=MODEL, messages=MSG, max_tokens=400,
+                                                stream=True)
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    busy = d.worker("decode0")
+    assert busy["running"] == 1 and busy["kv_blocks_free"] < busy["kv_blocks_total"]
+    stream.close()                       # hang up mid-stream
+    d.wait_for(kv_idle, what="every KV block free after the disconnect")
+
+
+def test_kill_decode_worker_mid_request(daemon_factory, tiny_model):
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", *SLOW, model=tiny_model)
+    pid = d.worker("decode0")["pid"]
+    stream = d.client().chat.completions.create(model=MODEL, messages=MSG, max_tokens=400,
+                                                stream=True)
+    it = iter(stream)
+    next(it)
+    next(it)
+    os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(openai.APIError) as err:
+        for _ in it:
+            pass
+    assert time.monotonic() - started < 10
+    assert "decode0 died" in str(err.value)
+    status = d.wait_for(lambda s: next(w for w in s["workers"] if w["worker"] == "decode0")
+                        ["state"] == "ready", what="decode0 restarted")
+    decode0 = next(w for w in status["workers"] if w["worker"] == "decode0")
+    assert decode0["restarts"] == 1 and decode0["pid"] != pid
+    assert "signal 9" in decode0["last_exit"]
+    # The prefill worker's handed-off blocks came back, and service resumes.
+    d.wait_for(kv_idle, what="prefill blocks reclaimed")
+    r = d.client().chat.completions.create(model=MODEL, messages=MSG, max_tokens=3)
+    assert r.usage.completion_tokens == 3
+
+
+def test_kill_prefill_worker_before_first_byte_is_503(daemon_factory, tiny_model):
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", "--sim-speed", "0.001",
+                       model=tiny_model)
+    pid = d.worker("prefill0")["pid"]
+    result = {}
+
+    def call():
+        result["resp"] = d.post("/v1/completions", {"model": MODEL, "prompt": "a" * 3000,
+                                                    "max_tokens": 5})
+
+    t = threading.Thread(target=call)
+    t.start()
+    d.wait_for(lambda s: s["inflight"] == 1, what="request in flight")
+    time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    t.join(20)
+    code, headers, body = result["resp"]
+    assert code == 503 and body["error"]["code"] == "worker_failed"
+    assert "Retry-After" in headers
+
+
+def test_sigterm_drains_in_flight_requests(daemon_factory, tiny_model):
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", "--sim-speed", "0.5",
+                       model=tiny_model)
+    pids = [w["pid"] for w in d.status()["workers"]]
+    stream = d.client().chat.completions.create(model=MODEL, messages=MSG, max_tokens=300,
+                                                stream=True, stream_options={"include_usage": True})
+    it = iter(stream)
+    next(it)
+    d.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    # New work is refused while draining...
+    code, _, body = d.post("/v1/chat/completions", {"model": MODEL, "messages": MSG})
+    assert code == 503 and body["error"]["code"] == "draining"
+    # ...and the request in flight finishes completely.
+    chunks = list(it)
+    assert chunks[-1].usage.completion_tokens == 300
+    assert d.proc.wait(30) == 0
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_kill_9_daemon_leaves_no_orphans(daemon_factory, tiny_model):
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", model=tiny_model)
+    pids = [w["pid"] for w in d.status()["workers"]]
+    assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+    d.proc.kill()
+    d.proc.wait()
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_agg_mode(daemon_factory, tiny_model):
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", "--mode", "agg",
+                       "--sim-speed", "50", model=tiny_model)
+    status = d.status()
+    assert status["mode"] == "agg" and [w["role"] for w in status["workers"]] == ["agg"]
+    r = d.client().chat.completions.create(model=MODEL, messages=MSG, max_tokens=7, seed=1)
+    assert r.usage.completion_tokens == 7
+    d.wait_for(kv_idle, what="agg worker idle")
+
+
+def test_sim_8xh100_partition_and_routing(daemon_factory, tiny_model):
+    d = daemon_factory("--devices", "sim:8xH100", "--model-spec", "llama-3.1-8b",
+                       "--sim-speed", "20", model=tiny_model)
+    status = d.status()
+    assert status["simulated"] is True
+    assert [len(status["plan"][r]) for r in ("prefill", "decode")] == [4, 4]
+    assert all(w["state"] == "ready" and w["simulated"] for w in status["workers"])
+    client = d.client(timeout=60)
+    results = []
+
+    def one(i):
+        results.append(client.completions.create(model="llama-3.1-8b", prompt=f"job {i} " * 50,
+                                                 max_tokens=20))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 16 and all(r.usage.completion_tokens == 20 for r in results)
+    status = d.status()
+    used = [w for w in status["workers"] if w["iterations"]]
+    assert sum(1 for w in used if w["role"] == "prefill") >= 2, status["workers"]
+    assert sum(1 for w in used if w["role"] == "decode") >= 2, status["workers"]
+    d.wait_for(kv_idle, what="all sim workers idle")
+
+
+def test_port_in_use_is_one_line(daemon_factory, tiny_model, tmp_path):
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "appliance", "serve", "--devices", "cpu",
+                              "--engine", "sim", "--model", str(tiny_model), "--port", str(port),
+                              "--state-dir", str(tmp_path)], capture_output=True, text=True,
+                             timeout=60)
+    assert out.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "Traceback" not in out.stderr

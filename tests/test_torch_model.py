@@ -1,0 +1,459 @@
+"""The paged Llama forward pass against transformers' reference implementation."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from appliance.engines.sampling import SamplingState, sample
+from appliance.engines.torch_model import (
+    AttnBatch,
+    LlamaShape,
+    ModelLoadError,
+    RopeScaling,
+    allocate_kv_pool,
+    copy_blocks,
+    kv_pool_bytes_per_block,
+    layout_tag,
+    load_model,
+)
+
+torch.set_num_threads(1)
+transformers = pytest.importorskip("transformers")
+
+BLOCK = 16
+VOCAB = 500
+RTOL, ATOL = 1e-4, 1e-5
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that attention is sharp (default init makes it near-uniform,
+    which would hide RoPE and masking bugs); non-trivial norms and biases."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+
+
+def _save(model: torch.nn.Module, path: Path, **kw) -> Path:
+    model.save_pretrained(path, safe_serialization=True, **kw)
+    return path
+
+
+LLAMA_CASES = {
+    # llama3 rope scaling; original_max 64 makes long wavelengths actually scaled.
+    "llama3rope": dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        head_dim=None,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        rope_theta=10000.0,
+    ),
+    # plain rope, 3 layers, head_dim * heads != hidden_size.
+    "plainrope_hd32": dict(
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        head_dim=32,
+        rope_scaling=None,
+        rope_theta=500000.0,
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LLAMA_CASES))
+def llama(request, tmp_path_factory):
+    kw = dict(LLAMA_CASES[request.param])
+    head_dim = kw.pop("head_dim")
+    extra = {"head_dim": head_dim} if head_dim else {}
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        attn_implementation="eager",
+        **extra,
+        **kw,
+    )
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    _randomize(ref, seed=1)
+    path = _save(ref, tmp_path_factory.mktemp(request.param))
+    ref = transformers.LlamaForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    return path, ref
+
+
+class Pager:
+    """Hands out shuffled, non-contiguous block ids and builds AttnBatches."""
+
+    def __init__(self, num_blocks: int, seed: int = 0) -> None:
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+
+    def grow(self, table: list[int], n_tokens: int) -> None:
+        while len(table) * BLOCK < n_tokens:
+            table.append(self.free.pop())
+
+    @staticmethod
+    def slots(table: list[int], start: int, end: int) -> list[int]:
+        return [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
+
+
+def run_step(model, kv, pager, tables, cached, new_tokens, is_prefill):
+    """Run one step: sequence i has `cached[i]` tokens in the pool and `new_tokens[i]` new."""
+    ids, pos, slots = [], [], []
+    for i, toks in enumerate(new_tokens):
+        c = cached[i]
+        pager.grow(tables[i], c + len(toks))
+        ids += toks
+        pos += range(c, c + len(toks))
+        slots += Pager.slots(tables[i], c, c + len(toks))
+    batch = AttnBatch(
+        is_prefill=is_prefill,
+        seq_lens_q=[len(t) for t in new_tokens],
+        context_lens=[c + len(t) for c, t in zip(cached, new_tokens)],
+        block_tables=[list(t) for t in tables],
+        slot_mapping=torch.tensor(slots),
+    )
+    return model(torch.tensor(ids), torch.tensor(pos), batch, kv)
+
+
+def ref_last_logits(ref, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(torch.tensor([tokens])).logits[0, -1]
+
+
+def _prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+def test_prefill_then_decode_matches_transformers(llama):
+    path, ref = llama
+    model = load_model(path)
+    kv = allocate_kv_pool(model.shape, num_blocks=40, block_size=BLOCK)
+    pager = Pager(40, seed=3)
+    seqs = _prompts([5, 17, 33], seed=7)
+    tables: list[list[int]] = [[], [], []]
+
+    logits = run_step(model, kv, pager, tables, [0, 0, 0], seqs, is_prefill=True)
+    assert logits.shape == (3, VOCAB) and logits.dtype == torch.float32
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(logits[i], ref_last_logits(ref, s), rtol=RTOL, atol=ATOL)
+    # The blocks really are scattered.
+    assert any(b2 != b1 + 1 for t in tables for b1, b2 in zip(t, t[1:]))
+
+    for _ in range(4):
+        nxt = sample(logits, [SamplingState.create(0.0)] * 3)
+        cached = [len(s) for s in seqs]
+        seqs = [s + [t] for s, t in zip(seqs, nxt)]
+        logits = run_step(model, kv, pager, tables, cached, [[t] for t in nxt], is_prefill=False)
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(logits[i], ref_last_logits(ref, s), rtol=RTOL, atol=ATOL)
+
+
+def test_prefix_cached_prefill_matches_full_prefill(llama):
+    path, ref = llama
+    model = load_model(path)
+    kv = allocate_kv_pool(model.shape, num_blocks=24, block_size=BLOCK)
+    pager = Pager(24, seed=11)
+    full, other = _prompts([40, 9], seed=5)
+
+    # Request 1 prefills only the first block (16 tokens).
+    t1: list[int] = []
+    run_step(model, kv, pager, [t1], [0], [full[:BLOCK]], is_prefill=True)
+    # Request 2 shares that block and prefills the remaining 24 tokens, batched with an
+    # uncached sequence.
+    t2, t3 = [t1[0]], []
+    logits = run_step(
+        model, kv, pager, [t3, t2], [0, BLOCK], [other, full[BLOCK:]], is_prefill=True
+    )
+    torch.testing.assert_close(logits[0], ref_last_logits(ref, other), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(logits[1], ref_last_logits(ref, full), rtol=RTOL, atol=ATOL)
+
+    # A one-token prefill on a long cached prefix (the masking offset at its extreme).
+    t4 = list(t2[:2])
+    logits = run_step(model, kv, pager, [t4], [32], [full[32:33]], is_prefill=True)
+    torch.testing.assert_close(logits[0], ref_last_logits(ref, full[:33]), rtol=RTOL, atol=ATOL)
+
+
+def test_kv_handoff_between_pools_continues_decode(llama):
+    """Prefill in one pool, copy the blocks to other ids in another pool, decode there."""
+    path, ref = llama
+    model = load_model(path)
+    src = allocate_kv_pool(model.shape, 12, BLOCK).share_memory_()
+    dst = allocate_kv_pool(model.shape, 20, BLOCK)
+    (prompt,) = _prompts([21], seed=9)
+    t_src: list[int] = []
+    logits = run_step(model, src, Pager(12, seed=1), [t_src], [0], [prompt], is_prefill=True)
+    first = int(logits.argmax())
+    t_dst = [17, 4]
+    copy_blocks(src, t_src, dst, t_dst)
+    logits = run_step(model, dst, Pager(0), [t_dst], [21], [[first]], is_prefill=False)
+    torch.testing.assert_close(
+        logits[0], ref_last_logits(ref, prompt + [first]), rtol=RTOL, atol=ATOL
+    )
+
+
+def test_qwen2_bias_and_tied_embeddings(tmp_path):
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    ref = transformers.Qwen2ForCausalLM(cfg).eval()
+    _randomize(ref, seed=2)
+    _save(ref, tmp_path)
+    ref = transformers.Qwen2ForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    model = load_model(tmp_path)
+    assert model.shape.qkv_bias and not model.shape.o_bias and model.shape.tie_word_embeddings
+    kv = allocate_kv_pool(model.shape, 8, BLOCK)
+    pager = Pager(8, seed=2)
+    seqs = _prompts([19, 3], seed=4)
+    tables: list[list[int]] = [[], []]
+    logits = run_step(model, kv, pager, tables, [0, 0], seqs, is_prefill=True)
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(logits[i], ref_last_logits(ref, s), rtol=RTOL, atol=ATOL)
+    nxt = logits.argmax(-1).tolist()
+    logits = run_step(model, kv, pager, tables, [19, 3], [[t] for t in nxt], is_prefill=False)
+    for i, s in enumerate(seqs):
+        ref_l = ref_last_logits(ref, s + [nxt[i]])
+        torch.testing.assert_close(logits[i], ref_l, rtol=RTOL, atol=ATOL)
+
+
+def test_sharded_checkpoint_loads(llama, tmp_path):
+    path, ref = llama
+    sharded = _save(ref, tmp_path / "sharded", max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    a, b = load_model(path), load_model(sharded)
+    torch.testing.assert_close(a.layers[-1].w_gate_up, b.layers[-1].w_gate_up, rtol=0, atol=0)
+    torch.testing.assert_close(a.lm_head, b.lm_head, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- config / errors
+
+
+def _hf(**kw):
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        hidden_act="silu",
+    )
+    base.update(kw)
+    return base
+
+
+def test_shape_parsing_variants():
+    s = LlamaShape.from_hf_config(_hf())
+    assert (s.head_dim, s.rope_theta, s.rope_scaling) == (16, 10000.0, None)
+    assert not s.tie_word_embeddings
+    # transformers 4.x spelling: top-level rope_theta, rope_scaling with "type".
+    s = LlamaShape.from_hf_config(
+        _hf(
+            rope_theta=500000.0,
+            rope_scaling={
+                "type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        )
+    )
+    assert s.rope_theta == 500000.0
+    assert s.rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
+    s = LlamaShape.from_hf_config(_hf(architectures=["MistralForCausalLM"], sliding_window=4096))
+    assert not s.qkv_bias
+    s = LlamaShape.from_hf_config(_hf(attention_bias=True))
+    assert s.qkv_bias and s.o_bias
+    s = LlamaShape.from_hf_config(_hf(num_key_value_heads=None, head_dim=32))
+    assert (s.num_kv_heads, s.head_dim) == (4, 32)
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (_hf(architectures=["GPT2LMHeadModel"]), "unsupported architecture 'GPT2LMHeadModel'"),
+        (_hf(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
+        (_hf(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope scaling"),
+        (_hf(rope_scaling={"rope_type": "llama3", "factor": 4.0}), "lacks 'low_freq_factor'"),
+        (_hf(num_key_value_heads=3), "not a multiple"),
+        (_hf(hidden_size=None), "lacks 'hidden_size'"),
+    ],
+)
+def test_shape_rejects(cfg, message):
+    with pytest.raises(ModelLoadError, match=message):
+        LlamaShape.from_hf_config(cfg)
+
+
+def _copy_ckpt(llama, tmp_path) -> Path:
+    src, _ = llama
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_load_errors(llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = _copy_ckpt(llama, tmp_path)
+    weights = d / "model.safetensors"
+    tensors = load_file(weights)
+
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'FalconForCausalLM'"):
+        load_model(d)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+    name = "model.layers.1.mlp.up_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != name}, weights)
+    with pytest.raises(ModelLoadError, match=f"lacks tensor '{name}'"):
+        load_model(d)
+
+    save_file({**tensors, name: tensors[name][:, :-1].contiguous()}, weights)
+    with pytest.raises(ModelLoadError, match=f"tensor '{name}'.*has shape"):
+        load_model(d)
+
+    weights.write_bytes(b"\x07\x00\x00\x00\x00\x00\x00\x00{garbage")
+    with pytest.raises(ModelLoadError, match="corrupt safetensors file .*model.safetensors"):
+        load_model(d)
+
+    weights.unlink()
+    with pytest.raises(ModelLoadError, match="no weights in"):
+        load_model(d)
+
+    (d / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="missing .*config.json"):
+        load_model(d)
+
+
+def test_missing_shard(llama, tmp_path):
+    _, ref = llama
+    d = _save(ref, tmp_path / "sharded", max_shard_size="100KB")
+    shard = sorted(d.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ModelLoadError, match=f"missing weight shard .*{shard.name}"):
+        load_model(d)
+
+
+def test_bad_batch_is_rejected(llama):
+    path, _ = llama
+    model = load_model(path)
+    kv = allocate_kv_pool(model.shape, 4, BLOCK)
+    bad = AttnBatch(False, [2], [2], [[0]], torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="one new token per sequence"):
+        model(torch.tensor([1, 2]), torch.tensor([0, 1]), bad, kv)
+    short_table = AttnBatch(True, [20], [20], [[0]], torch.arange(20))
+    with pytest.raises(ValueError, match="1 blocks of 16"):
+        model(torch.arange(20), torch.arange(20), short_table, kv)
+
+
+# --------------------------------------------------------------------------- KV pool
+
+
+def test_pool_layout_and_copy_blocks():
+    shape = LlamaShape.from_hf_config(_hf())
+    src = allocate_kv_pool(shape, 6, BLOCK)
+    assert src.shape == (2, 2, 6, BLOCK, 2, 16)
+    assert kv_pool_bytes_per_block(shape, BLOCK, torch.float32) == src[:, :, 0].nbytes
+    assert kv_pool_bytes_per_block(shape, BLOCK, torch.bfloat16) == src[:, :, 0].nbytes // 2
+    assert layout_tag(shape, BLOCK, torch.float32) == "L2-kvh2-hd16-bs16-float32"
+    assert layout_tag(shape, 32, torch.bfloat16) == "L2-kvh2-hd16-bs32-bfloat16"
+
+    src.copy_(torch.randn(src.shape))
+    dst = allocate_kv_pool(shape, 9, BLOCK)
+    before = dst.clone()
+    copy_blocks(src, [4, 1, 5], dst, [0, 8, 3])
+    for s, d in ((4, 0), (1, 8), (5, 3)):
+        assert torch.equal(dst[:, :, d], src[:, :, s])  # K and V, every layer
+    untouched = [b for b in range(9) if b not in (0, 8, 3)]
+    assert torch.equal(dst[:, :, untouched], before[:, :, untouched])
+
+    copy_blocks(src, [], dst, [])  # no-op
+    with pytest.raises(ValueError, match="layouts differ"):
+        copy_blocks(src, [0], allocate_kv_pool(shape, 6, 32), [0])
+    with pytest.raises(ValueError, match="dtypes differ"):
+        copy_blocks(src, [0], allocate_kv_pool(shape, 6, BLOCK, dtype=torch.float64), [0])
+    with pytest.raises(ValueError, match="out of range"):
+        copy_blocks(src, [6], dst, [0])
+    with pytest.raises(ValueError, match="duplicate"):
+        copy_blocks(src, [0, 1], dst, [2, 2])
+    with pytest.raises(ValueError, match="2 source blocks but 1"):
+        copy_blocks(src, [0, 1], dst, [2])
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_sampling_seeded_independent_of_batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, VOCAB, generator=g)
+
+    def run(rows, seeds, steps=8):
+        states = [SamplingState.create(0.9, 0.8, seed=s) for s in seeds]
+        return [sample(logits[rows], states) for _ in range(steps)]
+
+    alone = run([2], [1234])
+    mixed = run([0, 2, 3], [5, 1234, 6])
+    assert [s[0] for s in alone] == [s[1] for s in mixed]
+    assert len({s[0] for s in alone}) > 1  # it does sample, not argmax every time
+    assert run([2], [1234]) == alone
+    assert run([2], [99]) != alone or run([2], [98]) != alone
+
+
+def test_sampling_greedy_and_tiny_top_p():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
+    logits[1, 7] = logits[1, 300] = logits[1].max() + 1.0  # tie -> lowest id
+    greedy = [SamplingState.create(0.0) for _ in range(3)]
+    assert sample(logits, greedy) == logits.argmax(-1).tolist()
+    assert sample(logits, greedy)[1] == 7
+    tiny = [SamplingState.create(1.0, top_p=1e-6, seed=i) for i in range(3)]
+    assert sample(logits, tiny) == [int(logits[0].argmax()), 7, int(logits[2].argmax())]
+    mixed = [SamplingState.create(0.0), SamplingState.create(1.0, 1.0, seed=3), greedy[2]]
+    out = sample(logits, mixed)
+    assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+    assert 0 <= out[1] < VOCAB
+    for bad in (dict(temperature=-1.0), dict(temperature=1.0, top_p=0.0)):
+        with pytest.raises(ValueError):
+            SamplingState.create(**bad)
