@@ -8,6 +8,7 @@ copy, or when the request ends any other way.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -16,7 +17,7 @@ from appliance.engines.messages import (
     Abort, Decode, KvImported, Prefill, PrefillDone, Release, RequestFailed, SamplingParams,
     Tokens,
 )
-from appliance.daemon.workers import WorkerGone, WorkerLink, WorkerPool
+from appliance.daemon.workers import Channel, WorkerGone, WorkerLink, WorkerPool
 
 
 class NoWorker(Exception):
@@ -41,8 +42,24 @@ class Trace:
     cached_tokens: int = 0
 
 
+async def _next(channel: Channel):
+    """The next event; token events already waiting behind it are merged into it, so a
+    daemon that falls behind catches up with fewer, larger writes (adaptive batching)."""
+    ev = await channel.get()
+    if isinstance(ev, Tokens) and ev.finish_reason is None:
+        items = channel.items
+        while items and isinstance(items[0], Tokens):
+            nxt = items.popleft()
+            ev.tokens.extend(nxt.tokens)
+            ev.finish_reason = nxt.finish_reason
+            if nxt.finish_reason is not None:
+                break
+    return ev
+
+
 def _free_blocks(w: WorkerLink) -> int:
-    return w.stats.kv_blocks_free if w.stats else 0
+    """Free KV as last reported, less what was sent since and not yet imported."""
+    return (w.stats.kv_blocks_free if w.stats else 0) - w.pending_kv_blocks
 
 
 class Router:
@@ -53,25 +70,26 @@ class Router:
         self.prefill = pool.by_role("prefill")
         self.decode = pool.by_role("decode")
         self.agg = pool.by_role("agg")
+        self._turns: dict[str, itertools.count] = {}
 
     def ready(self) -> bool:
         if self.mode == "agg":
             return any(w.ready for w in self.agg)
         return any(w.ready for w in self.prefill) and any(w.ready for w in self.decode)
 
-    @staticmethod
-    def _least_queued(workers: list[WorkerLink], role: str) -> WorkerLink:
+    def _ready(self, workers: list[WorkerLink], role: str) -> list[WorkerLink]:
+        """Ready workers, rotated each call so that ties go round-robin."""
         ready = [w for w in workers if w.ready]
         if not ready:
             raise NoWorker(f"no {role} worker is ready")
-        return min(ready, key=lambda w: (w.pending_prefill_tokens, w.inflight))
+        k = next(self._turns.setdefault(role, itertools.count())) % len(ready)
+        return ready[k:] + ready[:k]
 
-    @staticmethod
-    def _most_free(workers: list[WorkerLink]) -> WorkerLink:
-        ready = [w for w in workers if w.ready]
-        if not ready:
-            raise NoWorker("no decode worker is ready")
-        return max(ready, key=lambda w: (_free_blocks(w), -w.inflight))
+    def _least_queued(self, workers: list[WorkerLink], role: str) -> WorkerLink:
+        return min(self._ready(workers, role), key=lambda w: (w.pending_prefill_tokens, w.inflight))
+
+    def _most_free(self, workers: list[WorkerLink]) -> WorkerLink:
+        return max(self._ready(workers, "decode"), key=lambda w: (_free_blocks(w), -w.inflight))
 
     async def generate(self, trace: Trace, prompt: list[int],
                        params: SamplingParams) -> AsyncIterator[tuple[list[int], str | None]]:
@@ -104,7 +122,7 @@ class Router:
         try:
             worker.send(Prefill(rid, prompt, params, handoff=False))
             while True:
-                ev = await queue.get()
+                ev = await _next(queue)
                 if isinstance(ev, Tokens):
                     if counted:
                         worker.pending_prefill_tokens -= len(prompt)
@@ -151,14 +169,17 @@ class Router:
         released = False
         done = False
         dw: WorkerLink | None = None
+        pending = 0
         try:
             yield [ev.first_token], None
             dw = self._most_free(self.decode)
             trace.decode_worker = dw.id
             dqueue = dw.open(rid)
+            pending = len(ev.handle.block_ids) + 1
+            dw.pending_kv_blocks += pending
             dw.send(Decode(rid, prompt, ev.first_token, params, ev.handle))
             while True:
-                dev = await dqueue.get()
+                dev = await _next(dqueue)
                 if isinstance(dev, Tokens):
                     done = dev.finish_reason is not None
                     yield dev.tokens, dev.finish_reason
@@ -167,12 +188,15 @@ class Router:
                 elif isinstance(dev, KvImported):
                     pw.send(Release(rid))
                     released = True
+                    dw.pending_kv_blocks -= pending
+                    pending = 0
                 else:
                     self._raise(dev)
         finally:
             if not released:
                 pw.send(Release(rid))
             if dw is not None:
+                dw.pending_kv_blocks -= pending
                 if not done:
                     dw.send(Abort(rid))
                 dw.close(rid)

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+from collections import deque
 from typing import Callable
 
 from appliance.engines.messages import (
@@ -30,6 +31,32 @@ HEALTHY_AFTER_S = 60.0
 
 class WorkerGone(Exception):
     """The worker holding a request died or was stopped."""
+
+
+class Channel:
+    """A request's inbox of worker events: a deque and at most one waiter. Lighter than
+    asyncio.Queue, and it lets the reader merge events that are already waiting."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self):
+        self.items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, ev) -> None:
+        self.items.append(ev)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self):
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.items.popleft()
 
 
 def worker_command(spec: WorkerSpec, fd: int) -> list[str]:
@@ -52,8 +79,9 @@ class WorkerLink:
         self.restarts = 0
         self.last_exit: str | None = None
         self.started_at = 0.0
-        self.channels: dict[str, asyncio.Queue] = {}
+        self.channels: dict[str, Channel] = {}
         self.pending_prefill_tokens = 0   # router's own count, fresher than stats
+        self.pending_kv_blocks = 0        # handoffs sent here and not yet imported
         self.inflight = 0
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -81,6 +109,7 @@ class WorkerLink:
             code = await self._reap()
             raise WorkerGone(f"worker {self.id} exited before it was ready ({code})")
         self.hello = first[0]
+        self.stats = next((e for e in first if isinstance(e, WorkerStats)), None)
         self.state = "ready"
         self.started_at = time.monotonic()
         self._task = asyncio.create_task(self._read(reader), name=f"read-{self.id}")
@@ -121,11 +150,11 @@ class WorkerLink:
         if self.writer is not None and not self.writer.is_closing():
             self.writer.write(wire.pack(msg))
 
-    def open(self, request_id: str) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
-        self.channels[request_id] = queue
+    def open(self, request_id: str) -> Channel:
+        channel = Channel()
+        self.channels[request_id] = channel
         self.inflight += 1
-        return queue
+        return channel
 
     def close(self, request_id: str) -> None:
         if self.channels.pop(request_id, None) is not None:
@@ -140,9 +169,9 @@ class WorkerLink:
                 break
             for ev in frame:
                 if isinstance(ev, (Tokens, PrefillDone, KvImported, RequestFailed)):
-                    queue = channels.get(ev.request_id)
-                    if queue is not None:
-                        queue.put_nowait(ev)
+                    channel = channels.get(ev.request_id)
+                    if channel is not None:
+                        channel.put(ev)
                 elif isinstance(ev, IterationRecord):
                     pool.on_iteration(ev)
                 elif isinstance(ev, WorkerStats):
@@ -154,11 +183,12 @@ class WorkerLink:
         self.writer = None
         gone = WorkerGone(f"worker {self.id} stopped" if self._stopping
                           else f"worker {self.id} died ({code})")
-        for queue in self.channels.values():
-            queue.put_nowait(gone)
+        for channel in self.channels.values():
+            channel.put(gone)
         self.channels.clear()
         self.inflight = 0
         self.pending_prefill_tokens = 0
+        self.pending_kv_blocks = 0
         self.stats = None
         if self._stopping:
             return

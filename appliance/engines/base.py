@@ -55,7 +55,9 @@ class BatchEngine:
         self.devices = devices
         self.blocks = BlockManager(num_blocks, block_size, reserve_ratio)
         self.scheduler = Scheduler(self.blocks, max_batch_tokens, max_seqs)
-        self.max_context = max_context
+        # A sequence may not outgrow the pool: past it, it could never be re-admitted
+        # after preemption (and its reservation could never be admitted at all).
+        self.max_context = min(max_context, num_blocks * block_size)
         self.eos_token_ids = eos_token_ids
         self.handoff_timeout_s = handoff_timeout_s
         self._seqs: dict[str, Sequence] = {}
@@ -76,7 +78,10 @@ class BatchEngine:
         """Copy each seq.handle's blocks from its source pool into seq.block_table."""
         raise NotImplementedError
 
-    def new_sampler(self, request_id: str, params) -> Any:
+    def new_sampler(self, request_id: str, params, drawn: int = 0) -> Any:
+        """Sampling state for a request. `drawn`: tokens already sampled elsewhere (the
+        prefill worker's first token), so a seeded request continues the same random
+        stream and gives the same output in disagg and agg modes."""
         return None
 
     def peer_handle(self) -> Any:
@@ -107,7 +112,7 @@ class BatchEngine:
         if needed > self.blocks.num_blocks:
             return [RequestFailed(rid, f"request needs {needed} KV blocks, the pool has "
                                        f"{self.blocks.num_blocks}", "kv_capacity")]
-        seq.sampler = self.new_sampler(rid, msg.params)
+        seq.sampler = self.new_sampler(rid, msg.params, seq.num_output)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from appliance.engines.sequence import Sequence
+from appliance.engines.sequence import Role, Sequence
 
 
 class BlockManager:
@@ -70,9 +70,17 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def cached_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens allocate() would serve from the prefix cache right now."""
+        return len(self._cache_hits(seq)) * self.block_size
+
     def _reservation(self, seq: Sequence, total_blocks_now: int) -> int:
+        if seq.role is Role.PREFILL:
+            return 0        # hands its KV off after the first token: never decodes here
         future = int(seq.remaining_output() * self.reserve_ratio)
-        return max(0, self.blocks_for(len(seq.tokens) + future) - total_blocks_now)
+        # Never more than the pool: the engine ends a sequence at the pool's capacity.
+        need = min(self.blocks_for(len(seq.tokens) + future), self.num_blocks)
+        return max(0, need - total_blocks_now)
 
     def admission_cost(self, seq: Sequence, use_cache: bool = True) -> tuple[int, int]:
         """(free blocks this sequence would take now, blocks it would reserve)."""

@@ -73,12 +73,13 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.blocks.can_admit(seq):
                 break
-            self.blocks.allocate(seq)
-            # A prompt longer than the budget runs alone rather than never.
-            if seqs and tokens + seq.uncached > self.max_batch_tokens:
-                self.blocks.free(seq)
+            # A prompt longer than the budget runs alone rather than never. Checked
+            # before allocating: a trial allocation would evict cached prefixes.
+            uncached = len(seq.tokens) - self.blocks.cached_tokens(seq)
+            if seqs and tokens + uncached > self.max_batch_tokens:
                 break
             self.waiting.popleft()
+            self.blocks.allocate(seq)
             tokens += seq.uncached
             seqs.append(seq)
         if not seqs:
@@ -122,6 +123,6 @@ class Scheduler:
         """Take seq out of the schedule; its blocks are the caller's business."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)     # (an import in flight is in neither list)
         seq.status = Status.FINISHED

@@ -36,9 +36,12 @@ class SimEngine(BatchEngine):
     def layout(self) -> str:
         return self._layout
 
-    def new_sampler(self, request_id: str, params) -> random.Random:
+    def new_sampler(self, request_id: str, params, drawn: int = 0) -> random.Random:
         seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
-        return random.Random(seed)
+        rng = random.Random(seed)
+        for _ in range(drawn):
+            rng.randrange(len(self.vocab_ids))
+        return rng
 
     def _sleep(self, seconds: float) -> None:
         seconds /= self.speed

@@ -1,0 +1,173 @@
+"""How fast is the daemon itself? The sim engine at a speed where its step time is
+negligible, so what is measured is HTTP + tokenization + routing + IPC + SSE.
+
+    .venv/bin/python bench/bench_serving.py [--seconds 5] [--devices cpu] [--mode disagg]
+
+Starts a real daemon on a loopback port, drives it with an aiohttp client in this
+process (the load generator shares the machine's cores with the daemon and its
+workers: on a 2-core box that is part of what is measured), prints a Markdown table
+and writes bench/results/serving.json. Bounded: each level runs for --seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny-llama"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_daemon(state: Path, port: int, args: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--state-dir", str(state), "--engine", "sim", "--sim-speed", "1000000", *args]
+    log = open(state / "daemon.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, "APPLIANCED_LOG": "WARNING"})
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"daemon exited: {(state / 'daemon.log').read_text()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("daemon did not become ready")
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def chat_level(url: str, concurrency: int, seconds: float, max_tokens: int) -> dict:
+    body = json.dumps({"model": MODEL, "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": "Say something short."}]})
+    headers = {"Content-Type": "application/json"}
+    latencies: list[float] = []
+    errors = 0
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        async def one() -> bool:
+            t0 = time.perf_counter()
+            async with session.post(url + "/v1/chat/completions", data=body, headers=headers) as r:
+                data = await r.read()
+            if r.status != 200:
+                return False
+            assert json.loads(data)["usage"]["completion_tokens"] == max_tokens
+            latencies.append(time.perf_counter() - t0)
+            return True
+
+        async def worker(stop_at: float) -> None:
+            nonlocal errors
+            while time.perf_counter() < stop_at:
+                if not await one():
+                    errors += 1
+
+        warm = time.perf_counter() + min(1.0, seconds / 4)
+        await asyncio.gather(*(worker(warm) for _ in range(concurrency)))
+        latencies.clear()
+        errors = 0
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(start + seconds) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    return {"concurrency": concurrency, "requests": len(latencies), "errors": errors,
+            "req_per_s": len(latencies) / elapsed, "p50_ms": 1000 * pct(latencies, 0.50),
+            "p99_ms": 1000 * pct(latencies, 0.99)}
+
+
+async def stream_level(url: str, streams: int, tokens: int, rounds: int) -> dict:
+    body = json.dumps({"model": MODEL, "max_tokens": tokens, "stream": True,
+                       "stream_options": {"include_usage": True},
+                       "messages": [{"role": "user", "content": "Write a long answer."}]})
+    headers = {"Content-Type": "application/json"}
+    total = 0
+    events = 0
+    conn = aiohttp.TCPConnector(limit=streams)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        async def one() -> None:
+            nonlocal total, events
+            async with session.post(url + "/v1/chat/completions", data=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        events += 1
+                        if b'"choices":[]' in line:
+                            total += json.loads(line[6:])["usage"]["completion_tokens"]
+
+        await asyncio.gather(*(one() for _ in range(streams)))   # warm-up round
+        total = events = 0
+        start = time.perf_counter()
+        for _ in range(rounds):
+            await asyncio.gather(*(one() for _ in range(streams)))
+        elapsed = time.perf_counter() - start
+    return {"streams": streams, "tokens_each": tokens, "rounds": rounds, "tokens": total,
+            "sse_events": events, "tokens_per_s": total / elapsed, "seconds": elapsed}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=5.0, help="measured time per concurrency level")
+    p.add_argument("--devices", default="cpu")
+    p.add_argument("--mode", default="disagg", choices=["disagg", "agg"])
+    p.add_argument("--levels", default="1,16,64")
+    p.add_argument("--stream-rounds", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving.json"))
+    args = p.parse_args()
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = start_daemon(Path(tmp), port, ["--devices", args.devices, "--mode", args.mode])
+        url = f"http://127.0.0.1:{port}"
+        try:
+            chat = [asyncio.run(chat_level(url, int(c), args.seconds, 16))
+                    for c in args.levels.split(",")]
+            stream = asyncio.run(stream_level(url, 32, 256, args.stream_rounds))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                          "platform": platform.platform()},
+              "devices": args.devices, "mode": args.mode, "chat_16_tokens": chat,
+              "stream_32x256": stream, "date": time.strftime("%Y-%m-%d")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"| concurrency | req/s | p50 ms | p99 ms | errors |\n|---:|---:|---:|---:|---:|")
+    for r in chat:
+        print(f"| {r['concurrency']} | {r['req_per_s']:.0f} | {r['p50_ms']:.1f} | "
+              f"{r['p99_ms']:.1f} | {r['errors']} |")
+    print(f"\nstreamed: {stream['tokens_per_s']:.0f} tokens/s "
+          f"(32 streams x 256 tokens x {stream['rounds']} rounds, "
+          f"{stream['sse_events']} SSE events)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
