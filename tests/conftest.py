@@ -94,7 +94,7 @@ class Daemon:
 
 
 def start_daemon(tmp_path: Path, model: Path | None, *args: str, config: str | None = None,
-                 timeout: float = 120) -> Daemon:
+                 timeout: float = 120, env: dict | None = None) -> Daemon:
     port = free_port()
     tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -107,7 +107,7 @@ def start_daemon(tmp_path: Path, model: Path | None, *args: str, config: str | N
         cmd += ["--config", str(cfg)]
     cmd += list(args)
     log = tmp_path / f"daemon-{port}.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     daemon = Daemon(proc, port, log)
@@ -130,8 +130,9 @@ def start_daemon(tmp_path: Path, model: Path | None, *args: str, config: str | N
 def daemon_factory(tmp_path):
     started: list[Daemon] = []
 
-    def factory(*args: str, model: Path | None, config: str | None = None) -> Daemon:
-        d = start_daemon(tmp_path / f"d{len(started)}", model, *args, config=config)
+    def factory(*args: str, model: Path | None, config: str | None = None,
+                env: dict | None = None) -> Daemon:
+        d = start_daemon(tmp_path / f"d{len(started)}", model, *args, config=config, env=env)
         started.append(d)
         return d
 

@@ -202,3 +202,32 @@ def test_port_in_use_is_one_line(daemon_factory, tiny_model, tmp_path):
     assert out.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _records(d) -> list[dict]:
+    import json
+    return [json.loads(line) for line in d.log_text().splitlines()
+            if line.startswith('{"request_id"')]
+
+
+def test_request_records_and_conditional_disagg(daemon_factory, tiny_model):
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", "--sim-speed", "50",
+                       "--log-requests", model=tiny_model,
+                       config="[engine]\nconditional_disagg_tokens = 40\n")
+    client = d.client()
+    short = client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+    long = client.completions.create(model=MODEL, prompt="word " * 100, max_tokens=4)
+    deadline = time.monotonic() + 10
+    while len(_records(d)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    by_tokens = {r["prompt_tokens"]: r for r in _records(d)}
+    a = by_tokens[short.usage.prompt_tokens]
+    b = by_tokens[long.usage.prompt_tokens]
+    # A prompt under the bound is prefilled where it decodes; a longer one is handed off.
+    assert (a["prefill_worker"], a["decode_worker"]) == ("decode0", "decode0")
+    assert (b["prefill_worker"], b["decode_worker"]) == ("prefill0", "decode0")
+    for rec, resp in ((a, short), (b, long)):
+        assert rec["status"] == "ok" and rec["tenant"] == "default"
+        assert rec["output_tokens"] == resp.usage.completion_tokens == 4
+        assert rec["arrival"] <= rec["first_token"] <= rec["finish"]
+        assert rec["simulated"] is True and rec["finish_reason"] == "length"
