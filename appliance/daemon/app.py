@@ -5,6 +5,7 @@ The only module that knows every other; nothing imports it but the CLI.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import json
 import logging
@@ -55,19 +56,17 @@ class Setup:
 
 
 def resolve_engine(kind: str, inv: Inventory) -> str:
-    """`auto`: simulated devices -> sim; the CPU -> torch when its engine is present,
-    else sim; real GPUs -> TensorRT-LLM if installed, else torch."""
+    """`auto`: simulated devices -> sim; the CPU -> torch when torch is installed, else
+    sim; real GPUs -> TensorRT-LLM if installed, else torch. Checked without importing:
+    the daemon itself never loads torch."""
     if kind != "auto":
         return kind
     if inv.source == "sim":
         return "sim"
+    has_torch = (importlib.util.find_spec("torch") is not None
+                 and importlib.util.find_spec("appliance.engines.torch_engine") is not None)
     if inv.source == "cpu":
-        try:
-            import appliance.engines.torch_engine  # noqa: F401
-            return "torch"
-        except ImportError:
-            return "sim"
-    import importlib.util
+        return "torch" if has_torch else "sim"
     return "trtllm" if importlib.util.find_spec("tensorrt_llm") else "torch"
 
 

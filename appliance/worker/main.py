@@ -65,10 +65,12 @@ def run(fd: int, spec: WorkerSpec) -> int:
 
     def reader() -> None:
         while True:
-            msg = wire.recv(sock)
-            inbox.put(msg)
-            if msg is None:
+            frame = wire.recv(sock)      # the daemon sends lists of messages
+            if frame is None:
+                inbox.put(None)
                 return
+            for msg in frame:
+                inbox.put(msg)
 
     threading.Thread(target=reader, name="worker-reader", daemon=True).start()
     last_stats = 0.0
