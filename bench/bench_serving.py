@@ -17,7 +17,6 @@ import os
 import platform
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -159,7 +158,7 @@ def main() -> int:
               "stream_32x256": stream, "date": time.strftime("%Y-%m-%d")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"| concurrency | req/s | p50 ms | p99 ms | errors |\n|---:|---:|---:|---:|---:|")
+    print("| concurrency | req/s | p50 ms | p99 ms | errors |\n|---:|---:|---:|---:|---:|")
     for r in chat:
         print(f"| {r['concurrency']} | {r['req_per_s']:.0f} | {r['p50_ms']:.1f} | "
               f"{r['p99_ms']:.1f} | {r['errors']} |")

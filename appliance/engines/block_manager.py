@@ -117,6 +117,8 @@ class BlockManager:
             table.append(self._take_free())
         seq.block_table = table
         seq.num_cached = len(hits) * self.block_size
+        seq.hashed_blocks = len(hits)
+        seq.chain_hash = self._hash[hits[-1]] if hits else 0
         seq.prefix_hit = seq.num_cached
         seq.reserved_blocks = self._reservation(seq, len(table))
         self.reserved += seq.reserved_blocks
@@ -126,12 +128,21 @@ class BlockManager:
 
         Called after a forward pass, never at allocation: a block must hold real KV
         before another sequence may read it."""
-        for i, (h, chunk) in enumerate(self._chain(seq.tokens, seq.num_cached)):
+        # Incremental: continue the chain from the last hashed block, so a decode step
+        # costs one hash per newly full block, not one per block of the context.
+        bs = self.block_size
+        full = seq.num_cached // bs
+        h = seq.chain_hash
+        for i in range(seq.hashed_blocks, full):
+            chunk = tuple(seq.tokens[i * bs:(i + 1) * bs])
+            h = hash((h, chunk))
             block = seq.block_table[i]
             if self._hash[block] is None:
                 self._hash[block] = h
                 self._tokens[block] = chunk
                 self._by_hash.setdefault(h, block)
+        if full > seq.hashed_blocks:
+            seq.hashed_blocks, seq.chain_hash = full, h
 
     def needs_block(self, seq: Sequence) -> bool:
         return len(seq.tokens) > len(seq.block_table) * self.block_size
@@ -157,5 +168,7 @@ class BlockManager:
                 self._free[block] = None
         seq.block_table = []
         seq.num_cached = 0
+        seq.hashed_blocks = 0
+        seq.chain_hash = 0
         self.reserved -= seq.reserved_blocks
         seq.reserved_blocks = 0

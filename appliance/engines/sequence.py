@@ -23,7 +23,7 @@ class Sequence:
     __slots__ = (
         "request_id", "tokens", "num_prompt", "params", "role", "status",
         "block_table", "num_cached", "handle", "sampler", "reserved_blocks",
-        "prefix_hit", "arrival",
+        "prefix_hit", "arrival", "hashed_blocks", "chain_hash",
     )
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -42,6 +42,8 @@ class Sequence:
         self.reserved_blocks = 0     # decode reservation held by this sequence
         self.prefix_hit = 0          # prompt tokens served from the prefix cache
         self.arrival = arrival
+        self.hashed_blocks = 0       # full blocks whose hash is in the prefix cache
+        self.chain_hash = 0          # hash chain value after those blocks
         if first_token is not None:
             self.tokens.append(first_token)
 
