@@ -135,6 +135,12 @@ def test_incremental_detokenizer_matches_full_decode(tiny_model):
     ids = tok.encode(text)
     stream = tok.stream()
     assert "".join(stream.push([i]) for i in ids) == tok.decode(ids)
+    # Every prefix, including ones that end inside a multi-byte character: what streams
+    # out plus the final flush is exactly the full decode.
+    for n in range(1, len(ids) + 1):
+        stream = tok.stream()
+        streamed = "".join(stream.push([i]) for i in ids[:n]) + stream.flush()
+        assert streamed == tok.decode(ids[:n]), n
 
 
 def test_chat_template_renders_roles(tiny_model):

@@ -162,7 +162,10 @@ class Completion:
         try:
             async for tokens, reason in gen:
                 self.completion_tokens += len(tokens)
-                text, hit = stops.feed(detok.push(tokens))
+                piece = detok.push(tokens)
+                if reason is not None:
+                    piece += detok.flush()
+                text, hit = stops.feed(piece)
                 if hit:
                     self.finish_reason = "stop"
                     if text:

@@ -67,21 +67,34 @@ class ServedTokenizer:
 
 
 class Detokenizer:
-    """Incremental detokenization: text comes out only when its bytes are complete."""
+    """Incremental detokenization: text comes out only when its bytes are complete;
+    `flush` at the end gives whatever a full decode has beyond that (e.g. a trailing
+    partial character), so streamed text always equals the full decode."""
 
-    __slots__ = ("_tok", "_stream")
+    __slots__ = ("_tok", "_stream", "_ids", "_emitted")
 
     def __init__(self, tok: Tokenizer):
         self._tok = tok
         self._stream = DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._emitted = 0
 
     def push(self, ids: list[int]) -> str:
+        self._ids.extend(ids)
         out = []
         for i in ids:
             piece = self._stream.step(self._tok, i)
             if piece:
                 out.append(piece)
-        return "".join(out)
+        text = "".join(out)
+        self._emitted += len(text)
+        return text
+
+    def flush(self) -> str:
+        full = self._tok.decode(self._ids, skip_special_tokens=True)
+        rest = full[self._emitted:]
+        self._emitted = len(full)
+        return rest
 
 
 class StopMatcher:

@@ -114,7 +114,15 @@ class WorkerLink:
         self.state = "ready"
         self.started_at = time.monotonic()
         self._task = asyncio.create_task(self._read(reader), name=f"read-{self.id}")
+        asyncio.create_task(self._watch(self.proc, self.writer), name=f"watch-{self.id}")
         self.pool.on_ready(self)
+
+    @staticmethod
+    async def _watch(proc: asyncio.subprocess.Process, writer: asyncio.StreamWriter) -> None:
+        """A dead worker's socket may stay open if a child inherited it: when the process
+        exits, close our end so the reader sees the end of the stream either way."""
+        await proc.wait()
+        writer.close()
 
     async def _reap(self) -> str:
         if self.proc is None:

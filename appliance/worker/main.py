@@ -49,6 +49,9 @@ def run(fd: int, spec: WorkerSpec) -> int:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the daemon decides when we stop
     pin(spec)
+    # Children the engine may start (torch's shm manager) must not inherit our end of
+    # the socket: the daemon notices our death by the socket closing.
+    os.set_inheritable(fd, False)
     sock = socket.socket(fileno=fd)
     from appliance.worker.engine_factory import build_engine
     try:
