@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 import signal
 import socket
 import threading
@@ -231,3 +232,25 @@ def test_request_records_and_conditional_disagg(daemon_factory, tiny_model):
         assert rec["output_tokens"] == resp.usage.completion_tokens == 4
         assert rec["arrival"] <= rec["first_token"] <= rec["finish"]
         assert rec["simulated"] is True and rec["finish_reason"] == "length"
+
+
+
+def test_gpu_workers_see_their_own_gpus_first_then_their_peers():
+    """CUDA_VISIBLE_DEVICES by UUID: own devices first, then the other phase's devices
+    (CUDA IPC can only open a peer's pool on a visible GPU). Checked on the plan for a
+    4-GPU box, without GPUs."""
+    from appliance.config import Config
+    from appliance.daemon.app import worker_specs
+    from appliance.daemon.workers import worker_env
+    from appliance.partitions import Device, Inventory, lookup_gpu, plan_partition
+
+    h100 = lookup_gpu("H100")
+    gpus = tuple(Device(f"gpu{i}", "gpu", "NVIDIA H100 80GB HBM3", False, i, f"GPU-{i}",
+                        spec=h100) for i in range(4))
+    inv = Inventory(gpus, {(a.id, b.id): "nvlink" for a in gpus for b in gpus
+                           if a.index < b.index}, "nvml", None)
+    specs = worker_specs(Config(), inv, plan_partition(inv), "torch", Path("/models/x"))
+    env = {s.worker: worker_env(s, {})["CUDA_VISIBLE_DEVICES"] for s in specs}
+    assert env == {"prefill0": "GPU-0,GPU-2,GPU-3", "prefill1": "GPU-1,GPU-2,GPU-3",
+                   "decode0": "GPU-2,GPU-0,GPU-1", "decode1": "GPU-3,GPU-0,GPU-1"}
+    assert all(s.cpu_core is None and s.gpu_name == "H100-SXM" for s in specs)

@@ -91,6 +91,18 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None) -> Setup:
         raise StartupError(f"model directory {model_dir} has no tokenizer.json")
     e = cfg.engine
     name = e.model_name or e.model_spec or model_dir.name
+    specs = worker_specs(cfg, inv, plan, engine, model_dir)
+    try:
+        max_context = _max_context(model_dir, e.model_spec)
+    except (ValueError, OSError) as exc:
+        raise StartupError(str(exc)) from None
+    return Setup(inv, plan, engine, model_dir, name, max_context, specs)
+
+
+def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
+                 model_dir: Path) -> list[WorkerSpec]:
+    """One WorkerSpec per slot of the plan; CPU workers get a core each."""
+    e = cfg.engine
     devices = {d.id: d for d in inv.devices}
     specs = []
     cores = itertools.count()
@@ -106,11 +118,11 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None) -> Setup:
             max_batch_tokens=e.max_batch_tokens, max_seqs=e.max_seqs,
             kv_cache_bytes=e.kv_cache_bytes, gpu_mem_fraction=e.gpu_mem_fraction,
             handoff_timeout_s=e.handoff_timeout_s, reserve_ratio=e.reserve_ratio))
-    try:
-        max_context = _max_context(model_dir, e.model_spec)
-    except (ValueError, OSError) as exc:
-        raise StartupError(str(exc)) from None
-    return Setup(inv, plan, engine, model_dir, name, max_context, specs)
+    for spec in specs:
+        # KV flows between the phases: a worker must see the other phase's GPUs.
+        spec.peer_uuids = [u for other in specs if other.role != spec.role
+                           for u in other.device_uuids if u and u not in spec.device_uuids]
+    return specs
 
 
 class Service:

@@ -59,6 +59,15 @@ class Channel:
         return self.items.popleft()
 
 
+def worker_env(spec: WorkerSpec, base) -> dict[str, str]:
+    env = dict(base)
+    if spec.device_kind == "gpu":
+        # Own GPUs first (the engine runs on cuda:0..tp-1), then the peers' GPUs:
+        # CUDA IPC can only open a peer's KV pool on a device this process can see.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.device_uuids + spec.peer_uuids)
+    return env
+
+
 def worker_command(spec: WorkerSpec, fd: int) -> list[str]:
     # A frozen binary is its own interpreter: `applianced worker ...`.
     base = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "appliance"]
@@ -91,9 +100,7 @@ class WorkerLink:
     async def start(self) -> None:
         self.state = "starting"
         parent, child = socket.socketpair()
-        env = dict(os.environ)
-        if self.spec.device_kind == "gpu":
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.spec.device_uuids)
+        env = worker_env(self.spec, os.environ)
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *worker_command(self.spec, child.fileno()), pass_fds=(child.fileno(),),

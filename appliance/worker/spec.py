@@ -16,6 +16,7 @@ class WorkerSpec:
     model_dir: str
     gpu_name: str | None = None     # catalogue name (sim and gpu)
     device_uuids: list[str] = field(default_factory=list)
+    peer_uuids: list[str] = field(default_factory=list)   # GPUs of workers we swap KV with
     cpu_core: int | None = None
     model_spec: str | None = None   # simulator shape; None = read model_dir/config.json
     sim_speed: float = 1.0

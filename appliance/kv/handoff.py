@@ -1,0 +1,214 @@
+"""Sharing a worker's KV pool with its peers: exported once, imported once, then block copies.
+
+Each worker allocates ONE pool ``[2, layers, blocks, block_size, kv_heads, head_dim]`` at
+start-up (`allocate_pool`) and exports it ONCE (`export_pool`) through
+``torch.multiprocessing.reductions.reduce_tensor``. The result is pickled here, inside the
+worker, so what crosses the daemon (``Hello.peer_handle`` -> ``AttachPeer.handle``) is
+opaque ``bytes``: the daemon never unpickles torch objects and never imports torch. A peer
+calls `import_pool` once; after that a handoff is only block ids (`copy_from_peer`).
+
+CPU (what CI runs): the pool lives in /dev/shm and is shared by torch's ``file_system``
+strategy (a named shm object plus torch_shm_manager refcounting). The default
+``file_descriptor`` strategy cannot work for us: it passes the fd through
+multiprocessing's resource_sharer, which authenticates with
+``multiprocessing.current_process().authkey``; our workers are exec'd by the daemon, not
+children of a multiprocessing parent, so each has its own random authkey and the import
+fails with ``AuthenticationError: digest sent was rejected`` (checked on torch 2.13, see
+tests/test_kv_handoff.py). The torch_shm_manager binary (torch/bin) must therefore ship
+with a frozen build.
+
+Lifetime: the exporter must keep its pool alive for as long as it runs (the engine holds
+it). The shm object is unlinked by torch once the exporter and every importer are gone;
+if the exporter dies (kill -9) while a peer still maps the pool, the name would survive
+until that peer exits, so a peer that re-attaches a restarted worker unlinks the dead
+pool's name (`forget_pool`).
+
+GPU (NOT RUN ON HARDWARE; written against torch's CUDA IPC API, untested): the handle
+carries the exporting GPU's UUID, because ordinals differ between processes with
+different ``CUDA_VISIBLE_DEVICES``; the importer maps the UUID to its own ordinal and
+rebuilds the tensor there. CUDA IPC can only open memory on a device the importer can see,
+so the daemon must start every worker with ``CUDA_VISIBLE_DEVICES=<own uuids>,<peer
+uuids>``: its own devices first (the engine runs on ``cuda:0``), then the GPUs of every
+worker it exchanges KV with. Pools must come from plain cudaMalloc (no
+``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF``: IPC handles of expandable segments
+are not supported). The exporter must have finished writing the KV before it reports the
+handle: ``sample()`` reads the logits back to the host, which synchronizes the stream
+that wrote the KV. `copy_from_peer` copies on a side stream and synchronizes before it
+returns, i.e. before the decode worker acknowledges (``KvImported``) and the source frees.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as torch_mp
+from multiprocessing.reduction import ForkingPickler
+from torch.multiprocessing.reductions import reduce_tensor
+
+HANDLE_VERSION = 1
+
+__all__ = [
+    "PeerPool", "allocate_pool", "copy_from_peer", "export_pool", "forget_pool",
+    "import_pool", "normalize_uuid", "shm_free_bytes",
+]
+
+
+def _use_file_system_sharing() -> None:
+    if torch_mp.get_sharing_strategy() != "file_system":
+        torch_mp.set_sharing_strategy("file_system")
+
+
+def shm_free_bytes(path: str = "/dev/shm") -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+    """A zeroed pool that can be exported: in /dev/shm on the CPU, cudaMalloc'd on a GPU.
+
+    On the CPU the storage is created in shared memory directly (no private copy first),
+    after checking that /dev/shm has room: touching a shm page beyond the tmpfs size is a
+    SIGBUS, not an exception."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    _use_file_system_sharing()
+    elem = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * elem
+    free = shm_free_bytes()
+    if free is not None and nbytes > free:
+        raise MemoryError(
+            f"KV pool needs {nbytes / 2**20:.0f} MiB of shared memory but /dev/shm has "
+            f"{free / 2**20:.0f} MiB free; lower kv_cache_bytes or enlarge /dev/shm "
+            f"(docker: --shm-size)")
+    storage = torch.UntypedStorage._new_shared(nbytes)  # fresh shm object: zero-filled
+    pool = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    assert pool.is_shared() and pool.is_contiguous()
+    return pool
+
+
+def _device_uuid(index: int) -> str:
+    return normalize_uuid(str(torch.cuda.get_device_properties(index).uuid))
+
+
+def normalize_uuid(uuid: str) -> str:
+    """NVML says 'GPU-8f6c...', torch says '8f6c...': compare without prefix, lower case."""
+    u = uuid.strip().lower()
+    return u[4:] if u.startswith("gpu-") else u
+
+
+def export_pool(pool: torch.Tensor) -> bytes:
+    """Opaque bytes a peer passes to `import_pool`. Call once; keep `pool` alive."""
+    if pool.device.type == "cuda":
+        fn, args = reduce_tensor(pool)
+        meta = {"kind": "cuda", "uuid": _device_uuid(pool.device.index or 0)}
+    else:
+        if not pool.is_shared():
+            raise ValueError("export a CPU pool allocated by allocate_pool (shared memory)")
+        _use_file_system_sharing()
+        fn, args = reduce_tensor(pool)
+        _, shm_name, _ = pool.untyped_storage()._share_filename_cpu_()
+        meta = {"kind": "cpu", "shm_name": shm_name.decode() if isinstance(shm_name, bytes)
+                else shm_name}
+    meta.update(version=HANDLE_VERSION, shape=tuple(pool.shape), dtype=str(pool.dtype))
+    # ForkingPickler applies torch's storage reductions: names and sizes, never the data.
+    return bytes(ForkingPickler.dumps((meta, fn, args)))
+
+
+@dataclass(slots=True)
+class PeerPool:
+    """A peer's pool mapped into this process."""
+
+    tensor: torch.Tensor
+    kind: str
+    shm_name: str | None = None
+
+
+def import_pool(handle: bytes) -> PeerPool:
+    """Map a peer's exported pool. Raises ValueError/RuntimeError with a reason."""
+    if not isinstance(handle, (bytes, bytearray)):
+        raise ValueError(f"a KV pool handle is bytes, got {type(handle).__name__}")
+    meta, fn, args = pickle.loads(handle)
+    if meta.get("version") != HANDLE_VERSION:
+        raise ValueError(f"KV pool handle version {meta.get('version')} != {HANDLE_VERSION}")
+    if meta["kind"] == "cuda":
+        return PeerPool(_import_cuda(meta, fn, args), "cuda")
+    _use_file_system_sharing()
+    tensor = fn(*args)
+    if tuple(tensor.shape) != tuple(meta["shape"]):
+        raise ValueError(f"imported pool has shape {tuple(tensor.shape)}, handle says "
+                         f"{meta['shape']}")
+    return PeerPool(tensor, "cpu", meta.get("shm_name"))
+
+
+def _import_cuda(meta: dict, fn, args) -> torch.Tensor:  # NOT RUN ON HARDWARE
+    want = meta["uuid"]
+    local = {_device_uuid(i): i for i in range(torch.cuda.device_count())}
+    if want not in local:
+        raise RuntimeError(
+            f"peer KV pool is on GPU {want}, which this worker cannot see "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}); "
+            "the daemon must list peer GPUs after the worker's own")
+    args = list(args)
+    args[6] = local[want]          # rebuild_cuda_tensor's storage_device: our ordinal
+    return fn(*args)
+
+
+def copy_from_peer(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor,
+                   dst_ids: list[int]) -> None:
+    """Copy whole blocks from a peer pool into ours; complete when this returns."""
+    from appliance.engines.torch_model import copy_blocks
+
+    if dst.device.type != "cuda":
+        copy_blocks(src, src_ids, dst, dst_ids)
+        return
+    # NOT RUN ON HARDWARE. Side stream, ordered after our own pending work on dst, and
+    # synchronized before the caller acknowledges (the source frees the blocks then).
+    stream = torch.cuda.Stream(device=dst.device)
+    stream.wait_stream(torch.cuda.current_stream(dst.device))
+    with torch.cuda.stream(stream):
+        copy_blocks(src, src_ids, dst, dst_ids)
+    stream.synchronize()
+
+
+def forget_pool(peer: PeerPool, owner_dead: bool) -> None:
+    """Drop a peer pool. If its owner is known dead (it restarted with a new pool), unlink
+    its shm name so /dev/shm does not keep it for as long as this process lives.
+
+    torch would otherwise keep the name: a killed exporter never drops its reference, and
+    the importer stays connected to the exporter's torch_shm_manager. Unlinking it
+    ourselves is only safe if torch never tries again: when the shared refcount reaches 0
+    torch unlinks the name and *aborts the process* if it is already gone (checked on
+    torch 2.13). So take one reference that is never returned first; the memory is freed
+    by the kernel once the last mapping closes."""
+    if owner_dead and peer.kind == "cpu" and peer.shm_name and not _owner_alive(peer.shm_name):
+        peer.tensor.untyped_storage()._shared_incref()
+        try:
+            os.unlink(os.path.join("/dev/shm", peer.shm_name.lstrip("/")))
+        except OSError:
+            pass
+    peer.tensor = torch.empty(0)
+
+
+def _owner_alive(shm_name: str) -> bool:
+    """torch names shm objects /torch_<pid>_<random>_<n>; a live pid keeps its name."""
+    try:
+        pid = int(shm_name.lstrip("/").split("_")[1])
+    except (IndexError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

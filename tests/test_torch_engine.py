@@ -1,0 +1,303 @@
+"""The torch engine driven through the engine contract, in-process, on the generated tiny
+checkpoint: agg and disagg greedy output == transformers `generate`, prefix-cache hits,
+seeded sampling independent of batch composition, layout refusal, preemption."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from appliance.engines.messages import (
+    Decode, IterationRecord, KvHandle, KvImported, Prefill, PrefillDone, RequestFailed,
+    SamplingParams, Tokens,
+)
+from appliance.engines.torch_engine import TorchEngine, build_torch_engine
+from appliance.worker.spec import WorkerSpec
+
+torch.set_num_threads(1)
+transformers = pytest.importorskip("transformers")
+
+BS = 16
+N_NEW = 24
+GREEDY = SamplingParams(max_tokens=N_NEW, temperature=0.0)
+
+
+def block_bytes(model_dir, block_size: int = BS) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * block_size * cfg["num_key_value_heads"] * hd * 4
+
+
+def make_engine(model_dir, worker: str, *, num_blocks: int = 256, block_size: int = BS,
+                role: str = "agg", reserve_ratio: float = 1.0) -> TorchEngine:
+    spec = WorkerSpec(worker=worker, role=role, engine="torch", devices=[f"cpu-{worker}"],
+                      device_kind="cpu", model_dir=str(model_dir), block_size=block_size,
+                      max_batch_tokens=2048, max_seqs=64, reserve_ratio=reserve_ratio,
+                      kv_cache_bytes=num_blocks * block_bytes(model_dir, block_size))
+    eng = build_torch_engine(spec, model_dir)
+    assert eng.blocks.num_blocks == num_blocks
+    return eng
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model) -> dict[str, list[int]]:
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    text = ("import os\nimport sys\n\ndef main(argv):\n    for name in sorted(os.listdir(argv[1])):"
+            "\n        path = os.path.join(argv[1], name)\n        if os.path.isfile(path):\n"
+            "            print(name, os.path.getsize(path))\n    return 0\n\n"
+            "class Config:\n    def __init__(self, path):\n        self.path = path\n"
+            "        self.values = {}\n")
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert len(ids) > 70, len(ids)
+    bos = 0
+    shared = [bos] + ids[:34]                 # two full blocks + 3 tokens of a shared prefix
+    return {
+        "short": [bos] + ids[40:45],          # 6 tokens
+        "long": [bos] + ids[10:50],           # 41 tokens: three blocks, one partial
+        "block": [bos] + ids[20:36],          # 17 tokens: a full block plus one
+        "prefA": shared + ids[50:55],         # 40 tokens
+        "prefB": shared + ids[60:68],         # 43 tokens, same first 2 blocks as prefA
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, prompts) -> dict[str, list[int]]:
+    """transformers' greedy generate, one prompt at a time (no padding)."""
+    model = transformers.LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for name, p in prompts.items():
+            gen = model.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False)
+            out[name] = gen[0, len(p):].tolist()
+    return out
+
+
+def collect(events, out: dict, cached: dict, records: list | None = None) -> None:
+    for ev in events:
+        if isinstance(ev, Tokens):
+            out.setdefault(ev.request_id, []).extend(ev.tokens)
+            cached.setdefault(ev.request_id, ev.cached_tokens)
+        elif isinstance(ev, RequestFailed):
+            raise AssertionError(f"request failed: {ev}")
+        elif isinstance(ev, IterationRecord) and records is not None:
+            records.append(ev)
+
+
+def run_agg(eng: TorchEngine, first: dict[str, list[int]], later: dict[str, list[int]],
+            params: dict[str, SamplingParams] | None = None):
+    """Add `first`, run one step (their prefill), add `later`, run to idle."""
+    params = params or {}
+    out: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    records: list[IterationRecord] = []
+    for name, p in first.items():
+        assert eng.add(Prefill(name, p, params.get(name, GREEDY), handoff=False)) == []
+    collect(eng.step(), out, cached, records)
+    for name, p in later.items():
+        assert eng.add(Prefill(name, p, params.get(name, GREEDY), handoff=False)) == []
+    for _ in range(10_000):
+        if not eng.has_work():
+            break
+        collect(eng.step(), out, cached, records)
+    assert not eng.has_work()
+    return out, cached, records
+
+
+def run_disagg(pre: TorchEngine, dec: TorchEngine, first: dict, later: dict,
+               params: dict | None = None):
+    """What the router does: Prefill(handoff) on `pre`, Decode(handle) on `dec`,
+    Release to `pre` once `dec` reports KvImported."""
+    params = params or {}
+    out: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    dec_phases: list[str] = []
+    prompts = {**first, **later}
+
+    def prefill_events(events):
+        for ev in events:
+            if isinstance(ev, PrefillDone):
+                out[ev.request_id] = [ev.first_token]
+                cached[ev.request_id] = ev.cached_tokens
+                if ev.handle is not None:
+                    rid = ev.request_id
+                    r = dec.add(Decode(rid, prompts[rid], ev.first_token,
+                                       params.get(rid, GREEDY), ev.handle))
+                    assert r == [], r
+            elif isinstance(ev, RequestFailed):
+                raise AssertionError(f"prefill failed: {ev}")
+
+    for name, p in first.items():
+        assert pre.add(Prefill(name, p, params.get(name, GREEDY), handoff=True)) == []
+    prefill_events(pre.step())
+    for name, p in later.items():
+        assert pre.add(Prefill(name, p, params.get(name, GREEDY), handoff=True)) == []
+    for _ in range(10_000):
+        if not (pre.has_work() or dec.has_work()):
+            break
+        if pre.has_work():
+            prefill_events(pre.step())
+        if dec.has_work():
+            for ev in dec.step():
+                if isinstance(ev, KvImported):
+                    assert ev.source_worker == pre.worker
+                    pre.release(ev.request_id)
+                elif isinstance(ev, IterationRecord):
+                    dec_phases.append(ev.phase)
+                else:
+                    collect([ev], out, {})
+    return out, cached, dec_phases
+
+
+def assert_all_free(*engines: TorchEngine) -> None:
+    for eng in engines:
+        st = eng.stats()
+        assert st.kv_blocks_free == st.kv_blocks_total, (eng.worker, st)
+        assert st.kv_blocks_handed_off == 0 and eng.blocks.reserved == 0, st
+
+
+FIRST = ("short", "long", "prefA")
+LATER = ("block", "prefB")
+
+
+def split(prompts):
+    return ({k: prompts[k] for k in FIRST}, {k: prompts[k] for k in LATER})
+
+
+# --------------------------------------------------------------------------- (a) agg
+
+
+def test_agg_greedy_matches_transformers(tiny_model, prompts, reference):
+    eng = make_engine(tiny_model, "agg0")
+    first, later = split(prompts)
+    out, cached, records = run_agg(eng, first, later)
+    for name in prompts:
+        assert out[name] == reference[name], name
+    # prefB was prefilled after prefA's blocks were committed: its shared two blocks hit.
+    assert cached["prefB"] == 2 * BS
+    assert cached["prefA"] == 0 and cached["long"] == 0
+    assert eng.stats().prefix_hit_tokens == 2 * BS
+    # Requests really were batched: decode steps with all five sequences.
+    assert max(len(r.entries) for r in records if r.phase == "decode") == len(prompts)
+    assert_all_free(eng)
+
+
+# --------------------------------------------------------------------------- (b) disagg
+
+
+def test_disagg_handoff_matches_agg(tiny_model, prompts, reference):
+    pre = make_engine(tiny_model, "prefill0", role="prefill")
+    dec = make_engine(tiny_model, "decode0", role="decode")
+    assert isinstance(pre.peer_handle(), bytes) and len(pre.peer_handle()) < 4096
+    dec.attach_peer(pre.worker, pre.peer_handle())
+    pre.attach_peer(dec.worker, dec.peer_handle())
+    first, later = split(prompts)
+    out, cached, dec_phases = run_disagg(pre, dec, first, later)
+    for name in prompts:
+        assert out[name] == reference[name], name
+    assert cached["prefB"] == 2 * BS
+    # The decode worker never ran a prompt: its KV came from the prefill worker's pool.
+    assert "prefill" not in dec_phases and "kv_import" in dec_phases
+    assert_all_free(pre, dec)
+
+
+def test_handed_off_blocks_freed_by_sweep_when_never_acknowledged(tiny_model, prompts):
+    pre = make_engine(tiny_model, "prefill1", num_blocks=32, role="prefill")
+    assert pre.add(Prefill("r", prompts["long"], GREEDY, handoff=True)) == []
+    done = [e for e in pre.step() if isinstance(e, PrefillDone)]
+    assert done and done[0].handle is not None
+    assert pre.stats().kv_blocks_handed_off == len(done[0].handle.block_ids)
+    pre.sweep(now=1e18)
+    assert_all_free(pre)
+
+
+# --------------------------------------------------------------------------- (c) seeds
+
+
+def test_seeded_sampling_independent_of_batch(tiny_model, prompts):
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
+    other = SamplingParams(max_tokens=16, temperature=1.0, seed=7)
+    eng = make_engine(tiny_model, "s0")
+    alone, _, _ = run_agg(eng, {"x": prompts["long"]}, {}, {"x": seeded})
+
+    eng2 = make_engine(tiny_model, "s1")
+    mixed, _, _ = run_agg(
+        eng2, {"a": prompts["short"], "b": prompts["prefA"]},
+        {"x": prompts["long"], "c": prompts["block"]},
+        {"x": seeded, "a": other, "b": GREEDY, "c": other})
+    assert mixed["x"] == alone["x"]
+
+    # Disaggregated: the decode worker continues the same random stream.
+    pre = make_engine(tiny_model, "s2", role="prefill")
+    dec = make_engine(tiny_model, "s3", role="decode")
+    dec.attach_peer(pre.worker, pre.peer_handle())
+    split_out, _, _ = run_disagg(pre, dec, {"x": prompts["long"], "a": prompts["short"]}, {},
+                                 {"x": seeded, "a": other})
+    assert split_out["x"] == alone["x"]
+
+    reseeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1235)
+    different, _, _ = run_agg(eng, {"x": prompts["long"]}, {}, {"x": reseeded})
+    assert different["x"] != alone["x"]
+
+
+def test_invalid_requests_fail_without_touching_the_engine(tiny_model):
+    eng = make_engine(tiny_model, "v0", num_blocks=16)
+    bad_t = SamplingParams(max_tokens=4, temperature=-1.0)
+    (ev,) = eng.add(Prefill("t", [0, 5, 6], bad_t, handoff=False))
+    assert isinstance(ev, RequestFailed) and ev.code == "invalid_request"
+    (ev,) = eng.add(Prefill("e", [], GREEDY, handoff=False))
+    assert ev.code == "invalid_request"
+    (ev,) = eng.add(Prefill("v", [0, 10**6], GREEDY, handoff=False))
+    assert ev.code == "invalid_request"
+    (ev,) = eng.add(Prefill("c", [5] * (eng.max_context + 1), GREEDY, handoff=False))
+    assert ev.code == "context_length_exceeded"
+    assert not eng.has_work()
+    assert_all_free(eng)
+
+
+# --------------------------------------------------------------------------- (d) layout
+
+
+def test_layout_mismatch_is_refused(tiny_model, prompts):
+    pre = make_engine(tiny_model, "l0", num_blocks=32, role="prefill")
+    other = make_engine(tiny_model, "l1", num_blocks=64, block_size=8, role="decode")
+    other.attach_peer(pre.worker, pre.peer_handle())
+    assert pre.add(Prefill("r", prompts["long"], GREEDY, handoff=True)) == []
+    (done,) = [e for e in pre.step() if isinstance(e, PrefillDone)]
+    assert done.handle.layout != other.layout()
+
+    (ev,) = other.add(Decode("r", prompts["long"], done.first_token, GREEDY, done.handle))
+    assert isinstance(ev, RequestFailed) and ev.code == "kv_layout_mismatch"
+
+    # A handle that claims the right layout for a pool that has another one: the import
+    # checks the attached pool itself and refuses (never reinterprets the bytes).
+    h = done.handle
+    lying = KvHandle(h.worker, h.request_id, h.block_ids, h.num_tokens, other.layout())
+    assert other.add(Decode("r", prompts["long"], done.first_token, GREEDY, lying)) == []
+    (ev,) = [e for e in other.step() if isinstance(e, RequestFailed)]
+    assert ev.code == "kv_import_failed" and "pool of l0" in ev.message
+
+    # A source whose pool was never attached: a clear error, not a crash.
+    same = make_engine(tiny_model, "l2", num_blocks=32, role="decode")
+    assert same.add(Decode("r", prompts["long"], done.first_token, GREEDY, h)) == []
+    (ev,) = [e for e in same.step() if isinstance(e, RequestFailed)]
+    assert ev.code == "kv_import_failed" and "no KV pool of source worker 'l0'" in ev.message
+
+    pre.release("r")
+    assert_all_free(pre, other, same)
+
+
+# --------------------------------------------------------------------------- (e) preemption
+
+
+def test_preemption_by_recompute_keeps_greedy_output(tiny_model, prompts, reference):
+    # 8 blocks of 16 tokens for five requests needing 2-5 blocks each: decode runs out of
+    # blocks and preempts (reserve_ratio=0 admits without a decode reservation).
+    eng = make_engine(tiny_model, "p0", num_blocks=8, reserve_ratio=0.0)
+    first, later = split(prompts)
+    out, _, _ = run_agg(eng, first, later)
+    assert eng.scheduler.preemptions > 0
+    for name in prompts:
+        assert out[name] == reference[name], name
+    assert_all_free(eng)
