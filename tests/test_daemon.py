@@ -254,3 +254,31 @@ def test_gpu_workers_see_their_own_gpus_first_then_their_peers():
     assert env == {"prefill0": "GPU-0,GPU-2,GPU-3", "prefill1": "GPU-1,GPU-2,GPU-3",
                    "decode0": "GPU-2,GPU-0,GPU-1", "decode1": "GPU-3,GPU-0,GPU-1"}
     assert all(s.cpu_core is None and s.gpu_name == "H100-SXM" for s in specs)
+
+
+@pytest.mark.parametrize("breakage,needle", [
+    ("arch", "MambaForCausalLM"),
+    ("weights", "model.safetensors"),
+])
+def test_unloadable_model_fails_start_with_one_line(tiny_model, tmp_path, breakage, needle):
+    import json
+    import shutil
+    import subprocess
+    import sys
+    bad = tmp_path / "bad-model"
+    shutil.copytree(tiny_model, bad)
+    if breakage == "arch":
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg["architectures"] = ["MambaForCausalLM"]
+        (bad / "config.json").write_text(json.dumps(cfg))
+    else:
+        (bad / "model.safetensors").write_bytes(b"\x00" * 100)
+    out = subprocess.run([sys.executable, "-m", "appliance", "serve", "--devices", "cpu",
+                          "--engine", "torch", "--model", str(bad), "--port", "1",
+                          "--state-dir", str(tmp_path / "s")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("applianced: worker") and "cannot start its torch engine" in last
+    assert needle in last, last

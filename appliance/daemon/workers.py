@@ -18,6 +18,7 @@ from typing import Callable
 
 from appliance.engines.messages import (
     AttachPeer, Hello, IterationRecord, KvImported, PrefillDone, RequestFailed, Shutdown,
+    StartFailed,
     Tokens, WorkerStats,
 )
 from appliance.worker import wire
@@ -115,6 +116,9 @@ class WorkerLink:
             first = None
         if not first or not isinstance(first[0], Hello):
             code = await self._reap()
+            if first and isinstance(first[0], StartFailed):
+                raise WorkerGone(f"worker {self.id} cannot start its {self.spec.engine} engine: "
+                                 f"{first[0].message}")
             raise WorkerGone(f"worker {self.id} exited before it was ready ({code})")
         self.hello = first[0]
         self.stats = next((e for e in first if isinstance(e, WorkerStats)), None)

@@ -103,6 +103,14 @@ class Hello:
 
 
 @dataclass(slots=True)
+class StartFailed:
+    """The engine could not be built (bad checkpoint, no memory...): said once, then exit."""
+
+    worker: str
+    message: str
+
+
+@dataclass(slots=True)
 class PrefillDone:
     """First token of a disaggregated request; handle is None when it already finished."""
 

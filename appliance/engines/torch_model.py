@@ -260,6 +260,23 @@ def copy_blocks(
             raise ValueError(f"{name} block id {bad} out of range [0, {pool.shape[2]})")
     if torch.unique(dst).numel() != dst.numel():
         raise ValueError("duplicate destination block ids")
+    same = src_pool.untyped_storage().data_ptr() == dst_pool.untyped_storage().data_ptr()
+    if src_pool.device.type == "cpu" and dst_pool.device.type == "cpu" and not same:
+        # One pass, slice by slice, consecutive ids merged into one slice: ~2x the
+        # bandwidth of index_select + index_copy_ (a gather into a temporary, then a
+        # scatter) on the CPU, and a plain memcpy for contiguous runs.
+        s3 = src_pool.view(src_pool.shape[0] * src_pool.shape[1], src_pool.shape[2], -1)
+        d3 = dst_pool.view(dst_pool.shape[0] * dst_pool.shape[1], dst_pool.shape[2], -1)
+        pairs = list(zip(src.tolist(), dst.tolist()))
+        i = 0
+        while i < len(pairs):
+            s0, d0 = pairs[i]
+            n = 1
+            while i + n < len(pairs) and pairs[i + n] == (s0 + n, d0 + n):
+                n += 1
+            d3[:, d0:d0 + n].copy_(s3[:, s0:s0 + n])
+            i += n
+        return
     moved = src_pool.index_select(2, src.to(src_pool.device))
     dst_pool.index_copy_(2, dst.to(dst_pool.device), moved.to(dst_pool.device))
 
@@ -471,16 +488,19 @@ class LlamaModel(torch.nn.Module):
     ) -> torch.Tensor:
         s = self.shape
         out = torch.empty(q.shape[0], s.q_size, device=q.device, dtype=q.dtype)
+        # 4-d inputs: with 3-d ones torch 2.13's CPU SDPA falls back to the math kernel
+        # (materialized scores), 3-5x slower on long prompts than the fused kernel.
         for start, end, ctx_slots, mask in plan.prefill:
-            qi = q[start:end].transpose(0, 1)  # [H, n, hd]
+            qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             if ctx_slots is None:
-                ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                ki = k[start:end].transpose(0, 1).unsqueeze(0)
+                vi = v[start:end].transpose(0, 1).unsqueeze(0)
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
             else:
-                ki = k_cache.index_select(0, ctx_slots).transpose(0, 1)  # [KVH, ctx, hd]
-                vi = v_cache.index_select(0, ctx_slots).transpose(0, 1)
+                ki = k_cache.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
+                vi = v_cache.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
-            out[start:end] = oi.transpose(0, 1).reshape(end - start, s.q_size)
+            out[start:end] = oi[0].transpose(0, 1).reshape(end - start, s.q_size)
         return out
 
     def _decode_attention(

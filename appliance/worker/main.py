@@ -16,7 +16,7 @@ import threading
 import time
 
 from appliance.engines.messages import (
-    Abort, AttachPeer, Decode, Hello, Prefill, Release, RequestFailed, Shutdown,
+    Abort, AttachPeer, Decode, Hello, Prefill, Release, RequestFailed, Shutdown, StartFailed,
 )
 from appliance.worker import wire
 from appliance.worker.spec import WorkerSpec
@@ -57,7 +57,12 @@ def run(fd: int, spec: WorkerSpec) -> int:
     try:
         engine = build_engine(spec)
     except Exception as exc:
-        print(f"applianced worker {spec.worker}: cannot start engine: {exc}", file=sys.stderr)
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"applianced worker {spec.worker}: cannot start engine: {message}", file=sys.stderr)
+        try:
+            sock.sendall(wire.pack([StartFailed(spec.worker, message)]))
+        except OSError:
+            pass
         return 3
     info = engine.hello_info()
     sock.sendall(wire.pack([Hello(spec.worker, os.getpid(), spec.role, engine.name,
