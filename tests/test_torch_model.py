@@ -28,7 +28,9 @@ transformers = pytest.importorskip("transformers")
 
 BLOCK = 16
 VOCAB = 500
-RTOL, ATOL = 1e-4, 1e-5
+# atol: the fused SDPA kernel (4-d inputs, used for prompts) rounds differently from
+# transformers' eager attention; observed |diff| up to 1.1e-5 on near-zero logits.
+RTOL, ATOL = 1e-4, 3e-5
 
 
 # --------------------------------------------------------------------------- fixtures

@@ -1,0 +1,261 @@
+"""Torch engine vs transformers `generate`, single thread, fp32, on the generated models;
+and the KV handoff's bandwidth. Not a test: prints tables.
+
+    .venv/bin/python bench/bench_torch_engine.py            # full run (~3-4 min on 2 cores)
+    .venv/bin/python bench/bench_torch_engine.py --quick    # smoke run (~1 min)
+
+Decode tok/s: B requests of P prompt tokens, greedy, N new tokens each, EOS ignored.
+  engine: decode tokens / wall time of the engine's decode iterations (IterationRecords).
+  transformers: B*(N-1) / (generate(N new) - generate(1 new)), the same prompts, no
+  padding (all prompts have the same length), its default KV cache and attention.
+Prefill tok/s: engine prefill iteration vs generate(max_new_tokens=1) on the same prompts.
+KV handoff: the blocks of a 2,048-token prompt copied with copy_blocks from a pool that a
+second, exec'd process exported (/dev/shm) into that process's own pool, vs a plain torch
+copy of the same number of bytes inside that process; and the decode engine's whole
+kv_import iteration as a share of the prefill time of that prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from appliance.engines.messages import (  # noqa: E402
+    Decode, IterationRecord, KvImported, Prefill, PrefillDone, SamplingParams,
+)
+from appliance.engines.torch_engine import TorchEngine  # noqa: E402
+from appliance.engines.torch_model import kv_pool_bytes_per_block, load_model  # noqa: E402
+from appliance.kv.handoff import allocate_pool, export_pool  # noqa: E402
+from appliance.worker.engine_factory import read_eos_ids  # noqa: E402
+
+BS = 16
+
+
+def engine(model, worker: str, num_blocks: int) -> TorchEngine:
+    return TorchEngine(model=model, worker=worker, devices=("cpu",), num_blocks=num_blocks,
+                       block_size=BS, max_batch_tokens=65536, max_seqs=256,
+                       max_context=model.shape.max_position_embeddings, eos_token_ids=())
+
+
+def prompts_for(batch: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[0] + torch.randint(5, vocab, (length - 1,), generator=g).tolist()
+            for _ in range(batch)]
+
+
+def run_engine(model, prompts, new_tokens: int):
+    """(prefill wall s, decode wall s, decode tokens, outputs)"""
+    need = sum(-(-(len(p) + new_tokens) // BS) for p in prompts)
+    eng = engine(model, "bench", need + 8)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add(Prefill(f"r{i}", p, params, handoff=False))
+    pre = dec = 0.0
+    ntok = 0
+    outs: dict[str, list[int]] = {}
+    while eng.has_work():
+        for ev in eng.step():
+            if isinstance(ev, IterationRecord):
+                if ev.phase == "prefill":
+                    pre += ev.wall_s
+                else:
+                    dec += ev.wall_s
+                    ntok += len(ev.entries)
+            elif hasattr(ev, "tokens"):
+                outs.setdefault(ev.request_id, []).extend(ev.tokens)
+    return pre, dec, ntok, [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+def hf_generate(hf, prompts, new_tokens: int):
+    gc = copy.deepcopy(hf.generation_config)
+    gc.eos_token_id = None
+    gc.do_sample = False
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        gc.max_new_tokens = new_tokens
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+    return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def bench_model(model_dir: Path, preset: str, a) -> list[dict]:
+    import transformers
+
+    model = load_model(model_dir)
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = model.shape.vocab_size
+    rows = []
+    # Warm-up both paths (first-call allocations, kernel selection).
+    run_engine(model, prompts_for(2, 20, 99, vocab), 4)
+    hf_generate(hf, prompts_for(2, 20, 99, vocab), 4)
+
+    for batch in a.batches:
+        ours, theirs = [], []
+        match = None
+        for rep in range(a.reps):
+            ps = prompts_for(batch, a.prompt, rep, vocab)
+            _, dec, ntok, outs = run_engine(model, ps, a.new)
+            ours.append(ntok / dec)
+            t_n, hf_outs = hf_generate(hf, ps, a.new)
+            t_1, _ = hf_generate(hf, ps, 1)
+            theirs.append(batch * (a.new - 1) / max(t_n - t_1, 1e-9))
+            if rep == 0:
+                match = sum(o == h for o, h in zip(outs, hf_outs))
+        rows.append(dict(model=preset, what=f"decode b={batch}", ours=med(ours),
+                         hf=med(theirs), note=f"greedy equal {match}/{batch}"))
+
+    for batch, length in ((1, 2048), (4, 512)):
+        ours, theirs = [], []
+        for rep in range(a.reps):
+            ps = prompts_for(batch, length, 100 + rep, vocab)
+            pre, _, _, _ = run_engine(model, ps, 1)
+            ours.append(batch * length / pre)
+            t, _ = hf_generate(hf, ps, 1)
+            theirs.append(batch * length / t)
+        rows.append(dict(model=preset, what=f"prefill {batch}x{length}", ours=med(ours),
+                         hf=med(theirs), note=""))
+    return rows
+
+
+PEER = r"""
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+torch.set_num_threads(1)
+from appliance.kv.handoff import allocate_pool, copy_from_peer, import_pool
+shape = tuple(json.loads(sys.argv[2])); reps = int(sys.argv[3])
+handle = sys.stdin.buffer.read()
+src = import_pool(handle).tensor
+dst = allocate_pool(shape, torch.float32)
+nblk = int(sys.argv[4])
+g = torch.Generator().manual_seed(0)
+src_ids = torch.randperm(shape[2], generator=g)[:nblk].tolist()   # scattered, as in practice
+dst_ids = torch.randperm(shape[2], generator=g)[:nblk].tolist()
+nbytes = nblk * src[:, :, 0].numel() * 4
+t0 = time.perf_counter(); copy_from_peer(src, src_ids, dst, dst_ids); cold = time.perf_counter() - t0
+ok = all(torch.equal(src[:, :, s], dst[:, :, d]) for s, d in zip(src_ids, dst_ids))
+def best(fn):
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
+    return min(ts)
+t_blocks = best(lambda: copy_from_peer(src, src_ids, dst, dst_ids))
+seq_src, seq_dst = list(range(nblk)), list(range(nblk, 2 * nblk))   # fresh pools: runs
+copy_from_peer(src, seq_src, dst, seq_dst)
+t_runs = best(lambda: copy_from_peer(src, seq_src, dst, seq_dst))
+a = torch.randn(nbytes // 4); b = torch.empty_like(a); b.copy_(a)
+t_plain = best(lambda: b.copy_(a))
+print(json.dumps(dict(bytes=nbytes, cold=cold, blocks=t_blocks, runs=t_runs, plain=t_plain, ok=ok)))
+"""
+
+
+def bench_handoff(model_dir: Path, preset: str, a) -> dict:
+    model = load_model(model_dir)
+    s = model.shape
+    tokens = 2048
+    nblk = tokens // BS
+    pool_blocks = 4 * nblk
+    shape = (2, s.num_layers, pool_blocks, BS, s.num_kv_heads, s.head_dim)
+    pool = allocate_pool(shape, torch.float32)
+    pool.normal_()
+    handle = export_pool(pool)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", PEER, str(ROOT), json.dumps(shape),
+                        str(max(3, a.reps * 5)), str(nblk)],
+                       input=handle, capture_output=True, env=env, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr.decode()[-2000:])
+    x = json.loads(r.stdout)
+
+    # The whole handoff inside the engines: prefill on A, kv_import iteration on B.
+    pre_eng = engine(model, "A", nblk + 8)
+    dec_eng = engine(model, "B", nblk + 8)
+    dec_eng.attach_peer("A", pre_eng.peer_handle())
+    prompt = prompts_for(1, tokens, 7, s.vocab_size)[0]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    pre_eng.add(Prefill("r", prompt, params, handoff=True))
+    prefill_s = import_s = 0.0
+    for ev in pre_eng.step():
+        if isinstance(ev, IterationRecord):
+            prefill_s = ev.wall_s
+        elif isinstance(ev, PrefillDone):
+            done = ev
+    dec_eng.add(Decode("r", prompt, done.first_token, params, done.handle))
+    for ev in dec_eng.step():
+        if isinstance(ev, IterationRecord):
+            assert ev.phase == "kv_import"
+            import_s = ev.wall_s
+        elif isinstance(ev, KvImported):
+            pre_eng.release("r")
+    return dict(model=preset, bytes=x["bytes"], gbps_blocks=x["bytes"] / x["blocks"] / 1e9,
+                gbps_plain=x["bytes"] / x["plain"] / 1e9, gbps_runs=x["bytes"] / x["runs"] / 1e9, cold_ms=x["cold"] * 1e3,
+                copy_ms=x["blocks"] * 1e3, ok=x["ok"], prefill_ms=prefill_s * 1e3,
+                import_ms=import_s * 1e3)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and repetitions")
+    ap.add_argument("--presets", default="tiny,20m")
+    a = ap.parse_args()
+    a.batches = (1, 8, 32)
+    a.prompt, a.new, a.reps = (32, 16, 1) if a.quick else (64, 48, 3)
+    torch.set_num_threads(1)
+    from appliance.models.tiny import init_tiny
+
+    t_start = time.perf_counter()
+    rows, handoffs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in a.presets.split(","):
+            d = init_tiny(Path(tmp) / preset, seed=0, preset=preset)
+            rows += bench_model(d, preset, a)
+            handoffs.append(bench_handoff(d, preset, a))
+
+    print(f"\ntorch {torch.__version__}, threads={torch.get_num_threads()}, fp32, "
+          f"prompt={a.prompt} new={a.new} reps={a.reps} (median)")
+    print("ratio = engine / HF generate at the same batch; vs HF b=1 = engine / HF serving "
+          "the same requests one at a time (batch 1)")
+    print(f"{'model':<6} {'measure':<18} {'engine tok/s':>13} {'HF generate':>12} "
+          f"{'ratio':>6} {'vs HF b=1':>10}  note")
+    for r in rows:
+        b1 = next((x["hf"] for x in rows if x["model"] == r["model"]
+                   and x["what"] == "decode b=1"), None)
+        vs1 = f"{r['ours'] / b1:>10.2f}" if b1 and r["what"].startswith("decode") else " " * 10
+        print(f"{r['model']:<6} {r['what']:<18} {r['ours']:>13.0f} {r['hf']:>12.0f} "
+              f"{r['ours'] / r['hf']:>6.2f} {vs1}  {r['note']}")
+    print("\nKV handoff of a 2,048-token prompt (128 blocks of 16), exported pool in another "
+          "process (/dev/shm)")
+    print("scattered = 128 random block ids on both sides (worst case), runs = consecutive "
+          "ids (fresh pools); plain = one contiguous torch copy of as many bytes; cold = the "
+          "first scattered copy (page faults of a fresh mapping); kv_import = the decode "
+          "engine's whole import iteration (in-process pools, first touch)")
+    print(f"{'model':<6} {'MiB':>6} {'scattered GB/s':>15} {'runs GB/s':>10} {'plain GB/s':>11} "
+          f"{'scat/plain':>11} {'cold ms':>8} {'kv_import ms':>13} {'prefill ms':>11} "
+          f"{'import/prefill':>15}")
+    for h in handoffs:
+        print(f"{h['model']:<6} {h['bytes'] / 2**20:>6.1f} {h['gbps_blocks']:>15.2f} "
+              f"{h['gbps_runs']:>10.2f} {h['gbps_plain']:>11.2f} "
+              f"{h['gbps_blocks'] / h['gbps_plain']:>11.0%} "
+              f"{h['cold_ms']:>8.2f} {h['import_ms']:>13.2f} {h['prefill_ms']:>11.1f} "
+              f"{h['import_ms'] / h['prefill_ms']:>15.2%}" + ("" if h["ok"] else "  DATA MISMATCH"))
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
