@@ -16,50 +16,14 @@ import json
 import os
 import platform
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parent.parent
+from daemon_process import ROOT, pct, start_daemon
 MODEL = "tiny-llama"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_daemon(state: Path, port: int, args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--state-dir", str(state), "--engine", "sim", "--sim-speed", "1000000", *args]
-    log = open(state / "daemon.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env={**os.environ, "APPLIANCED_LOG": "WARNING"})
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"daemon exited: {(state / 'daemon.log').read_text()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("daemon did not become ready")
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 async def chat_level(url: str, concurrency: int, seconds: float, max_tokens: int) -> dict:
@@ -141,10 +105,9 @@ def main() -> int:
         uvloop.install()
     except ImportError:
         pass
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = start_daemon(Path(tmp), port, ["--devices", args.devices, "--mode", args.mode])
-        url = f"http://127.0.0.1:{port}"
+        proc, url = start_daemon(Path(tmp), ["--engine", "sim", "--sim-speed", "1000000",
+                                             "--devices", args.devices, "--mode", args.mode])
         try:
             chat = [asyncio.run(chat_level(url, int(c), args.seconds, 16))
                     for c in args.levels.split(",")]

@@ -36,9 +36,8 @@ from appliance.engines.messages import (  # noqa: E402
     Decode, IterationRecord, KvImported, Prefill, PrefillDone, SamplingParams,
 )
 from appliance.engines.torch_engine import TorchEngine  # noqa: E402
-from appliance.engines.torch_model import kv_pool_bytes_per_block, load_model  # noqa: E402
+from appliance.engines.torch_model import load_model  # noqa: E402
 from appliance.kv.handoff import allocate_pool, export_pool  # noqa: E402
-from appliance.worker.engine_factory import read_eos_ids  # noqa: E402
 
 BS = 16
 

@@ -20,12 +20,8 @@ import argparse
 import asyncio
 import csv
 import json
-import os
 import random
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -34,7 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parent.parent
+from daemon_process import ROOT, pct, start_daemon
 TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
 
 
@@ -47,37 +43,6 @@ def load_trace(path: Path, start: int, count: int) -> list[tuple[float, int, int
     rows = rows[start:start + count]
     t0 = rows[0][0]
     return [(t - t0, p, o) for t, p, o in rows]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_daemon(state: Path, port: int, args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--state-dir", str(state), *args]
-    proc = subprocess.Popen(cmd, stdout=open(state / "daemon.log", "wb"), stderr=subprocess.STDOUT,
-                            cwd=ROOT, env={**os.environ, "APPLIANCED_LOG": "WARNING"})
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"daemon exited: {(state / 'daemon.log').read_text()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("daemon did not become ready")
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 async def replay(url: str, model: str, trace, prompt_scale: float, time_scale: float,
@@ -153,11 +118,9 @@ def main() -> int:
         for mode in args.modes.split(","):
             state = Path(tmp) / mode
             state.mkdir()
-            port = free_port()
             extra = ["--model", args.model] if args.model else []
-            proc = start_daemon(state, port, ["--engine", args.engine, "--devices", args.devices,
-                                              "--mode", mode, *extra])
-            url = f"http://127.0.0.1:{port}"
+            proc, url = start_daemon(state, ["--engine", args.engine, "--devices", args.devices,
+                                             "--mode", mode, *extra])
             try:
                 with urllib.request.urlopen(url + "/v1/models") as r:
                     info = json.load(r)["data"][0]

@@ -6,7 +6,6 @@ line per request so nothing is silently dropped.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from dataclasses import asdict, dataclass
 from typing import Protocol
@@ -45,7 +44,6 @@ class LogSink:
     def __init__(self, enabled: bool = True, stream=None):
         self.enabled = enabled
         self.stream = stream or sys.stderr
-        self.log = logging.getLogger("applianced.requests")
 
     def request(self, record: RequestRecord) -> None:
         if self.enabled:

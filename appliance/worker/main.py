@@ -16,7 +16,7 @@ import threading
 import time
 
 from appliance.engines.messages import (
-    Abort, AttachPeer, Decode, Hello, Prefill, Release, RequestFailed, Shutdown, StartFailed,
+    Abort, AttachPeer, Decode, Hello, Prefill, Release, Shutdown, StartFailed,
 )
 from appliance.worker import wire
 from appliance.worker.spec import WorkerSpec
@@ -120,5 +120,3 @@ def run(fd: int, spec: WorkerSpec) -> int:
             except OSError:
                 return 0
 
-
-__all__ = ["run", "RequestFailed"]
