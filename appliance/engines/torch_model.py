@@ -267,7 +267,9 @@ def copy_blocks(
         # scatter) on the CPU, and a plain memcpy for contiguous runs.
         s3 = src_pool.view(src_pool.shape[0] * src_pool.shape[1], src_pool.shape[2], -1)
         d3 = dst_pool.view(dst_pool.shape[0] * dst_pool.shape[1], dst_pool.shape[2], -1)
-        pairs = list(zip(src.tolist(), dst.tolist()))
+        # Sorted by source id: runs freed in reverse order and handed out again (both
+        # sides descending) become ascending runs too.
+        pairs = sorted(zip(src.tolist(), dst.tolist()))
         i = 0
         while i < len(pairs):
             s0, d0 = pairs[i]
