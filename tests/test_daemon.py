@@ -282,3 +282,17 @@ def test_unloadable_model_fails_start_with_one_line(tiny_model, tmp_path, breaka
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("applianced: worker") and "cannot start its torch engine" in last
     assert needle in last, last
+
+
+def test_context_is_capped_by_the_smallest_kv_pool(daemon_factory, tiny_model):
+    # 256 KiB of KV at 4 KiB per token (tiny model, fp32) = 64 tokens = 4 blocks.
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", "--sim-speed", "50",
+                       model=tiny_model, config="[engine]\nkv_cache_bytes = 262144\n")
+    info = d.client().models.list().data[0]
+    pool_tokens = d.status()["workers"][0]["kv_blocks_total"] * 16
+    assert info.model_extra["max_model_len"] == pool_tokens < 4096
+    code, _, body = d.post("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                               "max_tokens": pool_tokens})
+    assert code == 400 and body["error"]["code"] == "context_length_exceeded"
+    r = d.client().completions.create(model=MODEL, prompt="hi")   # default max_tokens fits
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == pool_tokens

@@ -153,6 +153,15 @@ class Service:
         self._prefix = secrets.token_hex(4)
         self._ids = itertools.count(1)
 
+    def fit_context_to_pools(self) -> None:
+        """A request must fit the smallest KV pool, not just the model's context: cap
+        the served context (validation, the default max_tokens, /v1/models) to it."""
+        pools = [w.hello.kv_blocks_total * w.hello.block_size for w in self.pool.workers.values()
+                 if w.hello and w.hello.kv_blocks_total]
+        if pools and min(pools) < self.max_context:
+            log.info("context capped to %d tokens by the smallest KV pool", min(pools))
+            self.max_context = min(pools)
+
     def next_request_id(self) -> str:
         return f"{self._prefix}{next(self._ids):08x}"
 
@@ -204,6 +213,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     except (WorkerGone, OSError) as exc:
         await svc.pool.stop(2)
         raise StartupError(str(exc)) from None
+    svc.fit_context_to_pools()
     app = build_app(svc, cfg.server.max_body_bytes)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
