@@ -328,6 +328,7 @@ def test_iteration_records_describe_each_step():
     (rec,) = of(e.step(), IterationRecord)
     assert rec.phase == "prefill"
     assert rec.worker == "a0" and rec.devices == ("a0-gpu0",) and rec.simulated is True
+    assert rec.approximate is False       # the batch loop sees every batch exactly
     assert rec.entries == [("r1", 40, 40), ("r2", 25, 25)]
     assert rec.wall_s >= 0 and before - 1 <= rec.start <= time.time()
 

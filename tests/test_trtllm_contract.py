@@ -185,6 +185,7 @@ def test_agg_streams_max_tokens_and_reports_iterations(build):
     records = of(events, IterationRecord)
     assert records and records[0].phase == "prefill" and records[-1].phase == "decode"
     assert all(r.wall_s > 0 and r.worker == "agg0" and r.devices == ("gpu0",) for r in records)
+    assert all(r.approximate for r in records)     # reconstructed, and they say so
     assert sum(n for r in records for _, n, _ in r.entries) == len(PROMPT) + 5
     stats = agg.stats()
     assert stats.kv_blocks_total > 0 and stats.iterations == len(records)

@@ -159,6 +159,9 @@ class IterationRecord:
     devices: tuple[str, ...]
     simulated: bool
     entries: list[tuple[str, int, int]] = field(default_factory=list)
+    # True where the engine cannot see its batches exactly (TensorRT-LLM): the entries
+    # are reconstructed from streamed outputs. Chargeback must say so where it shows them.
+    approximate: bool = False
 
 
 @dataclass(slots=True)

@@ -564,7 +564,8 @@ class TrtllmEngine:
         self.busy_s += wall
         self._last_record_end = start + wall
         phase = "prefill" if int(ifb.get("numContextRequests", 0)) else "decode"
-        return IterationRecord(self.worker, phase, start, wall, self.devices, False, entries)
+        return IterationRecord(self.worker, phase, start, wall, self.devices, False, entries,
+                               approximate=True)
 
     def _fallback_record(self) -> IterationRecord:
         now = time.time()
@@ -574,7 +575,7 @@ class TrtllmEngine:
         self.busy_s += now - start
         self._last_record_end = now
         return IterationRecord(self.worker, "prefill" if prefill else "decode", start,
-                               now - start, self.devices, False, entries)
+                               now - start, self.devices, False, entries, approximate=True)
 
     # ---- loop thread ----------------------------------------------------------------
     async def _drive(self, req: _Request, prompt: list[int], sp: Any, disagg: Any,
