@@ -20,6 +20,7 @@ import argparse
 import copy
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,8 @@ import torch  # noqa: E402
 from appliance.engines.messages import (  # noqa: E402
     Decode, IterationRecord, KvImported, Prefill, PrefillDone, SamplingParams,
 )
+from appliance.engines.block_manager import BlockManager  # noqa: E402
+from appliance.engines.sequence import Role, Sequence  # noqa: E402
 from appliance.engines.torch_engine import TorchEngine  # noqa: E402
 from appliance.engines.torch_model import load_model  # noqa: E402
 from appliance.kv.handoff import allocate_pool, export_pool  # noqa: E402
@@ -143,8 +146,9 @@ src = import_pool(handle).tensor
 dst = allocate_pool(shape, torch.float32)
 nblk = int(sys.argv[4])
 g = torch.Generator().manual_seed(0)
-src_ids = torch.randperm(shape[2], generator=g)[:nblk].tolist()   # scattered, as in practice
+src_ids = torch.randperm(shape[2], generator=g)[:nblk].tolist()   # scattered: worst case
 dst_ids = torch.randperm(shape[2], generator=g)[:nblk].tolist()
+churn_src, churn_dst = json.loads(sys.argv[5])   # what the block managers hand out
 nbytes = nblk * src[:, :, 0].numel() * 4
 t0 = time.perf_counter(); copy_from_peer(src, src_ids, dst, dst_ids); cold = time.perf_counter() - t0
 ok = all(torch.equal(src[:, :, s], dst[:, :, d]) for s, d in zip(src_ids, dst_ids))
@@ -157,10 +161,39 @@ t_blocks = best(lambda: copy_from_peer(src, src_ids, dst, dst_ids))
 seq_src, seq_dst = list(range(nblk)), list(range(nblk, 2 * nblk))   # fresh pools: runs
 copy_from_peer(src, seq_src, dst, seq_dst)
 t_runs = best(lambda: copy_from_peer(src, seq_src, dst, seq_dst))
+copy_from_peer(src, churn_src, dst, churn_dst)
+t_churn = best(lambda: copy_from_peer(src, churn_src, dst, churn_dst))
 a = torch.randn(nbytes // 4); b = torch.empty_like(a); b.copy_(a)
 t_plain = best(lambda: b.copy_(a))
-print(json.dumps(dict(bytes=nbytes, cold=cold, blocks=t_blocks, runs=t_runs, plain=t_plain, ok=ok)))
+print(json.dumps(dict(bytes=nbytes, cold=cold, blocks=t_blocks, runs=t_runs, churn=t_churn,
+                      plain=t_plain, ok=ok)))
 """
+
+
+def churned_block_ids(num_blocks: int, tokens: int, seed: int) -> list[int]:
+    """The block ids a real BlockManager gives a `tokens`-long prompt after a few
+    thousand requests of random lengths came and went in a pool of `num_blocks`."""
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks, BS, reserve_ratio=0.0)
+    live: list[Sequence] = []
+    params = SamplingParams(max_tokens=1)
+    for i in range(3000):
+        if live and (rng.random() < 0.5 or bm.available < num_blocks // 4):
+            seq = live.pop(rng.randrange(len(live)))
+            bm.free(seq)
+            continue
+        seq = Sequence(f"c{i}", [rng.randrange(50_000) for _ in range(rng.randint(1, 600))],
+                       params, Role.PREFILL)
+        if bm.can_admit(seq):
+            bm.allocate(seq)
+            seq.num_cached = len(seq.tokens)
+            bm.commit(seq)
+            live.append(seq)
+    for seq in live:
+        bm.free(seq)
+    final = Sequence("final", [rng.randrange(50_000) for _ in range(tokens)], params, Role.PREFILL)
+    bm.allocate(final)
+    return final.block_table
 
 
 def bench_handoff(model_dir: Path, preset: str, a) -> dict:
@@ -174,8 +207,9 @@ def bench_handoff(model_dir: Path, preset: str, a) -> dict:
     pool.normal_()
     handle = export_pool(pool)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    churn = [churned_block_ids(pool_blocks, tokens, seed) for seed in (1, 2)]
     r = subprocess.run([sys.executable, "-c", PEER, str(ROOT), json.dumps(shape),
-                        str(max(3, a.reps * 5)), str(nblk)],
+                        str(max(3, a.reps * 5)), str(nblk), json.dumps(churn)],
                        input=handle, capture_output=True, env=env, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(r.stderr.decode()[-2000:])
@@ -202,7 +236,8 @@ def bench_handoff(model_dir: Path, preset: str, a) -> dict:
         elif isinstance(ev, KvImported):
             pre_eng.release("r")
     return dict(model=preset, bytes=x["bytes"], gbps_blocks=x["bytes"] / x["blocks"] / 1e9,
-                gbps_plain=x["bytes"] / x["plain"] / 1e9, gbps_runs=x["bytes"] / x["runs"] / 1e9, cold_ms=x["cold"] * 1e3,
+                gbps_plain=x["bytes"] / x["plain"] / 1e9, gbps_runs=x["bytes"] / x["runs"] / 1e9,
+                gbps_churn=x["bytes"] / x["churn"] / 1e9, cold_ms=x["cold"] * 1e3,
                 copy_ms=x["blocks"] * 1e3, ok=x["ok"], prefill_ms=prefill_s * 1e3,
                 import_ms=import_s * 1e3)
 
@@ -240,16 +275,19 @@ def main() -> int:
     print("\nKV handoff of a 2,048-token prompt (128 blocks of 16), exported pool in another "
           "process (/dev/shm)")
     print("scattered = 128 random block ids on both sides (worst case), runs = consecutive "
-          "ids (fresh pools); plain = one contiguous torch copy of as many bytes; cold = the "
+          "ids (fresh pools), churned = the ids two real BlockManagers hand out after 3,000 "
+          "random requests in a 512-block pool; plain = one contiguous torch copy of as many bytes; cold = the "
           "first scattered copy (page faults of a fresh mapping); kv_import = the decode "
           "engine's whole import iteration (in-process pools, first touch)")
-    print(f"{'model':<6} {'MiB':>6} {'scattered GB/s':>15} {'runs GB/s':>10} {'plain GB/s':>11} "
-          f"{'scat/plain':>11} {'cold ms':>8} {'kv_import ms':>13} {'prefill ms':>11} "
+    print(f"{'model':<6} {'MiB':>6} {'scattered GB/s':>15} {'runs GB/s':>10} {'churned GB/s':>13} "
+          f"{'plain GB/s':>11} {'scat/plain':>11} {'churn/plain':>12} {'cold ms':>8} "
+          f"{'kv_import ms':>13} {'prefill ms':>11} "
           f"{'import/prefill':>15}")
     for h in handoffs:
         print(f"{h['model']:<6} {h['bytes'] / 2**20:>6.1f} {h['gbps_blocks']:>15.2f} "
-              f"{h['gbps_runs']:>10.2f} {h['gbps_plain']:>11.2f} "
+              f"{h['gbps_runs']:>10.2f} {h['gbps_churn']:>13.2f} {h['gbps_plain']:>11.2f} "
               f"{h['gbps_blocks'] / h['gbps_plain']:>11.0%} "
+              f"{h['gbps_churn'] / h['gbps_plain']:>12.0%} "
               f"{h['cold_ms']:>8.2f} {h['import_ms']:>13.2f} {h['prefill_ms']:>11.1f} "
               f"{h['import_ms'] / h['prefill_ms']:>15.2%}" + ("" if h["ok"] else "  DATA MISMATCH"))
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
