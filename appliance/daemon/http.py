@@ -32,6 +32,8 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 RETRY_AFTER_S = "1"
 DONE = b"data: [DONE]\n\n"
+# Engine refusals that are the request's fault (the daemon checks first; engines check again).
+CLIENT_ENGINE_ERRORS = {"kv_capacity", "invalid_request", "context_length_exceeded"}
 
 
 def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -241,7 +243,7 @@ def _failure(exc: BaseException) -> ApiError:
         return ApiError(503, f"{exc} while serving this request; retry",
                         code="worker_failed", headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(exc, EngineError):
-        status = 400 if exc.code == "kv_capacity" else 500
+        status = 400 if exc.code in CLIENT_ENGINE_ERRORS else 500
         return ApiError(status, str(exc), code=exc.code)
     raise exc
 
