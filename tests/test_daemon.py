@@ -296,3 +296,15 @@ def test_context_is_capped_by_the_smallest_kv_pool(daemon_factory, tiny_model):
     assert code == 400 and body["error"]["code"] == "context_length_exceeded"
     r = d.client().completions.create(model=MODEL, prompt="hi")   # default max_tokens fits
     assert r.usage.prompt_tokens + r.usage.completion_tokens == pool_tokens
+
+
+def test_auto_engine_choice_without_importing_torch():
+    import subprocess
+    import sys
+    code = ("import sys\nfrom appliance.daemon.app import resolve_engine\n"
+            "from appliance.partitions import discover\n"
+            "print(resolve_engine('auto', discover('cpu')), resolve_engine('auto', discover('sim:2xH100')),"
+            " 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # The embedded default on a GPU-less box is the real engine; the daemon never loads torch.
+    assert out.stdout.split() == ["torch", "sim", "False"], out.stderr
