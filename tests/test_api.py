@@ -185,3 +185,25 @@ def test_request_ids_are_unique(daemon):
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1
     ).headers["x-request-id"] for _ in range(5)}
     assert len(ids) == 5
+
+
+def test_content_parts_equal_plain_content(daemon):
+    client = daemon.client()
+    plain = client.chat.completions.create(
+        model=MODEL, max_tokens=5, seed=2, messages=[{"role": "user", "content": "ab cd"}])
+    parts = client.chat.completions.create(
+        model=MODEL, max_tokens=5, seed=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "ab "}, {"type": "text", "text": "cd"}]}])
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    _error(daemon.post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        400, param="messages[0].content")
+
+
+def test_nulls_mean_defaults(daemon):
+    code, headers, body = daemon.post("/v1/completions", {
+        "model": MODEL, "prompt": "hi", "max_tokens": 3, "temperature": None, "top_p": None,
+        "seed": None, "stop": None, "stream": None, "n": None})
+    assert code == 200, body
+    assert body["usage"]["completion_tokens"] == 3 and headers["X-Request-Id"]
