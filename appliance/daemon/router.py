@@ -125,7 +125,8 @@ class Router:
                 ev = await _next(queue)
                 if isinstance(ev, Tokens):
                     if counted:
-                        worker.pending_prefill_tokens -= len(prompt)
+                        worker.pending_prefill_tokens = max(
+                            0, worker.pending_prefill_tokens - len(prompt))
                         counted = False
                         trace.first_token = time.time()
                         trace.cached_tokens = ev.cached_tokens
@@ -188,7 +189,7 @@ class Router:
                 elif isinstance(dev, KvImported):
                     pw.send(Release(rid))
                     released = True
-                    dw.pending_kv_blocks -= pending
+                    dw.pending_kv_blocks = max(0, dw.pending_kv_blocks - pending)
                     pending = 0
                 else:
                     self._raise(dev)
@@ -196,7 +197,8 @@ class Router:
             if not released:
                 pw.send(Release(rid))
             if dw is not None:
-                dw.pending_kv_blocks -= pending
+                # Clamped: a worker that died meanwhile has already reset its counters.
+                dw.pending_kv_blocks = max(0, dw.pending_kv_blocks - pending)
                 if not done:
                     dw.send(Abort(rid))
                 dw.close(rid)
@@ -204,7 +206,7 @@ class Router:
     @staticmethod
     def _raise(ev) -> None:
         if isinstance(ev, WorkerGone):
-            raise ev
+            raise WorkerGone(str(ev))   # one event, many requests: a fresh exception each
         if isinstance(ev, RequestFailed):
             raise EngineError(ev.message, ev.code)
         raise EngineError(f"unexpected worker event {type(ev).__name__}")
