@@ -4,7 +4,6 @@ another process, blocks copied both ways; then two real worker processes doing a
 prefill -> decode handoff over their sockets."""
 from __future__ import annotations
 
-import json
 import os
 import queue
 import socket
