@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("dir")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--preset", choices=["tiny", "20m"], default="tiny")
+    q = msub.add_parser("ensure-default", help="(internal) create the default model in a state dir",
+                        description="Internal: `serve` runs this once to build its default model.")
+    q.add_argument("state_dir")
 
     p = sub.add_parser("status", help="ask a running daemon for its status",
                        description="Ask a running daemon for its status.")
@@ -114,10 +117,12 @@ def cmd_devices(args) -> int:
 
 
 def cmd_model(args) -> int:
-    from appliance.models.tiny import init_tiny
-    out = init_tiny(Path(args.dir), seed=args.seed, preset=args.preset,
-                    progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
-    print(out)
+    from appliance.models.tiny import ensure_default_model, init_tiny
+    progress = lambda line: print(f"  {line}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.model_command == "ensure-default":
+        ensure_default_model(Path(args.state_dir), progress=progress)
+        return 0
+    print(init_tiny(Path(args.dir), seed=args.seed, preset=args.preset, progress=progress))
     return 0
 
 

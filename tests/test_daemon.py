@@ -308,3 +308,24 @@ def test_auto_engine_choice_without_importing_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     # The embedded default on a GPU-less box is the real engine; the daemon never loads torch.
     assert out.stdout.split() == ["torch", "sim", "False"], out.stderr
+
+
+def test_default_model_is_built_once_outside_the_daemon(tmp_path):
+    from conftest import start_daemon
+    d = start_daemon(tmp_path, None, "--devices", "cpu", "--engine", "sim")
+    try:
+        weights = tmp_path / "state" / "models" / "tiny-llama" / "model.safetensors"
+        assert weights.is_file()
+        assert d.status()["model_dir"] == str(weights.parent)
+        # Generating weights needs torch; the daemon process itself never loads it.
+        maps = open(f"/proc/{d.proc.pid}/maps").read()
+        assert "libtorch" not in maps
+        built = weights.stat().st_mtime_ns
+    finally:
+        assert d.stop() == 0
+    d = start_daemon(tmp_path, None, "--devices", "cpu", "--engine", "sim")
+    try:
+        assert weights.stat().st_mtime_ns == built          # reused, not rebuilt
+        assert "generating the default model" not in d.log_text()
+    finally:
+        d.stop()

@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from appliance.daemon.http import build_app
 from appliance.daemon.metrics import Metrics
 from appliance.daemon.router import Router
 from appliance.daemon.tokenizer import ServedTokenizer
-from appliance.daemon.workers import WorkerGone, WorkerPool
+from appliance.daemon.workers import WorkerGone, WorkerPool, program_command
 from appliance.partitions import Inventory, PartitionPlan, discover, inventory_json, plan_partition
 from appliance.worker.spec import WorkerSpec
 
@@ -76,8 +77,22 @@ def _max_context(model_dir: Path, model_spec: str) -> int:
     return spec.max_context
 
 
+def default_model(state_dir: Path, progress=None) -> Path:
+    """The generated tiny model under the state dir, built once, in a child process:
+    making weights loads torch, which the daemon itself never needs (~250 MB of RSS)."""
+    from appliance.models.tiny import DEFAULT_MODEL_NAME, is_complete
+    path = state_dir / "models" / DEFAULT_MODEL_NAME
+    if not is_complete(path):
+        if progress:
+            progress(f"generating the default model in {path} (once)")
+        done = subprocess.run(program_command() + ["model", "ensure-default", str(state_dir)],
+                              stdin=subprocess.DEVNULL)
+        if done.returncode != 0 or not is_complete(path):
+            raise StartupError(f"could not generate the default model in {path}")
+    return path
+
+
 def plan_setup(cfg: Config, state_dir: Path, progress=None) -> Setup:
-    from appliance.models.tiny import ensure_default_model
     inv = discover(cfg.devices.spec)
     plan = plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode)
     engine = resolve_engine(cfg.engine.kind, inv)
@@ -86,7 +101,7 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None) -> Setup:
         if not (model_dir / "config.json").exists():
             raise StartupError(f"model directory {model_dir} has no config.json")
     else:
-        model_dir = ensure_default_model(state_dir, progress=progress)
+        model_dir = default_model(state_dir, progress)
     if not (model_dir / "tokenizer.json").exists():
         raise StartupError(f"model directory {model_dir} has no tokenizer.json")
     e = cfg.engine

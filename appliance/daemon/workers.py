@@ -69,10 +69,13 @@ def worker_env(spec: WorkerSpec, base) -> dict[str, str]:
     return env
 
 
+def program_command() -> list[str]:
+    """How to run this program again: a frozen binary is its own interpreter."""
+    return [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "appliance"]
+
+
 def worker_command(spec: WorkerSpec, fd: int) -> list[str]:
-    # A frozen binary is its own interpreter: `applianced worker ...`.
-    base = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "appliance"]
-    return base + ["worker", "--fd", str(fd), "--spec", spec.to_json()]
+    return program_command() + ["worker", "--fd", str(fd), "--spec", spec.to_json()]
 
 
 class WorkerLink:
