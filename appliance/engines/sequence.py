@@ -55,10 +55,6 @@ class Sequence:
         return len(self.tokens) - self.num_prompt
 
     @property
-    def last_token(self) -> int:
-        return self.tokens[-1]
-
-    @property
     def uncached(self) -> int:
         """Tokens that the next forward pass must compute."""
         return len(self.tokens) - self.num_cached
