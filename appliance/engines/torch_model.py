@@ -15,7 +15,7 @@ in safetensors (single file or sharded index). Sliding-window attention (Mistral
 Qwen2 ``use_sliding_window``) is ignored: attention is always over the full context, which
 is exact for contexts shorter than the window and an approximation beyond it.
 
-Weights are plain tensors held in per-layer records (not registered parameters): to move a
+Weights are held in per-layer records (`Linear`, packed for the CPU; not registered parameters) (not registered parameters): to move a
 model to another device or dtype, load it again with those arguments.
 """
 
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "AttnBatch",
+    "Linear",
     "LlamaModel",
     "LlamaShape",
     "ModelLoadError",
@@ -377,16 +378,67 @@ def _plan(batch: AttnBatch, num_tokens: int, block_size: int, device: torch.devi
 # --------------------------------------------------------------------------- model
 
 
+class Linear:
+    """``x @ weight.T + bias`` with the weight stored the way the CPU multiplies fastest.
+
+    On the CPU in fp32 the weight is re-laid out once into oneDNN's blocked format
+    (``mkldnn._reorder_linear_weight``, what inductor's freezing pass does): a plain
+    ``F.linear`` re-packs the weight inside MKL on every call, which at decode batch sizes
+    costs as much as the multiply itself (measured 1.4-1.9x on the 20m model's layers at
+    batch 1-32, see bench/bench_torch_engine.py). Only the packed copy is kept. Elsewhere
+    (CUDA, bf16, a torch build without oneDNN) the weight stays as is and ``F.linear`` runs.
+    """
+
+    __slots__ = ("weight", "bias", "packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.bias = bias
+        self.weight: torch.Tensor | None = weight
+        self.packed: torch.Tensor | None = None
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_ok():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+            self.weight = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def dense(self) -> torch.Tensor:
+        """The weight in its ordinary [out, in] layout (a copy when packed)."""
+        if self.packed is not None:
+            return self.packed.to_dense()
+        assert self.weight is not None
+        return self.weight
+
+
+_ONEDNN_OK: bool | None = None
+
+
+def _onednn_ok() -> bool:
+    """Whether this torch build packs and multiplies oneDNN linear weights correctly
+    (checked once against F.linear, so a build without the ops just runs unpacked)."""
+    global _ONEDNN_OK
+    if _ONEDNN_OK is None:
+        try:
+            g = torch.Generator().manual_seed(0)
+            w, x = torch.randn(24, 16, generator=g), torch.randn(3, 16, generator=g)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            _ONEDNN_OK = bool(torch.allclose(y, F.linear(x, w), rtol=1e-5, atol=1e-5))
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _ONEDNN_OK = False
+    return _ONEDNN_OK
+
+
 @dataclass(slots=True)
 class _Layer:
     attn_norm: torch.Tensor
-    w_qkv: torch.Tensor  # [q + 2*kv, hidden]
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor
-    b_o: torch.Tensor | None
+    qkv: Linear  # [q + 2*kv, hidden] (q, k, v projections stacked)
+    o: Linear
     mlp_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [2*intermediate, hidden]
-    w_down: torch.Tensor
+    gate_up: Linear  # [2*intermediate, hidden]
+    down: Linear
 
 
 class LlamaModel(torch.nn.Module):
@@ -396,7 +448,7 @@ class LlamaModel(torch.nn.Module):
         embed: torch.Tensor,
         layers: list[_Layer],
         norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Linear,
     ) -> None:
         super().__init__()
         self.shape = shape
@@ -407,8 +459,11 @@ class LlamaModel(torch.nn.Module):
         # RoPE tables for every position, [max_pos, head_dim/2], computed in fp32 once.
         pos = torch.arange(shape.max_position_embeddings, dtype=torch.float32)
         freqs = pos[:, None] * _rope_inv_freq(shape)[None, :]
-        self.rope_cos = freqs.cos().to(embed.device, embed.dtype)
-        self.rope_sin = freqs.sin().to(embed.device, embed.dtype)
+        # Full-width tables so RoPE is three ops per layer: with h = (x1, x2),
+        # rotate(h) = h * (cos, cos) + (x2, x1) * (-sin, sin)  (HF's rotate-half convention).
+        cos, sin = freqs.cos(), freqs.sin()
+        self.rope_cos = torch.cat((cos, cos), -1).to(embed.device, embed.dtype)
+        self.rope_sin = torch.cat((-sin, sin), -1).to(embed.device, embed.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -447,37 +502,36 @@ class LlamaModel(torch.nn.Module):
         kv_flat = kv.view(2, s.num_layers, kv.shape[2] * block_size, s.num_kv_heads, s.head_dim)
         slot_mapping = batch.slot_mapping.to(kv.device, torch.long)
 
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, hd/2]
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, hd]
         sin = self.rope_sin[positions].unsqueeze(1)
-        half = hd // 2
         eps = s.rms_norm_eps
 
         h = self.embed[input_ids]  # [T, D]
         for li, layer in enumerate(self.layers):
             x = F.rms_norm(h, (s.hidden_size,), layer.attn_norm, eps)
-            qkv = F.linear(x, layer.w_qkv, layer.b_qkv).view(T, H + 2 * KVH, hd)
-            # RoPE on q and k heads together (rotate-half convention, as HF).
+            qkv = layer.qkv(x).view(T, H + 2 * KVH, hd)
+            # RoPE on the q and k heads together, in place (see rope_cos / rope_sin).
             qk = qkv[:, : H + KVH]
-            x1, x2 = qk[..., :half], qk[..., half:]
-            qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, H + KVH :]
-            k_cache, v_cache = kv_flat[0, li], kv_flat[1, li]
-            k_cache.index_copy_(0, slot_mapping, k)
-            v_cache.index_copy_(0, slot_mapping, v)
+            swapped = qk.view(T, H + KVH, 2, hd // 2).flip(2).view(T, H + KVH, hd)
+            qk.mul_(cos).addcmul_(swapped, sin)
+            q, k, v = qkv[:, :H], qkv[:, H : H + KVH], qkv[:, H + KVH :]
+            # K and V of this layer side by side: [2, T, KVH, hd] -> [2, slots, KVH, hd].
+            kv_layer = kv_flat[:, li]
+            kv_layer.index_copy_(1, slot_mapping, qkv[:, H:].view(T, 2, KVH, hd).transpose(0, 1))
+            k_cache, v_cache = kv_layer[0], kv_layer[1]
 
             if batch.is_prefill:
                 o = self._prefill_attention(q, k, v, k_cache, v_cache, plan)
             else:
-                o = self._decode_attention(q, k_cache, v_cache, plan)
-            h = h + F.linear(o, layer.w_o, layer.b_o)
+                o = self._decode_attention(q, kv_layer, plan)
+            h = h + layer.o(o)
 
             x = F.rms_norm(h, (s.hidden_size,), layer.mlp_norm, eps)
-            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
 
         last = F.rms_norm(h.index_select(0, plan.last_token_idx), (s.hidden_size,), self.norm, eps)
-        return F.linear(last, self.lm_head).float()
+        return self.lm_head(last).float()
 
     def _prefill_attention(
         self,
@@ -508,20 +562,19 @@ class LlamaModel(torch.nn.Module):
     def _decode_attention(
         self,
         q: torch.Tensor,  # [B, H, hd]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv_layer: torch.Tensor,  # [2, slots, KVH, hd]
         plan: _Plan,
     ) -> torch.Tensor:
         s = self.shape
         B = q.shape[0]
         assert plan.decode_slots is not None
-        gathered = (B, plan.max_ctx, s.num_kv_heads, s.head_dim)
-        kb = k_cache.index_select(0, plan.decode_slots).view(gathered)
-        vb = v_cache.index_select(0, plan.decode_slots).view(gathered)
+        # One gather for K and V: [2, B*ctx, KVH, hd] -> [2, B, KVH, ctx, hd] (views).
+        kvb = kv_layer.index_select(1, plan.decode_slots)
+        kvb = kvb.view(2, B, plan.max_ctx, s.num_kv_heads, s.head_dim).transpose(2, 3)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, H, 1, hd]
-            kb.transpose(1, 2),  # [B, KVH, ctx, hd]
-            vb.transpose(1, 2),
+            kvb[0],
+            kvb[1],
             attn_mask=plan.decode_mask,
             enable_gqa=True,
         )
@@ -596,40 +649,32 @@ def load_model(
 
     embed = get("model.embed_tokens.weight", (shape.vocab_size, D))
     if shape.tie_word_embeddings:
-        lm_head = embed
+        lm_head = Linear(embed)
     else:
-        lm_head = get("lm_head.weight", (shape.vocab_size, D))
+        lm_head = Linear(get("lm_head.weight", (shape.vocab_size, D)))
     layers: list[_Layer] = []
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
-        w_qkv = torch.cat(
-            [
-                get(p + "self_attn.q_proj.weight", (shape.q_size, D)),
-                get(p + "self_attn.k_proj.weight", (shape.kv_size, D)),
-                get(p + "self_attn.v_proj.weight", (shape.kv_size, D)),
-            ]
-        )
+        attn = p + "self_attn."
+        w_qkv = torch.cat([get(attn + "q_proj.weight", (shape.q_size, D)),
+                           get(attn + "k_proj.weight", (shape.kv_size, D)),
+                           get(attn + "v_proj.weight", (shape.kv_size, D))])
         b_qkv = None
         if shape.qkv_bias:
-            b_qkv = torch.cat(
-                [
-                    get(p + "self_attn.q_proj.bias", (shape.q_size,)),
-                    get(p + "self_attn.k_proj.bias", (shape.kv_size,)),
-                    get(p + "self_attn.v_proj.bias", (shape.kv_size,)),
-                ]
-            )
+            b_qkv = torch.cat([get(attn + "q_proj.bias", (shape.q_size,)),
+                               get(attn + "k_proj.bias", (shape.kv_size,)),
+                               get(attn + "v_proj.bias", (shape.kv_size,))])
+        w_gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (I, D)),
+                               get(p + "mlp.up_proj.weight", (I, D))])
         layers.append(
             _Layer(
                 attn_norm=get(p + "input_layernorm.weight", (D,)),
-                w_qkv=w_qkv,
-                b_qkv=b_qkv,
-                w_o=get(p + "self_attn.o_proj.weight", (D, shape.q_size)),
-                b_o=get(p + "self_attn.o_proj.bias", (D,)) if shape.o_bias else None,
+                qkv=Linear(w_qkv, b_qkv),
+                o=Linear(get(attn + "o_proj.weight", (D, shape.q_size)),
+                         get(attn + "o_proj.bias", (D,)) if shape.o_bias else None),
                 mlp_norm=get(p + "post_attention_layernorm.weight", (D,)),
-                w_gate_up=torch.cat(
-                    [get(p + "mlp.gate_proj.weight", (I, D)), get(p + "mlp.up_proj.weight", (I, D))]
-                ),
-                w_down=get(p + "mlp.down_proj.weight", (D, I)),
+                gate_up=Linear(w_gate_up),
+                down=Linear(get(p + "mlp.down_proj.weight", (D, I))),
             )
         )
     norm = get("model.norm.weight", (D,))
