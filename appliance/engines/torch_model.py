@@ -678,5 +678,5 @@ def load_model(
             )
         )
     norm = get("model.norm.weight", (D,))
-    del raw
+    raw.clear()  # drop the unpacked copies before the packed model is used
     return LlamaModel(shape, embed, layers, norm, lm_head)
