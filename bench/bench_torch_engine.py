@@ -39,15 +39,16 @@ from appliance.engines.messages import (  # noqa: E402
 from appliance.engines.block_manager import BlockManager  # noqa: E402
 from appliance.engines.sequence import Role, Sequence  # noqa: E402
 from appliance.engines.torch_engine import TorchEngine  # noqa: E402
-from appliance.engines.torch_model import load_model  # noqa: E402
+from appliance.engines.torch_model import kv_pool_bytes_per_block, load_model  # noqa: E402
 from appliance.kv.handoff import allocate_pool, export_pool  # noqa: E402
 
 BS = 16
 
 
-def engine(model, worker: str, num_blocks: int) -> TorchEngine:
+def engine(model, worker: str, num_blocks: int, max_seqs: int = 256,
+           max_batch_tokens: int = 65536) -> TorchEngine:
     return TorchEngine(model=model, worker=worker, devices=("cpu",), num_blocks=num_blocks,
-                       block_size=BS, max_batch_tokens=65536, max_seqs=256,
+                       block_size=BS, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                        max_context=model.shape.max_position_embeddings, eos_token_ids=())
 
 
@@ -135,6 +136,109 @@ def bench_model(model_dir: Path, preset: str, a) -> list[dict]:
     return rows
 
 
+def trace_requests(count: int, prompt_scale: float, max_out: int, vocab: int):
+    """The first `count` requests of the Azure code trace: (prompt ids, output length)."""
+    from bench_trace import TRACE, load_trace
+    g = torch.Generator().manual_seed(11)
+    reqs = []
+    for _, p, o in load_trace(TRACE, 0, count):
+        n = max(2, int(p * prompt_scale))
+        reqs.append(([0] + torch.randint(5, vocab, (n - 1,), generator=g).tolist(),
+                     max(1, min(o, max_out))))
+    return reqs
+
+
+def engine_serves(model, reqs, max_seqs: int) -> dict:
+    """All requests queued at once; the engine keeps at most `max_seqs` running
+    (continuous batching, the daemon's default prefill budget of 8,192 tokens)."""
+    need = sum(-(-(len(p) + o) // BS) for p, o in reqs)
+    eng = engine(model, "bench", need + 8, max_seqs=max_seqs, max_batch_tokens=8192)
+    for i, (p, o) in enumerate(reqs):
+        eng.add(Prefill(f"r{i}", p, SamplingParams(max_tokens=o, temperature=0.0,
+                                                   ignore_eos=True), handoff=False))
+    pre = dec = 0.0
+    dec_tok = 0
+    outs: dict[str, list[int]] = {}
+    t0 = time.perf_counter()
+    while eng.has_work():
+        for ev in eng.step():
+            if isinstance(ev, IterationRecord):
+                if ev.phase == "prefill":
+                    pre += ev.wall_s
+                else:
+                    dec += ev.wall_s
+                    dec_tok += len(ev.entries)
+            elif hasattr(ev, "tokens"):
+                outs.setdefault(ev.request_id, []).extend(ev.tokens)
+    wall = time.perf_counter() - t0
+    return dict(wall=wall, prefill=pre, decode=dec, decode_tokens=dec_tok,
+                outs=[outs[f"r{i}"] for i in range(len(reqs))])
+
+
+def hf_serves(hf, reqs, batch: int) -> dict:
+    """transformers `generate` on the same requests in arrival order, `batch` at a time:
+    prompts left-padded to the longest in the batch, each batch generating as many tokens
+    as its longest request needs (static batching: what `generate` can do)."""
+    import transformers
+
+    class FirstLogits(transformers.LogitsProcessor):   # marks the end of the prefill pass
+        def __init__(self):
+            self.at = None
+
+        def __call__(self, input_ids, scores):
+            if self.at is None:
+                self.at = time.perf_counter()
+            return scores
+
+    gc = copy.deepcopy(hf.generation_config)
+    gc.eos_token_id = None
+    gc.do_sample = False
+    wall = pre = 0.0
+    outs = []
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        gc.max_new_tokens = max(o for _, o in chunk)
+        mark = FirstLogits()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=mask, generation_config=gc,
+                              logits_processor=transformers.LogitsProcessorList([mark]))
+        t1 = time.perf_counter()
+        wall += t1 - t0
+        pre += mark.at - t0
+        outs += [row[width:width + o] for row, (_, o) in zip(out.tolist(), chunk)]
+    return dict(wall=wall, prefill=pre, decode=wall - pre, outs=outs)
+
+
+def bench_workload(model_dir: Path, preset: str, a) -> list[dict]:
+    """Trace-shaped requests (mixed prompt and output lengths), the same set through the
+    engine (at most B running) and through `generate` (batches of B)."""
+    import transformers
+
+    model = load_model(model_dir)
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = []
+    for batch in a.batches:
+        reqs = trace_requests(max(a.min_requests, 2 * batch), a.prompt_scale, a.max_out,
+                              model.shape.vocab_size)
+        ours = engine_serves(model, reqs, batch)
+        theirs = hf_serves(hf, reqs, batch)
+        out_tok = sum(o for _, o in reqs)
+        prompt_tok = sum(len(p) for p, _ in reqs)
+        match = sum(x == y for x, y in zip(ours["outs"], theirs["outs"]))
+        rows.append(dict(
+            model=preset, batch=batch, requests=len(reqs), prompt_tok=prompt_tok,
+            out_tok=out_tok, ours_e2e=out_tok / ours["wall"], hf_e2e=out_tok / theirs["wall"],
+            ours_dec=ours["decode_tokens"] / ours["decode"],
+            hf_dec=(out_tok - len(reqs)) / theirs["decode"],
+            ours_pre=prompt_tok / ours["prefill"], hf_pre=prompt_tok / theirs["prefill"],
+            match=match))
+    return rows
+
+
 PEER = r"""
 import json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
@@ -170,29 +274,42 @@ print(json.dumps(dict(bytes=nbytes, cold=cold, blocks=t_blocks, runs=t_runs, chu
 """
 
 
-def churned_block_ids(num_blocks: int, tokens: int, seed: int) -> list[int]:
-    """The block ids a real BlockManager gives a `tokens`-long prompt after a few
-    thousand requests of random lengths came and went in a pool of `num_blocks`."""
+def churned_block_ids(num_blocks: int, tokens: int, seed: int, importing: bool,
+                      occupancy: float = 0.8) -> list[int]:
+    """The block ids a real BlockManager gives a `tokens`-long prompt in a pool that has
+    been ~`occupancy` full for a long time: requests of 1-1,200 tokens admitted and
+    finished in random order until every block has been handed out ~10 times. As the
+    prefill worker allocates a prompt (LRU, ascending), or as the decode worker allocates
+    a KV import (`importing`: one free run if there is one, else the longest runs)."""
     rng = random.Random(seed)
     bm = BlockManager(num_blocks, BS, reserve_ratio=0.0)
     live: list[Sequence] = []
     params = SamplingParams(max_tokens=1)
-    for i in range(3000):
-        if live and (rng.random() < 0.5 or bm.available < num_blocks // 4):
-            seq = live.pop(rng.randrange(len(live)))
-            bm.free(seq)
+
+    def drop_one() -> None:
+        bm.free(live.pop(rng.randrange(len(live))))
+
+    handed_out = i = 0
+    while handed_out < 10 * num_blocks:
+        i += 1
+        if live and bm.num_free < (1 - occupancy) * num_blocks:
+            drop_one()
             continue
-        seq = Sequence(f"c{i}", [rng.randrange(50_000) for _ in range(rng.randint(1, 600))],
+        seq = Sequence(f"c{i}", [rng.randrange(50_000) for _ in range(rng.randint(1, 1200))],
                        params, Role.PREFILL)
-        if bm.can_admit(seq):
-            bm.allocate(seq)
-            seq.num_cached = len(seq.tokens)
-            bm.commit(seq)
-            live.append(seq)
-    for seq in live:
-        bm.free(seq)
-    final = Sequence("final", [rng.randrange(50_000) for _ in range(tokens)], params, Role.PREFILL)
-    bm.allocate(final)
+        if not bm.can_admit(seq):
+            drop_one()
+            continue
+        bm.allocate(seq)
+        handed_out += len(seq.block_table)
+        seq.num_cached = len(seq.tokens)
+        bm.commit(seq)
+        live.append(seq)
+    final = Sequence("final", [rng.randrange(50_000) for _ in range(tokens)], params,
+                     Role.DECODE if importing else Role.PREFILL)
+    while not bm.can_admit(final, use_cache=False):
+        drop_one()
+    bm.allocate(final, use_cache=False, run=importing)
     return final.block_table
 
 
@@ -201,13 +318,15 @@ def bench_handoff(model_dir: Path, preset: str, a) -> dict:
     s = model.shape
     tokens = 2048
     nblk = tokens // BS
-    pool_blocks = 4 * nblk
+    # The daemon's default pool: 1 GiB per worker on the CPU.
+    pool_blocks = (1 << 30) // kv_pool_bytes_per_block(s, BS, torch.float32)
     shape = (2, s.num_layers, pool_blocks, BS, s.num_kv_heads, s.head_dim)
     pool = allocate_pool(shape, torch.float32)
     pool.normal_()
     handle = export_pool(pool)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    churn = [churned_block_ids(pool_blocks, tokens, seed) for seed in (1, 2)]
+    churn = [churned_block_ids(pool_blocks, tokens, 1, importing=False),
+             churned_block_ids(pool_blocks, tokens, 2, importing=True)]
     r = subprocess.run([sys.executable, "-c", PEER, str(ROOT), json.dumps(shape),
                         str(max(3, a.reps * 5)), str(nblk), json.dumps(churn)],
                        input=handle, capture_output=True, env=env, timeout=300)
@@ -246,19 +365,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repetitions")
     ap.add_argument("--presets", default="tiny,20m")
+    ap.add_argument("--parts", default="equal,trace,handoff",
+                    help="comma list of: equal (same-shape batches), trace (trace-shaped "
+                         "requests), handoff")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
     a.batches = (1, 8, 32)
     a.prompt, a.new, a.reps = (32, 16, 1) if a.quick else (64, 48, 3)
+    a.min_requests, a.prompt_scale, a.max_out = (8, 0.0625, 64) if a.quick else (16, 0.125, 256)
     torch.set_num_threads(1)
     from appliance.models.tiny import init_tiny
 
     t_start = time.perf_counter()
-    rows, handoffs = [], []
+    rows, handoffs, work = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in a.presets.split(","):
             d = init_tiny(Path(tmp) / preset, seed=0, preset=preset)
-            rows += bench_model(d, preset, a)
-            handoffs.append(bench_handoff(d, preset, a))
+            if "equal" in parts:
+                rows += bench_model(d, preset, a)
+            if "trace" in parts:
+                work += bench_workload(d, preset, a)
+            if "handoff" in parts:
+                handoffs.append(bench_handoff(d, preset, a))
 
     print(f"\ntorch {torch.__version__}, threads={torch.get_num_threads()}, fp32, "
           f"prompt={a.prompt} new={a.new} reps={a.reps} (median)")
@@ -272,6 +400,27 @@ def main() -> int:
         vs1 = f"{r['ours'] / b1:>10.2f}" if b1 and r["what"].startswith("decode") else " " * 10
         print(f"{r['model']:<6} {r['what']:<18} {r['ours']:>13.0f} {r['hf']:>12.0f} "
               f"{r['ours'] / r['hf']:>6.2f} {vs1}  {r['note']}")
+    if work:
+        print(f"\nTrace-shaped requests: the first N rows of the Azure code trace, prompts "
+              f"x{a.prompt_scale} (random ids), outputs as in the trace (capped at "
+              f"{a.max_out}), EOS ignored, all queued at once. engine = continuous batching, "
+              "at most B running; HF = generate on batches of B in arrival order (left "
+              "padding, each batch runs to its longest output). tok/s counts each request's "
+              "own tokens only. e2e = output tokens / total wall time.")
+        print(f"{'model':<6} {'B':>3} {'N':>4} {'prompt tok':>10} {'out tok':>8} "
+              f"{'e2e ours':>9} {'e2e HF':>8} {'ratio':>6} {'decode ours':>12} "
+              f"{'decode HF':>10} {'ratio':>6} {'prefill ours':>13} {'prefill HF':>11} "
+              f"{'ratio':>6}  greedy equal")
+        for w in work:
+            print(f"{w['model']:<6} {w['batch']:>3} {w['requests']:>4} {w['prompt_tok']:>10} "
+                  f"{w['out_tok']:>8} {w['ours_e2e']:>9.0f} {w['hf_e2e']:>8.0f} "
+                  f"{w['ours_e2e'] / w['hf_e2e']:>6.2f} {w['ours_dec']:>12.0f} "
+                  f"{w['hf_dec']:>10.0f} {w['ours_dec'] / w['hf_dec']:>6.2f} "
+                  f"{w['ours_pre']:>13.0f} {w['hf_pre']:>11.0f} "
+                  f"{w['ours_pre'] / w['hf_pre']:>6.2f}  {w['match']}/{w['requests']}")
+    if not handoffs:
+        print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+        return 0
     print("\nKV handoff of a 2,048-token prompt (128 blocks of 16), exported pool in another "
           "process (/dev/shm)")
     print("scattered = 128 random block ids on both sides (worst case), runs = consecutive "

@@ -29,6 +29,7 @@ def check_invariants(bm: BlockManager) -> None:
     for block, ref in enumerate(bm._ref):
         assert ref >= 0
         assert (ref == 0) == (block in free), f"block {block}: ref {ref}, free {block in free}"
+        assert bm._free_map[block] == (ref == 0), f"block {block}: free map out of date"
 
 
 # ---- accounting ---------------------------------------------------------------------
@@ -292,7 +293,7 @@ def test_random_workload_keeps_invariants_and_frees_everything():
                 continue
             s = seq(f"s{i}", prompt, max_tokens=rng.randrange(1, 12))
             if bm.can_admit(s):
-                bm.allocate(s)
+                bm.allocate(s, run=rng.random() < 0.3)
                 assert len(s.block_table) == bm.blocks_for(len(s.tokens))
                 compute(bm, s)
                 live.append(s)
@@ -313,6 +314,41 @@ def test_random_workload_keeps_invariants_and_frees_everything():
     assert bm.num_free == bm.num_blocks
     assert bm.reserved == 0
     assert all(r == 0 for r in bm._ref)
+
+
+def test_fresh_blocks_come_in_ascending_runs():
+    """Handoffs copy runs of blocks as one slice: the allocator keeps freed runs together
+    (LRU picks the set, the table lists it in ascending order), and a `run` allocation
+    (KV import) takes a free run outright when one is long enough, else the longest."""
+    bm = BlockManager(16, BS, reserve_ratio=0)
+    a = seq("a", list(range(6 * BS)))
+    bm.allocate(a)
+    compute(bm, a)
+    bm.free(a)                                  # freed tail first: LRU holds 5, 4, .., 0
+    b = seq("b", list(range(500, 500 + 12 * BS)))
+    bm.allocate(b)
+    # The LRU set: the 10 never-used blocks (6..15) first, then a's tail blocks 5 and 4
+    # (its head 0..3 stays cached); listed in ascending order: one run.
+    assert b.block_table == list(range(4, 16))
+
+    # Fragment the pool: holes of one block between used ones, and one run of 3.
+    bm = BlockManager(16, BS, reserve_ratio=0)
+    hold = [seq(f"h{i}", [i] * BS) for i in range(16)]
+    for h in hold:
+        bm.allocate(h)
+    for i in (1, 3, 5, 9, 10, 11, 13):
+        bm.free(hold[i])
+    imp = seq("imp", list(range(3 * BS)), role=Role.DECODE)
+    bm.allocate(imp, use_cache=False, run=True)
+    assert imp.block_table == [9, 10, 11]
+    lru = seq("lru", list(range(3 * BS)), role=Role.DECODE)
+    bm.free(imp)
+    bm.allocate(lru, use_cache=False)           # LRU set, sorted: not the run
+    assert lru.block_table == [1, 3, 5]
+    wide = seq("wide", list(range(4 * BS)), role=Role.DECODE)
+    bm.allocate(wide, use_cache=False, run=True)  # no free run of 4: the longest runs
+    assert wide.block_table == [9, 10, 11, 13]
+    check_invariants(bm)
 
 
 def test_pool_needs_a_block():

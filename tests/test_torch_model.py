@@ -412,6 +412,25 @@ def test_pool_layout_and_copy_blocks():
     untouched = [b for b in range(9) if b not in (0, 8, 3)]
     assert torch.equal(dst[:, :, untouched], before[:, :, untouched])
 
+    # Destination runs filled from scattered, consecutive, and reversed sources, in any
+    # order of the pairs: every block lands where a block-by-block copy would put it.
+    rng = random.Random(5)
+    big_src = torch.randn(2, 2, 40, BLOCK, 2, 16)
+    for case in range(20):
+        n = rng.randint(1, 30)
+        s_ids = rng.sample(range(40), n) if case % 3 else list(range(7, 7 + n))
+        start = rng.randint(0, 40 - n)
+        d_ids = list(range(start, start + n)) if case % 2 else rng.sample(range(40), n)
+        if case % 5 == 0:
+            s_ids.reverse()
+        pairs = list(zip(s_ids, d_ids))
+        rng.shuffle(pairs)
+        got, want = torch.zeros_like(big_src), torch.zeros_like(big_src)
+        copy_blocks(big_src, [p[0] for p in pairs], got, [p[1] for p in pairs])
+        for s, d in pairs:
+            want[:, :, d] = big_src[:, :, s]
+        assert torch.equal(got, want), f"case {case}: {pairs}"
+
     copy_blocks(src, [], dst, [])  # no-op
     with pytest.raises(ValueError, match="layouts differ"):
         copy_blocks(src, [0], allocate_kv_pool(shape, 6, 32), [0])

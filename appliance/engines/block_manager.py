@@ -4,7 +4,8 @@ Knows blocks only, not tensors: the simulator and the torch engine share it, and
 the torch engine has a pool behind the ids.
 
 Invariants:
-- a block is either free (ref 0, in `_free`) or used (ref > 0); never both.
+- a block is either free (ref 0, in `_free`, `_free_map[b] == 1`) or used (ref > 0);
+  never both.
 - a free block may still carry the hash of its full contents: it is a prefix-cache
   entry until it is handed out again (LRU order: the longest-free goes first).
 - `reserved` <= number of free blocks: blocks promised to admitted sequences for their
@@ -29,6 +30,7 @@ class BlockManager:
         self._hash: list[int | None] = [None] * num_blocks
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free_map = bytearray(b"\x01") * num_blocks   # 1 = free: runs found in C
         self._by_hash: dict[int, int] = {}
         self.reserved = 0
 
@@ -95,8 +97,13 @@ class BlockManager:
         return take + reserve <= self.available
 
     # ---- changes ----------------------------------------------------------
-    def _take_free(self) -> int:
-        block, _ = self._free.popitem(last=False)
+    def _take_free(self, block: int | None = None) -> int:
+        """Hand out `block`, or the least recently freed block."""
+        if block is None:
+            block, _ = self._free.popitem(last=False)
+        else:
+            del self._free[block]
+        self._free_map[block] = 0
         h = self._hash[block]
         if h is not None and self._by_hash.get(h) == block:
             del self._by_hash[h]
@@ -105,16 +112,28 @@ class BlockManager:
         self._ref[block] = 1
         return block
 
-    def allocate(self, seq: Sequence, use_cache: bool = True) -> None:
-        """Give seq blocks for all its tokens, reusing cached full-block prefixes."""
+    def allocate(self, seq: Sequence, use_cache: bool = True, run: bool = False) -> None:
+        """Give seq blocks for all its tokens, reusing cached full-block prefixes.
+
+        Which fresh blocks: the least recently freed (exact LRU, so cached prefixes live
+        as long as possible), in ascending order: freed sequences leave runs of
+        neighbouring ids, and sorted they become runs in the table. With `run` (KV
+        imports) the first free run long enough is taken instead when there is one: the
+        handoff then writes one slice of the pool (see torch_model.copy_blocks), else the
+        longest free runs. That may evict cached blocks out of LRU order, which on a
+        decode worker only serve its own occasional local prefills."""
         hits = self._cache_hits(seq) if use_cache else []
         for block in hits:
             if self._ref[block] == 0:
                 del self._free[block]
+                self._free_map[block] = 0
             self._ref[block] += 1
-        table = list(hits)
-        for _ in range(self.blocks_for(len(seq.tokens)) - len(hits)):
-            table.append(self._take_free())
+        need = self.blocks_for(len(seq.tokens)) - len(hits)
+        if run and need > 0:
+            fresh = [self._take_free(b) for b in self._fewest_runs(need)]
+        else:
+            fresh = sorted(self._take_free() for _ in range(need))
+        table = hits + fresh
         seq.block_table = table
         seq.num_cached = len(hits) * self.block_size
         seq.hashed_blocks = len(hits)
@@ -122,6 +141,28 @@ class BlockManager:
         seq.prefix_hit = seq.num_cached
         seq.reserved_blocks = self._reservation(seq, len(table))
         self.reserved += seq.reserved_blocks
+
+    def _fewest_runs(self, need: int) -> list[int]:
+        """`need` free block ids in as few runs of consecutive ids as possible: the first
+        free run that is long enough, else the longest runs (ascending within each)."""
+        fm = self._free_map
+        start = fm.find(b"\x01" * need)
+        if start >= 0:
+            return list(range(start, start + need))
+        runs: list[tuple[int, int]] = []     # (length, start)
+        i = fm.find(1)
+        while i >= 0:
+            end = fm.find(0, i)
+            end = len(fm) if end < 0 else end
+            runs.append((end - i, i))
+            i = fm.find(1, end)
+        runs.sort(key=lambda r: -r[0])
+        ids: list[int] = []
+        for length, start in runs:
+            ids.extend(range(start, start + min(length, need - len(ids))))
+            if len(ids) == need:
+                break
+        return ids
 
     def commit(self, seq: Sequence) -> None:
         """Register the hashes of seq's full, computed blocks so later requests hit them.
@@ -166,6 +207,7 @@ class BlockManager:
             self._ref[block] -= 1
             if self._ref[block] == 0:
                 self._free[block] = None
+                self._free_map[block] = 1
         seq.block_table = []
         seq.num_cached = 0
         seq.hashed_blocks = 0

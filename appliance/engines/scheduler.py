@@ -61,7 +61,7 @@ class Scheduler:
             if not self.blocks.can_admit(seq, use_cache=False):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, use_cache=False)
+            self.blocks.allocate(seq, use_cache=False, run=True)
             seqs.append(seq)
         return Batch("kv_import", seqs) if seqs else None
 
