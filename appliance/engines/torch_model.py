@@ -571,13 +571,16 @@ class LlamaModel(torch.nn.Module):
         s = self.shape
         B = q.shape[0]
         assert plan.decode_slots is not None
-        # One gather for K and V: [2, B*ctx, KVH, hd] -> [2, B, KVH, ctx, hd] (views).
-        kvb = kv_layer.index_select(1, plan.decode_slots)
-        kvb = kvb.view(2, B, plan.max_ctx, s.num_kv_heads, s.head_dim).transpose(2, 3)
+        # Gathered one at a time: each of K and V is a contiguous [slots, KVH, hd] tensor,
+        # for which index_select is a row memcpy; one index_select over the [2, slots, ..]
+        # view of both takes torch's strided path, ~10x slower at long contexts.
+        gathered = (B, plan.max_ctx, s.num_kv_heads, s.head_dim)
+        kb = kv_layer[0].index_select(0, plan.decode_slots).view(gathered).transpose(1, 2)
+        vb = kv_layer[1].index_select(0, plan.decode_slots).view(gathered).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, H, 1, hd]
-            kvb[0],
-            kvb[1],
+            kb,  # [B, KVH, ctx, hd]
+            vb,
             attn_mask=plan.decode_mask,
             enable_gqa=True,
         )
