@@ -9,6 +9,9 @@ Decode tok/s: B requests of P prompt tokens, greedy, N new tokens each, EOS igno
   transformers: B*(N-1) / (generate(N new) - generate(1 new)), the same prompts, no
   padding (all prompts have the same length), its default KV cache and attention.
 Prefill tok/s: engine prefill iteration vs generate(max_new_tokens=1) on the same prompts.
+Trace-shaped: the first rows of the Azure code trace (mixed prompt and output lengths)
+through the engine (continuous batching, at most B running) and through `generate` in
+batches of B (static batching with left padding): what batching and paged KV buy.
 KV handoff: the blocks of a 2,048-token prompt copied with copy_blocks from a pool that a
 second, exec'd process exported (/dev/shm) into that process's own pool, vs a plain torch
 copy of the same number of bytes inside that process; and the decode engine's whole
@@ -424,10 +427,12 @@ def main() -> int:
     print("\nKV handoff of a 2,048-token prompt (128 blocks of 16), exported pool in another "
           "process (/dev/shm)")
     print("scattered = 128 random block ids on both sides (worst case), runs = consecutive "
-          "ids (fresh pools), churned = the ids two real BlockManagers hand out after 3,000 "
-          "random requests in a 512-block pool; plain = one contiguous torch copy of as many bytes; cold = the "
-          "first scattered copy (page faults of a fresh mapping); kv_import = the decode "
-          "engine's whole import iteration (in-process pools, first touch)")
+          "ids (fresh pools), churned = the ids real BlockManagers hand out in the daemon's "
+          "default 1 GiB pool after it has been ~80% full for a long time (source: a prompt "
+          "on the prefill worker, LRU; destination: the decode worker's import, free runs); "
+          "plain = one contiguous torch copy of as many bytes; cold = the first scattered "
+          "copy (page faults of a fresh mapping); kv_import = the decode engine's whole "
+          "import iteration (in-process pools, first touch)")
     print(f"{'model':<6} {'MiB':>6} {'scattered GB/s':>15} {'runs GB/s':>10} {'churned GB/s':>13} "
           f"{'plain GB/s':>11} {'scat/plain':>11} {'churn/plain':>12} {'cold ms':>8} "
           f"{'kv_import ms':>13} {'prefill ms':>11} "

@@ -264,8 +264,8 @@ def copy_blocks(
     same = src_pool.untyped_storage().data_ptr() == dst_pool.untyped_storage().data_ptr()
     if src_pool.device.type == "cpu" and dst_pool.device.type == "cpu" and not same:
         # One pass per run of consecutive destination ids: a gather straight into the
-        # destination slice (index_select with out= a view of the pool), or a plain slice
-        # copy when the source ids are consecutive too. No temporary: index_select into a
+        # destination slice (index_select with out= a view of the pool, per K/V layer
+        # row), or a plain slice copy when the source ids are consecutive too. No temporary: index_select into a
         # buffer plus index_copy_ moves every byte twice (half the bandwidth).
         s3 = src_pool.view(src_pool.shape[0] * src_pool.shape[1], src_pool.shape[2], -1)
         d3 = dst_pool.view(dst_pool.shape[0] * dst_pool.shape[1], dst_pool.shape[2], -1)
@@ -279,8 +279,10 @@ def copy_blocks(
             ids = [sid for _, sid in pairs[i:i + n]]
             if ids[-1] - ids[0] == n - 1 and ids == list(range(ids[0], ids[0] + n)):
                 d3[:, d0:d0 + n].copy_(s3[:, ids[0]:ids[0] + n])
-            else:
-                torch.index_select(s3, 1, torch.tensor(ids), out=d3[:, d0:d0 + n])
+            else:   # row by row: a contiguous source and out take index_select's memcpy path
+                idx = torch.tensor(ids)
+                for row in range(s3.shape[0]):
+                    torch.index_select(s3[row], 0, idx, out=d3[row, d0:d0 + n])
             i += n
         return
     moved = src_pool.index_select(2, src.to(src_pool.device))
