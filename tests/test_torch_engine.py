@@ -4,6 +4,7 @@ seeded sampling independent of batch composition, layout refusal, preemption."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from appliance.engines.messages import (
     Decode, IterationRecord, KvHandle, KvImported, Prefill, PrefillDone, RequestFailed,
     SamplingParams, Tokens,
 )
+from appliance.engines.sequence import Role, Sequence
 from appliance.engines.torch_engine import TorchEngine, build_torch_engine
 from appliance.worker.spec import WorkerSpec
 
@@ -199,6 +201,58 @@ def test_disagg_handoff_matches_agg(tiny_model, prompts, reference):
     assert cached["prefB"] == 2 * BS
     # The decode worker never ran a prompt: its KV came from the prefill worker's pool.
     assert "prefill" not in dec_phases and "kv_import" in dec_phases
+    assert_all_free(pre, dec)
+
+
+def _fragment(eng: TorchEngine, seed: int) -> list[Sequence]:
+    """Fill the pool with one-block sequences and free a random half: free blocks are
+    then scattered holes. Returns the sequences still holding blocks."""
+    rng = random.Random(seed)
+    held = []
+    while eng.blocks.available > 0:
+        seq = Sequence(f"hold{len(held)}", [1] * BS, SamplingParams(max_tokens=1),
+                       Role.PREFILL)
+        eng.blocks.allocate(seq, use_cache=False)
+        held.append(seq)
+    rng.shuffle(held)
+    for seq in held[: len(held) // 2]:
+        eng.blocks.free(seq)
+    return held[len(held) // 2:]
+
+
+def test_disagg_handoff_between_fragmented_pools(tiny_model, prompts, reference):
+    """Sources scattered over holes, destinations taken as the longest free runs: the
+    copy gathers blocks into runs (torch_model.copy_blocks) and the output is unchanged."""
+    pre = make_engine(tiny_model, "prefill0", role="prefill", num_blocks=48)
+    dec = make_engine(tiny_model, "decode0", role="decode", num_blocks=48)
+    dec.attach_peer(pre.worker, pre.peer_handle())
+    held = {pre.worker: _fragment(pre, 1), dec.worker: _fragment(dec, 2)}
+    copies: list[tuple[list[int], list[int]]] = []
+    import_kv = dec.import_kv
+
+    def spy(seqs):
+        for seq in seqs:
+            n = len(seq.handle.block_ids)
+            copies.append((list(seq.handle.block_ids), seq.block_table[:n]))
+        import_kv(seqs)
+
+    dec.import_kv = spy
+    first, later = split(prompts)
+    out, _, _ = run_disagg(pre, dec, first, later)
+    for name in prompts:
+        assert out[name] == reference[name], name
+
+    def consecutive(ids):
+        return ids == list(range(ids[0], ids[0] + len(ids)))
+
+    multi = [(s, d) for s, d in copies if len(s) > 1]
+    assert multi, copies
+    assert any(not consecutive(s) for s, _ in multi), copies     # gathered sources
+    for _, d in copies:                                         # destinations ascending
+        assert d == sorted(d), copies
+    for eng in (pre, dec):
+        for seq in held[eng.worker]:
+            eng.blocks.free(seq)
     assert_all_free(pre, dec)
 
 

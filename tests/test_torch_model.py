@@ -13,6 +13,7 @@ import torch
 from appliance.engines.sampling import SamplingState, sample
 from appliance.engines.torch_model import (
     AttnBatch,
+    Linear,
     LlamaShape,
     ModelLoadError,
     RopeScaling,
@@ -392,6 +393,33 @@ def test_bad_batch_is_rejected(llama):
 
 
 # --------------------------------------------------------------------------- KV pool
+
+
+def test_linear_packed_for_the_cpu_and_plain_elsewhere(monkeypatch):
+    """fp32 CPU weights are kept only in oneDNN's packed layout; the product is F.linear's
+    (to fp32 rounding) for any batch, with and without bias; without oneDNN (or on
+    another dtype) the plain weight is kept and F.linear runs."""
+    import appliance.engines.torch_model as tm
+
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    packed = Linear(w.clone(), b)
+    if tm._onednn_ok():
+        assert packed.packed is not None and packed.weight is None
+    for shape in ((1, 64), (7, 64), (64, 64), (3, 5, 64)):
+        x = torch.randn(shape, generator=g)
+        torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, w, b),
+                                   rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(Linear(w.clone())(x), torch.nn.functional.linear(x, w),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed.dense(), w)
+
+    half = Linear(w.to(torch.float64))
+    assert half.packed is None and half.weight.dtype == torch.float64
+    monkeypatch.setattr(tm, "_ONEDNN_OK", False)
+    plain = Linear(w, b)
+    assert plain.packed is None and plain.dense() is w
+    assert torch.equal(plain(x), torch.nn.functional.linear(x, w, b))
 
 
 def test_pool_layout_and_copy_blocks():
