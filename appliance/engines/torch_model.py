@@ -646,7 +646,7 @@ def load_model(
     D, I = shape.hidden_size, shape.intermediate_size
 
     def get(name: str, expected: tuple[int, ...]) -> torch.Tensor:
-        t = raw.get(name)
+        t = raw.pop(name, None)  # consumed once: freed as soon as it is packed or fused
         if t is None:
             raise ModelLoadError(f"checkpoint {model_dir} lacks tensor {name!r}")
         if tuple(t.shape) != expected:
@@ -686,5 +686,5 @@ def load_model(
             )
         )
     norm = get("model.norm.weight", (D,))
-    raw.clear()  # drop the unpacked copies before the packed model is used
+    raw.clear()  # tensors the model does not use (e.g. rotary caches in old checkpoints)
     return LlamaModel(shape, embed, layers, norm, lm_head)
