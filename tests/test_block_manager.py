@@ -319,7 +319,7 @@ def test_random_workload_keeps_invariants_and_frees_everything():
 def test_fresh_blocks_come_in_ascending_runs():
     """Handoffs copy runs of blocks as one slice: the allocator keeps freed runs together
     (LRU picks the set, the table lists it in ascending order), and a `run` allocation
-    (KV import) takes a free run outright when one is long enough, else the longest."""
+    (KV import) takes a free run outright when one is long enough, else a few long ones."""
     bm = BlockManager(16, BS, reserve_ratio=0)
     a = seq("a", list(range(6 * BS)))
     bm.allocate(a)
@@ -346,7 +346,7 @@ def test_fresh_blocks_come_in_ascending_runs():
     bm.allocate(lru, use_cache=False)           # LRU set, sorted: not the run
     assert lru.block_table == [1, 3, 5]
     wide = seq("wide", list(range(4 * BS)), role=Role.DECODE)
-    bm.allocate(wide, use_cache=False, run=True)  # no free run of 4: the longest runs
+    bm.allocate(wide, use_cache=False, run=True)  # no free run of 4: the run of 3, then 1
     assert wide.block_table == [9, 10, 11, 13]
     check_invariants(bm)
 
