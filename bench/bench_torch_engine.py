@@ -62,26 +62,10 @@ def prompts_for(batch: int, length: int, seed: int, vocab: int) -> list[list[int
 
 
 def run_engine(model, prompts, new_tokens: int):
-    """(prefill wall s, decode wall s, decode tokens, outputs)"""
-    need = sum(-(-(len(p) + new_tokens) // BS) for p in prompts)
-    eng = engine(model, "bench", need + 8)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add(Prefill(f"r{i}", p, params, handoff=False))
-    pre = dec = 0.0
-    ntok = 0
-    outs: dict[str, list[int]] = {}
-    while eng.has_work():
-        for ev in eng.step():
-            if isinstance(ev, IterationRecord):
-                if ev.phase == "prefill":
-                    pre += ev.wall_s
-                else:
-                    dec += ev.wall_s
-                    ntok += len(ev.entries)
-            elif hasattr(ev, "tokens"):
-                outs.setdefault(ev.request_id, []).extend(ev.tokens)
-    return pre, dec, ntok, [outs[f"r{i}"] for i in range(len(prompts))]
+    """(prefill wall s, decode wall s, decode tokens, outputs): every prompt at once."""
+    r = engine_serves(model, [(p, new_tokens) for p in prompts], max_seqs=256,
+                      max_batch_tokens=65536)
+    return r["prefill"], r["decode"], r["decode_tokens"], r["outs"]
 
 
 def hf_generate(hf, prompts, new_tokens: int):
@@ -151,11 +135,12 @@ def trace_requests(count: int, prompt_scale: float, max_out: int, vocab: int):
     return reqs
 
 
-def engine_serves(model, reqs, max_seqs: int) -> dict:
+def engine_serves(model, reqs, max_seqs: int, max_batch_tokens: int = 8192) -> dict:
     """All requests queued at once; the engine keeps at most `max_seqs` running
-    (continuous batching, the daemon's default prefill budget of 8,192 tokens)."""
+    (continuous batching; by default the daemon's prefill budget of 8,192 tokens)."""
     need = sum(-(-(len(p) + o) // BS) for p, o in reqs)
-    eng = engine(model, "bench", need + 8, max_seqs=max_seqs, max_batch_tokens=8192)
+    eng = engine(model, "bench", need + 8, max_seqs=max_seqs,
+                 max_batch_tokens=max_batch_tokens)
     for i, (p, o) in enumerate(reqs):
         eng.add(Prefill(f"r{i}", p, SamplingParams(max_tokens=o, temperature=0.0,
                                                    ignore_eos=True), handoff=False))
