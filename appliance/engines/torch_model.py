@@ -15,8 +15,9 @@ in safetensors (single file or sharded index). Sliding-window attention (Mistral
 Qwen2 ``use_sliding_window``) is ignored: attention is always over the full context, which
 is exact for contexts shorter than the window and an approximation beyond it.
 
-Weights are held in per-layer records (`Linear`, packed for the CPU; not registered parameters) (not registered parameters): to move a
-model to another device or dtype, load it again with those arguments.
+Weights are held in per-layer records (`Linear`, packed for the CPU; not registered
+parameters): to move a model to another device or dtype, load it again with those
+arguments.
 """
 
 from __future__ import annotations
@@ -265,8 +266,8 @@ def copy_blocks(
     if src_pool.device.type == "cpu" and dst_pool.device.type == "cpu" and not same:
         # One pass per run of consecutive destination ids: a gather straight into the
         # destination slice (index_select with out= a view of the pool, per K/V layer
-        # row), or a plain slice copy when the source ids are consecutive too. No temporary: index_select into a
-        # buffer plus index_copy_ moves every byte twice (half the bandwidth).
+        # row), or a plain slice copy when the source ids are consecutive too. No
+        # temporary: index_select into a buffer plus index_copy_ moves every byte twice.
         s3 = src_pool.view(src_pool.shape[0] * src_pool.shape[1], src_pool.shape[2], -1)
         d3 = dst_pool.view(dst_pool.shape[0] * dst_pool.shape[1], dst_pool.shape[2], -1)
         pairs = sorted(zip(dst.tolist(), src.tolist()))
@@ -277,7 +278,7 @@ def copy_blocks(
             while i + n < len(pairs) and pairs[i + n][0] == d0 + n:
                 n += 1
             ids = [sid for _, sid in pairs[i:i + n]]
-            if ids[-1] - ids[0] == n - 1 and ids == list(range(ids[0], ids[0] + n)):
+            if ids == list(range(ids[0], ids[0] + n)):
                 d3[:, d0:d0 + n].copy_(s3[:, ids[0]:ids[0] + n])
             else:   # row by row: a contiguous source and out take index_select's memcpy path
                 idx = torch.tensor(ids)
@@ -389,8 +390,8 @@ class Linear:
     On the CPU in fp32 the weight is re-laid out once into oneDNN's blocked format
     (``mkldnn._reorder_linear_weight``, what inductor's freezing pass does): a plain
     ``F.linear`` re-packs the weight inside MKL on every call, which at decode batch sizes
-    costs as much as the multiply itself (measured 1.4-1.9x on the 20m model's layers at
-    batch 1-32, see bench/bench_torch_engine.py). Only the packed copy is kept. Elsewhere
+    costs as much as the multiply itself (packing made the 20m model's matmuls 1.3-1.9x
+    faster at batch 1-32). Only the packed copy is kept. Elsewhere
     (CUDA, bf16, a torch build without oneDNN) the weight stays as is and ``F.linear`` runs.
     """
 
