@@ -6,8 +6,10 @@ and the KV handoff's bandwidth. Not a test: prints tables.
 
 Decode tok/s: B requests of P prompt tokens, greedy, N new tokens each, EOS ignored.
   engine: decode tokens / wall time of the engine's decode iterations (IterationRecords).
-  transformers: B*(N-1) / (generate(N new) - generate(1 new)), the same prompts, no
-  padding (all prompts have the same length), its default KV cache and attention.
+  transformers: B*(N-1) / the time from its first logits (end of the prompt's pass) to
+  the end of generate(N new), the same prompts, no padding (all prompts have the same
+  length), its default KV cache and attention. P = 64 at B = 1, 8, 32, and P = 1,024 at
+  B = 8 (long context: attention, not the weights, dominates a step).
 Prefill tok/s: engine prefill iteration vs generate(max_new_tokens=1) on the same prompts.
 Trace-shaped: the first rows of the Azure code trace (mixed prompt and output lengths)
 through the engine (continuous batching, at most B running) and through `generate` in
@@ -40,6 +42,7 @@ from appliance.engines.messages import (  # noqa: E402
     Decode, IterationRecord, KvImported, Prefill, PrefillDone, SamplingParams,
 )
 from appliance.engines.block_manager import BlockManager  # noqa: E402
+from appliance.engines.cpu_heap import keep_freed_memory  # noqa: E402
 from appliance.engines.sequence import Role, Sequence  # noqa: E402
 from appliance.engines.torch_engine import TorchEngine  # noqa: E402
 from appliance.engines.torch_model import kv_pool_bytes_per_block, load_model  # noqa: E402
@@ -68,16 +71,37 @@ def run_engine(model, prompts, new_tokens: int):
     return r["prefill"], r["decode"], r["decode_tokens"], r["outs"]
 
 
+class FirstLogits:
+    """A `generate` logits processor that marks the end of the prefill pass: it is called
+    once per new token, first right after the prompt's forward pass."""
+
+    def __init__(self):
+        self.at = None
+
+    def __call__(self, input_ids, scores):
+        if self.at is None:
+            self.at = time.perf_counter()
+        return scores
+
+
 def hf_generate(hf, prompts, new_tokens: int):
+    """(prefill s, decode s, outputs) of one `generate` call on equal-length prompts. Both
+    times come from the same run (split at FirstLogits), not from the difference of two
+    runs, which long prompts' prefill time would drown in noise."""
+    import transformers
+
     gc = copy.deepcopy(hf.generation_config)
     gc.eos_token_id = None
     gc.do_sample = False
+    gc.max_new_tokens = new_tokens
     ids = torch.tensor(prompts)
+    mark = FirstLogits()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        gc.max_new_tokens = new_tokens
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
-    return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc,
+                          logits_processor=transformers.LogitsProcessorList([mark]))
+    t1 = time.perf_counter()
+    return mark.at - t0, t1 - mark.at, out[:, ids.shape[1]:].tolist()
 
 
 def med(xs):
@@ -95,20 +119,20 @@ def bench_model(model_dir: Path, preset: str, a) -> list[dict]:
     run_engine(model, prompts_for(2, 20, 99, vocab), 4)
     hf_generate(hf, prompts_for(2, 20, 99, vocab), 4)
 
-    for batch in a.batches:
+    for batch, prompt in a.decode_cases:
         ours, theirs = [], []
         match = None
         for rep in range(a.reps):
-            ps = prompts_for(batch, a.prompt, rep, vocab)
+            ps = prompts_for(batch, prompt, rep, vocab)
             _, dec, ntok, outs = run_engine(model, ps, a.new)
             ours.append(ntok / dec)
-            t_n, hf_outs = hf_generate(hf, ps, a.new)
-            t_1, _ = hf_generate(hf, ps, 1)
-            theirs.append(batch * (a.new - 1) / max(t_n - t_1, 1e-9))
+            _, hf_dec, hf_outs = hf_generate(hf, ps, a.new)
+            theirs.append(batch * (a.new - 1) / hf_dec)
             if rep == 0:
                 match = sum(o == h for o, h in zip(outs, hf_outs))
-        rows.append(dict(model=preset, what=f"decode b={batch}", ours=med(ours),
-                         hf=med(theirs), note=f"greedy equal {match}/{batch}"))
+        what = f"decode b={batch}" + ("" if prompt == a.prompt else f", {prompt}-tok prompt")
+        rows.append(dict(model=preset, what=what, ours=med(ours), hf=med(theirs),
+                         note=f"greedy equal {match}/{batch}"))
 
     for batch, length in ((1, 2048), (4, 512)):
         ours, theirs = [], []
@@ -116,7 +140,7 @@ def bench_model(model_dir: Path, preset: str, a) -> list[dict]:
             ps = prompts_for(batch, length, 100 + rep, vocab)
             pre, _, _, _ = run_engine(model, ps, 1)
             ours.append(batch * length / pre)
-            t, _ = hf_generate(hf, ps, 1)
+            t, _, _ = hf_generate(hf, ps, 1)
             theirs.append(batch * length / t)
         rows.append(dict(model=preset, what=f"prefill {batch}x{length}", ours=med(ours),
                          hf=med(theirs), note=""))
@@ -168,15 +192,6 @@ def hf_serves(hf, reqs, batch: int) -> dict:
     prompts left-padded to the longest in the batch, each batch generating as many tokens
     as its longest request needs (static batching: what `generate` can do)."""
     import transformers
-
-    class FirstLogits(transformers.LogitsProcessor):   # marks the end of the prefill pass
-        def __init__(self):
-            self.at = None
-
-        def __call__(self, input_ids, scores):
-            if self.at is None:
-                self.at = time.perf_counter()
-            return scores
 
     gc = copy.deepcopy(hf.generation_config)
     gc.eos_token_id = None
@@ -362,8 +377,13 @@ def main() -> int:
     parts = set(a.parts.split(","))
     a.batches = (1, 8, 32)
     a.prompt, a.new, a.reps = (32, 16, 1) if a.quick else (64, 48, 3)
+    # (batch, prompt tokens): the three batch sizes at short context, and one long context
+    a.decode_cases = [(b, a.prompt) for b in a.batches] + [(4, 256) if a.quick else (8, 1024)]
     a.min_requests, a.prompt_scale, a.max_out = (8, 0.0625, 64) if a.quick else (16, 0.125, 256)
     torch.set_num_threads(1)
+    # What a CPU worker does at start-up (build_torch_engine). It is process-wide, so
+    # `generate` in this process runs with the same malloc settings.
+    keep_freed_memory()
     from appliance.models.tiny import init_tiny
 
     t_start = time.perf_counter()
@@ -382,13 +402,15 @@ def main() -> int:
           f"prompt={a.prompt} new={a.new} reps={a.reps} (median)")
     print("ratio = engine / HF generate at the same batch; vs HF b=1 = engine / HF serving "
           "the same requests one at a time (batch 1)")
-    print(f"{'model':<6} {'measure':<18} {'engine tok/s':>13} {'HF generate':>12} "
+    print(f"{'model':<6} {'measure':<28} {'engine tok/s':>13} {'HF generate':>12} "
           f"{'ratio':>6} {'vs HF b=1':>10}  note")
     for r in rows:
         b1 = next((x["hf"] for x in rows if x["model"] == r["model"]
                    and x["what"] == "decode b=1"), None)
-        vs1 = f"{r['ours'] / b1:>10.2f}" if b1 and r["what"].startswith("decode") else " " * 10
-        print(f"{r['model']:<6} {r['what']:<18} {r['ours']:>13.0f} {r['hf']:>12.0f} "
+        vs1 = " " * 10
+        if b1 and r["what"].startswith("decode") and "prompt" not in r["what"]:
+            vs1 = f"{r['ours'] / b1:>10.2f}"
+        print(f"{r['model']:<6} {r['what']:<28} {r['ours']:>13.0f} {r['hf']:>12.0f} "
               f"{r['ours'] / r['hf']:>6.2f} {vs1}  {r['note']}")
     if work:
         print(f"\nTrace-shaped requests: the first N rows of the Azure code trace, prompts "

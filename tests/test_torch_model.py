@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from appliance.engines import torch_model
 from appliance.engines.sampling import SamplingState, sample
 from appliance.engines.torch_model import (
     AttnBatch,
@@ -157,9 +158,17 @@ def _prompts(lengths, seed):
 # --------------------------------------------------------------------------- numerics
 
 
-def test_prefill_then_decode_matches_transformers(llama):
+@pytest.mark.parametrize("group_blocks", [None, 1, 6])
+def test_prefill_then_decode_matches_transformers(llama, group_blocks, monkeypatch):
+    """Decode attends in groups of sequences bounded in gathered bytes: by default one
+    group here; a bound of 1 block makes each sequence its own group; 6 blocks puts the
+    two shorter sequences (1 and 2 blocks, different lengths: masked) together."""
     path, ref = llama
     model = load_model(path)
+    if group_blocks is not None:
+        per_layer = kv_pool_bytes_per_block(model.shape, BLOCK, torch.float32)
+        per_layer //= model.shape.num_layers
+        monkeypatch.setattr(torch_model, "DECODE_GROUP_BYTES", group_blocks * per_layer)
     kv = allocate_kv_pool(model.shape, num_blocks=40, block_size=BLOCK)
     pager = Pager(40, seed=3)
     seqs = _prompts([5, 17, 33], seed=7)
@@ -179,6 +188,18 @@ def test_prefill_then_decode_matches_transformers(llama):
         logits = run_step(model, kv, pager, tables, cached, [[t] for t in nxt], is_prefill=False)
         for i, s in enumerate(seqs):
             torch.testing.assert_close(logits[i], ref_last_logits(ref, s), rtol=RTOL, atol=ATOL)
+
+
+def test_decode_groups_bound_gathered_bytes(monkeypatch):
+    monkeypatch.setattr(torch_model, "DECODE_GROUP_BYTES", 6)
+    tables = [[7], [3, 9], [1, 2, 4], [5, 6, 8, 10, 11, 12, 13], [0]]
+    groups = torch_model._decode_groups([6, 18, 34, 100, 16], tables, 16, 1, torch.device("cpu"))
+    assert [(g.first, g.end, g.blocks, g.context) for g in groups] == [
+        (0, 2, 2, 18), (2, 3, 3, 34), (3, 4, 7, 100), (4, 5, 1, 16)]
+    # Sequence 0 is padded with its own first block and masked past its 6 tokens.
+    assert groups[0].block_ids.tolist() == [7, 7, 3, 9]
+    assert groups[0].mask[:, 0, 0].sum(1).tolist() == [6, 18]
+    assert all(g.mask is None for g in groups[1:])
 
 
 def test_prefix_cached_prefill_matches_full_prefill(llama):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from appliance.engines import cpu_heap
 from appliance.engines.base import BatchEngine, KvLayoutError
 from appliance.engines.messages import Decode, Prefill, RequestFailed, SamplingParams
 from appliance.engines.sampling import SamplingState, sample
@@ -190,6 +191,7 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         device, dtype = torch.device("cuda", 0), torch.bfloat16
     else:
         device, dtype = torch.device("cpu"), torch.float32
+        cpu_heap.keep_freed_memory()
         torch.set_num_threads(1)
         try:
             torch.set_num_interop_threads(1)
