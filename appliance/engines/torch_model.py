@@ -264,27 +264,38 @@ def copy_blocks(
         raise ValueError("duplicate destination block ids")
     same = src_pool.untyped_storage().data_ptr() == dst_pool.untyped_storage().data_ptr()
     if src_pool.device.type == "cpu" and dst_pool.device.type == "cpu" and not same:
-        # One pass per run of consecutive destination ids: a gather straight into the
-        # destination slice (index_select with out= a view of the pool, per K/V layer
-        # row), or a plain slice copy when the source ids are consecutive too. No
-        # temporary: index_select into a buffer plus index_copy_ moves every byte twice.
+        # Stretches where both the destination and the source ids run consecutively are
+        # one slice copy each (all K/V layer rows at once). When the sources are too
+        # broken up for that (more stretches than rows x destination runs), one gather
+        # per destination run and row instead, straight into the pool (index_select with
+        # out= a view: no temporary, which would move every byte twice). Fewer, longer
+        # copies win: every jump to another place in a 1 GiB pool costs page walks.
         s3 = src_pool.view(src_pool.shape[0] * src_pool.shape[1], src_pool.shape[2], -1)
         d3 = dst_pool.view(dst_pool.shape[0] * dst_pool.shape[1], dst_pool.shape[2], -1)
+        rows = s3.shape[0]
         pairs = sorted(zip(dst.tolist(), src.tolist()))
-        i = 0
-        while i < len(pairs):
-            d0 = pairs[i][0]
-            n = 1
-            while i + n < len(pairs) and pairs[i + n][0] == d0 + n:
-                n += 1
-            ids = [sid for _, sid in pairs[i:i + n]]
-            if ids == list(range(ids[0], ids[0] + n)):
-                d3[:, d0:d0 + n].copy_(s3[:, ids[0]:ids[0] + n])
-            else:   # row by row: a contiguous source and out take index_select's memcpy path
-                idx = torch.tensor(ids)
-                for row in range(s3.shape[0]):
-                    torch.index_select(s3[row], 0, idx, out=d3[row, d0:d0 + n])
-            i += n
+        stretches: list[list[int]] = []  # [dst start, src start, blocks]
+        dst_runs: list[list[int]] = []   # [dst start, blocks]
+        for d, sid in pairs:
+            if dst_runs and d == dst_runs[-1][0] + dst_runs[-1][1]:
+                dst_runs[-1][1] += 1
+                last = stretches[-1]
+                if d == last[0] + last[2] and sid == last[1] + last[2]:
+                    last[2] += 1
+                    continue
+            else:
+                dst_runs.append([d, 1])
+            stretches.append([d, sid, 1])
+        if len(stretches) <= rows * len(dst_runs):
+            for d0, s0, n in stretches:
+                d3[:, d0:d0 + n].copy_(s3[:, s0:s0 + n])
+            return
+        k = 0
+        for d0, n in dst_runs:
+            idx = torch.tensor([sid for _, sid in pairs[k:k + n]])
+            for row in range(rows):
+                torch.index_select(s3[row], 0, idx, out=d3[row, d0:d0 + n])
+            k += n
         return
     moved = src_pool.index_select(2, src.to(src_pool.device))
     dst_pool.index_copy_(2, dst.to(dst_pool.device), moved.to(dst_pool.device))
