@@ -200,6 +200,9 @@ def test_decode_groups_bound_gathered_bytes(monkeypatch):
     assert groups[0].block_ids.tolist() == [7, 7, 3, 9]
     assert groups[0].mask[:, 0, 0].sum(1).tolist() == [6, 18]
     assert all(g.mask is None for g in groups[1:])
+    # On a GPU (only the device type is looked at) the batch stays one group.
+    one = torch_model._decode_groups([6, 18, 34, 100, 16], tables, 16, 1, torch.device("meta"))
+    assert [(g.first, g.end, g.blocks, g.context) for g in one] == [(0, 5, 7, 100)]
 
 
 def test_prefix_cached_prefill_matches_full_prefill(llama):

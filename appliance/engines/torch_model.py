@@ -362,14 +362,16 @@ def _decode_groups(ctx_lens: list[int], tables: list[list[int]], block_size: int
                    block_bytes: int, device: torch.device) -> list[_DecodeGroup]:
     """Consecutive sequences grouped so each group's gathered K and V of one layer
     (sequences x its longest block count x `block_bytes`) stay within DECODE_GROUP_BYTES;
-    a sequence longer than that is a group of its own."""
+    a sequence longer than that is a group of its own. On a GPU the whole batch is one
+    group: there one big kernel beats many small ones (NOT RUN ON HARDWARE)."""
+    bound = DECODE_GROUP_BYTES if device.type == "cpu" else float("inf")
     groups: list[_DecodeGroup] = []
     first = 0
     while first < len(ctx_lens):
         end, blocks = first, 0
         while end < len(ctx_lens):
             need = max(blocks, -(-ctx_lens[end] // block_size))
-            if end > first and (end + 1 - first) * need * block_bytes > DECODE_GROUP_BYTES:
+            if end > first and (end + 1 - first) * need * block_bytes > bound:
                 break
             blocks, end = need, end + 1
         lens = ctx_lens[first:end]
