@@ -259,7 +259,9 @@ src_ids = torch.randperm(shape[2], generator=g)[:nblk].tolist()   # scattered: w
 dst_ids = torch.randperm(shape[2], generator=g)[:nblk].tolist()
 churn_src, churn_dst = json.loads(sys.argv[5])   # what the block managers hand out
 nbytes = nblk * src[:, :, 0].numel() * 4
-t0 = time.perf_counter(); copy_from_peer(src, src_ids, dst, dst_ids); first = time.perf_counter() - t0
+t0 = time.perf_counter()
+copy_from_peer(src, src_ids, dst, dst_ids)
+first = time.perf_counter() - t0
 ok = all(torch.equal(src[:, :, s], dst[:, :, d]) for s, d in zip(src_ids, dst_ids))
 scratch = torch.empty(16 << 20)   # 64 MiB, twice the L3 of the dev machine
 def cold(fn):
@@ -371,7 +373,8 @@ def bench_handoff(model_dir: Path, preset: str, a) -> dict:
                     pre_eng.release(rid)
     return dict(model=preset, bytes=x["bytes"], gbps_blocks=x["bytes"] / x["blocks"] / 1e9,
                 gbps_plain=x["bytes"] / x["plain"] / 1e9,
-                gbps_plain_warm=x["bytes"] / x["plain_warm"] / 1e9, gbps_runs=x["bytes"] / x["runs"] / 1e9,
+                gbps_plain_warm=x["bytes"] / x["plain_warm"] / 1e9,
+                gbps_runs=x["bytes"] / x["runs"] / 1e9,
                 gbps_churn=x["bytes"] / x["churn"] / 1e9, cold_ms=x["cold"] * 1e3,
                 copy_ms=x["blocks"] * 1e3, ok=x["ok"], prefill_ms=prefill_s * 1e3,
                 import_ms=import_s * 1e3)

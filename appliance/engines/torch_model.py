@@ -626,11 +626,12 @@ class LlamaModel(torch.nn.Module):
         blocks = kv_layer.view(2, kv_layer.shape[1], -1)  # whole blocks: one memcpy each
         q = q.unsqueeze(2)  # [B, H, 1, hd]
         out = None if len(plan.decode) == 1 else q.new_empty(B, s.num_heads, 1, s.head_dim)
+        row = blocks.shape[2]
+        buf = self._gather_buffer(max(g.block_ids.numel() for g in plan.decode) * row)
         for g in plan.decode:
-            n = g.end - g.first
-            buf = self._gather_buffer(g.block_ids.numel() * blocks.shape[2]).view(2, -1, blocks.shape[2])
-            kb = torch.index_select(blocks[0], 0, g.block_ids, out=buf[0])
-            vb = torch.index_select(blocks[1], 0, g.block_ids, out=buf[1])
+            n, used = g.end - g.first, g.block_ids.numel() * row
+            kb = torch.index_select(blocks[0], 0, g.block_ids, out=buf[0, :used].view(-1, row))
+            vb = torch.index_select(blocks[1], 0, g.block_ids, out=buf[1, :used].view(-1, row))
             per_seq = (n, g.blocks * block_size, s.num_kv_heads, s.head_dim)
             o = F.scaled_dot_product_attention(
                 q[g.first:g.end],
@@ -646,9 +647,9 @@ class LlamaModel(torch.nn.Module):
         return out.reshape(B, s.q_size)
 
     def _gather_buffer(self, elems: int) -> torch.Tensor:
-        """``[2, elems]`` of the kept gather buffer (see DECODE_GROUP_BYTES). It grows by
-        half again when too small, and is given back when a step needs under a quarter
-        of it (after a sequence longer than a group's bound)."""
+        """``[2, elems]`` of the kept gather buffer, for a step's largest group (see
+        DECODE_GROUP_BYTES). It grows by half again when too small, and is given back when
+        a step needs under a quarter of it (after a sequence longer than a group's bound)."""
         cap = self._gather.shape[1]
         if elems > cap or elems * 4 < cap:
             cap = elems if elems * 4 < cap else max(elems, cap + cap // 2)
