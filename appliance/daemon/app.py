@@ -169,13 +169,21 @@ class Service:
         self._ids = itertools.count(1)
 
     def fit_context_to_pools(self) -> None:
-        """A request must fit the smallest KV pool, not just the model's context: cap
-        the served context (validation, the default max_tokens, /v1/models) to it."""
-        pools = [w.hello.kv_blocks_total * w.hello.block_size for w in self.pool.workers.values()
-                 if w.hello and w.hello.kv_blocks_total]
-        if pools and min(pools) < self.max_context:
-            log.info("context capped to %d tokens by the smallest KV pool", min(pools))
-            self.max_context = min(pools)
+        """A request must fit every worker it may land on, not just the model's context:
+        cap the served context (validation, the default max_tokens, /v1/models) to the
+        smallest KV pool and to what each engine says it serves exactly (the torch engine
+        caps a sliding-window model at its window)."""
+        limits = []
+        for w in self.pool.workers.values():
+            if not w.hello:
+                continue
+            if w.hello.kv_blocks_total:
+                limits.append((w.hello.kv_blocks_total * w.hello.block_size, "the smallest KV pool"))
+            if w.hello.max_context:
+                limits.append((w.hello.max_context, f"the {w.hello.engine} engine"))
+        if limits and min(limits)[0] < self.max_context:
+            self.max_context, why = min(limits)
+            log.info("context capped to %d tokens by %s", self.max_context, why)
 
     def next_request_id(self) -> str:
         return f"{self._prefix}{next(self._ids):08x}"

@@ -93,7 +93,8 @@ class BatchEngine:
     # ---- contract ---------------------------------------------------------
     def hello_info(self) -> dict:
         return {"layout": self.layout(), "block_size": self.blocks.block_size,
-                "kv_blocks_total": self.blocks.num_blocks, "peer_handle": self.peer_handle()}
+                "kv_blocks_total": self.blocks.num_blocks, "peer_handle": self.peer_handle(),
+                "max_context": self.max_context}
 
     def add(self, msg: Prefill | Decode) -> list[Event]:
         rid = msg.request_id

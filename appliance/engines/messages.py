@@ -100,6 +100,9 @@ class Hello:
     block_size: int
     kv_blocks_total: int
     peer_handle: Any = None     # shared KV pool handle (torch engine) for peers
+    # The longest context the engine serves (its model's, capped by its pool or an
+    # unimplemented sliding window); 0 = not known (TensorRT-LLM checks its own).
+    max_context: int = 0
 
 
 @dataclass(slots=True)

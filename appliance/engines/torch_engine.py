@@ -210,6 +210,6 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     return TorchEngine(
         model=model, worker=spec.worker, devices=tuple(spec.devices), num_blocks=num_blocks,
         block_size=spec.block_size, max_batch_tokens=spec.max_batch_tokens,
-        max_seqs=spec.max_seqs, max_context=model.shape.max_position_embeddings,
+        max_seqs=spec.max_seqs, max_context=model.shape.max_context,
         eos_token_ids=read_eos_ids(model_dir), handoff_timeout_s=spec.handoff_timeout_s,
         reserve_ratio=spec.reserve_ratio)

@@ -12,8 +12,9 @@ block is position-encoded once and reused as is (prefix caching, handoff between
 
 Supported checkpoints: HF ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
 in safetensors (single file or sharded index). Sliding-window attention (Mistral v0.1,
-Qwen2 ``use_sliding_window``) is ignored: attention is always over the full context, which
-is exact for contexts shorter than the window and an approximation beyond it.
+Qwen2 ``use_sliding_window``) is not implemented; instead the served context is capped at
+the window (`LlamaShape.max_context`), inside which full attention is the same thing. A
+longer request is refused rather than answered by a different model.
 
 Weights are held in per-layer records (`Linear`, packed for the CPU; not registered
 parameters): to move a model to another device or dtype, load it again with those
@@ -87,6 +88,14 @@ class LlamaShape:
     tie_word_embeddings: bool
     qkv_bias: bool  # bias on q/k/v projections (Qwen2; Llama attention_bias)
     o_bias: bool  # bias on the output projection (Llama attention_bias only)
+    sliding_window: int | None = None  # tokens a query sees (itself included), if limited
+
+    @property
+    def max_context(self) -> int:
+        """The longest context this engine computes exactly as `transformers` does."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     @property
     def q_size(self) -> int:
@@ -151,7 +160,27 @@ class LlamaShape:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
+            sliding_window=_sliding_window(arch, cfg),
         )
+
+
+def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
+    """The attention window, as `transformers` applies it: a token sees itself and the
+    W-1 before it. Mistral slides on every layer (MistralConfig defaults the window to
+    4,096 when config.json has no key; v0.2 and later write null). Qwen2 slides only with
+    ``use_sliding_window``, on the layers from ``max_window_layers`` on, or as
+    ``layer_types`` says. Llama never slides."""
+    if arch == "MistralForCausalLM":
+        window = cfg.get("sliding_window", 4096)
+        return int(window) if window else None
+    if arch != "Qwen2ForCausalLM" or not cfg.get("use_sliding_window") or not cfg.get("sliding_window"):
+        return None
+    types = cfg.get("layer_types")
+    if types is not None:
+        slides = "sliding_attention" in types
+    else:
+        slides = int(cfg.get("max_window_layers", 28)) < int(cfg["num_hidden_layers"])
+    return int(cfg["sliding_window"]) if slides else None
 
 
 def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:

@@ -68,7 +68,8 @@ def run(fd: int, spec: WorkerSpec) -> int:
     sock.sendall(wire.pack([Hello(spec.worker, os.getpid(), spec.role, engine.name,
                                   engine.simulated, tuple(spec.devices), info["layout"],
                                   info["block_size"], info["kv_blocks_total"],
-                                  info["peer_handle"]), engine.stats()]))
+                                  info["peer_handle"], info.get("max_context", 0)),
+                        engine.stats()]))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def reader() -> None:
