@@ -4,6 +4,7 @@ another process, blocks copied both ways; then two real worker processes doing a
 prefill -> decode handoff over their sockets."""
 from __future__ import annotations
 
+import inspect
 import os
 import queue
 import socket
@@ -97,6 +98,56 @@ def test_default_fd_strategy_cannot_cross_exec():
 def test_import_rejects_garbage():
     with pytest.raises(ValueError):
         import_pool("not bytes")  # type: ignore[arg-type]
+
+
+class _FakeCUuuid:
+    """torch's ``_CUuuid``: str() is 8-4-4-4-12 lower-case hex, no 'GPU-' (NVML's form)."""
+
+    def __init__(self, hex32: str):
+        self.hex = hex32
+
+    def __str__(self):
+        h = self.hex
+        return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def test_cuda_handle_opens_on_the_local_ordinal_of_its_gpu(monkeypatch):
+    """The CUDA IPC import (not run on hardware) against the torch installed: the handle
+    reduce_tensor makes is rebuild_cuda_tensor's arguments, where storage_device is the
+    *exporter's* ordinal; we must open it on the ordinal the same GPU (by UUID) has here.
+    Faked: only what needs a GPU (device count and properties)."""
+    from types import SimpleNamespace
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    from appliance.kv import handoff
+
+    params = list(inspect.signature(rebuild_cuda_tensor).parameters)
+    assert "storage_device" in params and "storage_handle" in params
+    here = {0: "a" * 32, 1: "b" * 32, 2: "c" * 32}     # this worker: own GPU, then peers
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(here))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(uuid=_FakeCUuuid(here[i])))
+    args = [f"arg-{p}" for p in params]
+    args[params.index("storage_device")] = 0           # its ordinal in the exporter
+    calls = []
+    # The exporter wrote its GPU's UUID as torch prints it; NVML's 'GPU-' form is the same GPU.
+    assert handoff.normalize_uuid("GPU-" + str(_FakeCUuuid("c" * 32)).upper()) == \
+        handoff.normalize_uuid(str(_FakeCUuuid("c" * 32)))
+    meta = {"kind": "cuda", "uuid": handoff.normalize_uuid(str(_FakeCUuuid("c" * 32)))}
+    handoff._import_cuda(meta, lambda *a: calls.append(a) or "tensor", tuple(args))
+    (got,) = calls
+    assert got[params.index("storage_device")] == 2
+    assert [a for i, a in enumerate(got) if params[i] != "storage_device"] == \
+        [a for i, a in enumerate(args) if params[i] != "storage_device"]
+
+    meta["uuid"] = str(_FakeCUuuid("d" * 32))           # a GPU this worker cannot see
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa")
+    with pytest.raises(RuntimeError, match="cannot see.*CUDA_VISIBLE_DEVICES='GPU-aaaa'"):
+        handoff._import_cuda(meta, lambda *a: calls.append(a), tuple(args))
+    with pytest.raises(RuntimeError, match="differ from what applianced knows"):
+        meta["uuid"] = str(_FakeCUuuid("c" * 32))
+        handoff._import_cuda(meta, lambda *a: calls.append(a), tuple(args[:-1]))
+    assert len(calls) == 1
 
 
 # --------------------------------------------------------------------------- real workers

@@ -523,6 +523,21 @@ def test_pool_layout_and_copy_blocks():
         for s, d in pairs:
             want[:, :, d] = big_src[:, :, s]
         assert torch.equal(got, want), f"case {case}: {pairs}"
+        # What runs between GPUs (peer pool on another device), here on CPU tensors:
+        # slice copies per stretch, strided over all rows or one per row.
+        _, stretches, _ = torch_model._stretches([p[1] for p in pairs], [p[0] for p in pairs])
+        for per_row in (False, True):
+            alt = torch.zeros_like(big_src)
+            torch_model._copy_stretches(big_src.view(4, 40, -1), alt.view(4, 40, -1),
+                                        stretches, per_row)
+            assert torch.equal(alt, want), f"case {case}, per_row={per_row}: {pairs}"
+
+    # Within one pool, sources and destinations overlapping: as if read before written.
+    pool = torch.randn(2, 2, 8, BLOCK, 2, 16)
+    want = pool.clone()
+    want[:, :, [3, 4, 5]] = pool[:, :, [2, 3, 4]]
+    copy_blocks(pool, [2, 3, 4], pool, [3, 4, 5])
+    assert torch.equal(pool, want)
 
     copy_blocks(src, [], dst, [])  # no-op
     with pytest.raises(ValueError, match="layouts differ"):

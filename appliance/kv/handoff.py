@@ -38,6 +38,7 @@ returns, i.e. before the decode worker acknowledges (``KvImported``) and the sou
 """
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as torch_mp
 from multiprocessing.reduction import ForkingPickler
-from torch.multiprocessing.reductions import reduce_tensor
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 HANDLE_VERSION = 1
 
@@ -151,6 +152,10 @@ def import_pool(handle: bytes) -> PeerPool:
 
 
 def _import_cuda(meta: dict, fn, args) -> torch.Tensor:  # NOT RUN ON HARDWARE
+    """Open the peer's CUDA IPC handle on the ordinal its GPU has *here*: the exporter's
+    ordinal, which torch put in the handle, means another device under another
+    CUDA_VISIBLE_DEVICES. The argument is found by name in ``rebuild_cuda_tensor``'s
+    signature (tests/test_kv_handoff.py checks it against the torch installed)."""
     want = meta["uuid"]
     local = {_device_uuid(i): i for i in range(torch.cuda.device_count())}
     if want not in local:
@@ -158,8 +163,12 @@ def _import_cuda(meta: dict, fn, args) -> torch.Tensor:  # NOT RUN ON HARDWARE
             f"peer KV pool is on GPU {want}, which this worker cannot see "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}); "
             "the daemon must list peer GPUs after the worker's own")
+    params = list(inspect.signature(rebuild_cuda_tensor).parameters)
+    if "storage_device" not in params or len(args) != len(params):
+        raise RuntimeError("this torch's CUDA IPC handles differ from what applianced knows "
+                           f"(rebuild_cuda_tensor{tuple(params)}); cannot remap the device")
     args = list(args)
-    args[6] = local[want]          # rebuild_cuda_tensor's storage_device: our ordinal
+    args[params.index("storage_device")] = local[want]
     return fn(*args)
 
 
