@@ -53,6 +53,7 @@ class EngineConfig:
     max_batch_tokens: int = 8192      # prefill token budget per iteration
     max_seqs: int = 256               # sequences per batch
     kv_cache_bytes: int = 1 << 30     # KV pool per worker on the CPU
+    cpu_threads: int = 0              # CPU workers: torch threads (and cores) each; 0 = split the cores
     gpu_mem_fraction: float = 0.9
     reserve_ratio: float = 1.0        # share of max_tokens reserved at admission (1 = never preempt)
     handoff_timeout_s: float = 30.0   # free handed-off KV nobody picked up after this
@@ -142,6 +143,8 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"config: {key} must be positive, got {value}")
     if not 0 < cfg.server.port < 65536:
         raise ConfigError(f"config: server.port must be 1-65535, got {cfg.server.port}")
+    if cfg.engine.cpu_threads < 0:
+        raise ConfigError(f"config: engine.cpu_threads must be 0 (auto) or more, got {cfg.engine.cpu_threads}")
     if not 0.0 <= cfg.engine.reserve_ratio <= 1.0:
         raise ConfigError(f"config: engine.reserve_ratio must be within 0..1, got {cfg.engine.reserve_ratio}")
     if not 0.0 < cfg.engine.gpu_mem_fraction <= 1.0:

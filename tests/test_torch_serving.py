@@ -7,14 +7,17 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import openai
 import pytest
 
+from appliance.cli import core_ranges
 from appliance.daemon.tokenizer import ServedTokenizer
-from conftest import start_daemon
+from conftest import ROOT, start_daemon
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -85,6 +88,34 @@ def test_status_says_torch_and_not_simulated(disagg):
     status = disagg.status()
     assert status["engine"] == "torch" and status["simulated"] is False
     assert {w["role"] for w in status["workers"]} == {"prefill", "decode"}
+
+
+def test_cpu_workers_run_on_their_own_cores(disagg, tiny_model, tmp_path):
+    # By default the two workers split the cores this process may use (one each here),
+    # and each engine runs as many torch threads as it has cores.
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // 2)
+    workers = {w["worker"]: w for w in disagg.status()["workers"]}
+    for name, first in (("prefill0", 0), ("decode0", per)):
+        w = workers[name]
+        want = [cores[(first + i) % len(cores)] for i in range(per)]
+        assert w["cpu_cores"] == want and w["threads"] == per, w
+        assert sorted(os.sched_getaffinity(w["pid"])) == want
+    shown = subprocess.run([sys.executable, "-m", "appliance", "status", "--url", disagg.url],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT).stdout
+    line = next(ln for ln in shown.splitlines() if ln.startswith("decode0"))
+    assert f"cpu0 cores {core_ranges(workers['decode0']['cpu_cores'])}" in line, shown
+    # engine.cpu_threads: an agg worker with two threads, on two cores where there are.
+    d = start_daemon(tmp_path / "agg2", tiny_model, "--devices", "cpu", "--engine", "torch",
+                     "--mode", "agg", config="[engine]\ncpu_threads = 2\n")
+    try:
+        (w,) = d.status()["workers"]
+        assert w["threads"] == 2 and len(w["cpu_cores"]) == min(2, len(cores))
+        assert sorted(os.sched_getaffinity(w["pid"])) == w["cpu_cores"]
+        r = complete(d, [5, 6, 7, 8], 4)
+        assert r.usage.completion_tokens == 4
+    finally:
+        d.stop()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

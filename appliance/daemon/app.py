@@ -114,21 +114,44 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None) -> Setup:
     return Setup(inv, plan, engine, model_dir, name, max_context, specs)
 
 
+def allowed_cores() -> list[int]:
+    """The CPU ids this process may run on (its cpuset / affinity); workers inherit it."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def cpu_core_sets(workers: int, threads: int, cores: list[int]) -> list[list[int]]:
+    """The cores each of `workers` CPU workers is pinned to: `threads` each, or with 0 the
+    cores split evenly (at least one each; a remainder stays idle). Disjoint while there
+    are enough cores, so a prefill never takes cycles from the decode steps beside it;
+    with too few, workers share them round robin."""
+    per = threads or max(1, len(cores) // workers)
+    return [sorted({cores[(w * per + i) % len(cores)] for i in range(per)})
+            for w in range(workers)]
+
+
 def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
-                 model_dir: Path) -> list[WorkerSpec]:
-    """One WorkerSpec per slot of the plan; CPU workers get a core each."""
+                 model_dir: Path, cores: list[int] | None = None) -> list[WorkerSpec]:
+    """One WorkerSpec per slot of the plan; CPU workers get their own cores
+    (`cpu_core_sets` over `cores`, by default the ones this process may use)."""
     e = cfg.engine
     devices = {d.id: d for d in inv.devices}
     specs = []
-    cores = itertools.count()
-    for slot in plan.workers():
+    slots = plan.workers()
+    cpu_slots = [s.worker for s in slots if devices[s.devices[0]].kind == "cpu"]
+    core_sets = dict(zip(cpu_slots, cpu_core_sets(len(cpu_slots), e.cpu_threads,
+                                                  cores or allowed_cores()))) if cpu_slots else {}
+    for slot in slots:
         first = devices[slot.devices[0]]
+        pinned = core_sets.get(slot.worker, [])
         specs.append(WorkerSpec(
             worker=slot.worker, role=slot.role, engine=engine, devices=list(slot.devices),
             device_kind=first.kind, model_dir=str(model_dir),
             gpu_name=first.spec.name if first.spec else None,
             device_uuids=[devices[d].uuid or "" for d in slot.devices],
-            cpu_core=next(cores) if first.kind == "cpu" else None,
+            cpu_cores=pinned, cpu_threads=e.cpu_threads or max(1, len(pinned)),
             model_spec=e.model_spec or None, sim_speed=e.sim_speed, block_size=e.block_size,
             max_batch_tokens=e.max_batch_tokens, max_seqs=e.max_seqs,
             kv_cache_bytes=e.kv_cache_bytes, gpu_mem_fraction=e.gpu_mem_fraction,

@@ -253,6 +253,8 @@ class WorkerLink:
             "worker": self.id, "role": self.role, "state": self.state,
             "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
             "engine": self.spec.engine, "devices": self.spec.devices,
+            "cpu_cores": self.spec.cpu_cores or None,
+            "threads": (self.hello.threads or None) if self.hello else None,
             "simulated": self.hello.simulated if self.hello else self.spec.engine == "sim",
             "restarts": self.restarts, "last_exit": self.last_exit, "inflight": self.inflight,
             "kv_blocks_total": s.kv_blocks_total if s else None,

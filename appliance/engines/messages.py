@@ -103,6 +103,7 @@ class Hello:
     # The longest context the engine serves (its model's, capped by its pool or an
     # unimplemented sliding window); 0 = not known (TensorRT-LLM checks its own).
     max_context: int = 0
+    threads: int = 0            # torch threads of a CPU engine; 0 = not a CPU engine
 
 
 @dataclass(slots=True)

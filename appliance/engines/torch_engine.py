@@ -66,6 +66,12 @@ class TorchEngine(BatchEngine):
     def peer_handle(self) -> bytes | None:
         return self._handle
 
+    def hello_info(self) -> dict:
+        info = super().hello_info()
+        if self.model.device.type == "cpu":
+            info["threads"] = torch.get_num_threads()
+        return info
+
     def add(self, msg: Prefill | Decode) -> list:
         rid = msg.request_id
         n = len(msg.prompt) + (1 if isinstance(msg, Decode) else 0)
@@ -176,7 +182,8 @@ def pool_blocks_for_budget(model: LlamaModel, block_size: int, budget_bytes: int
 def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     """The engine a WorkerSpec with engine="torch" names.
 
-    CPU: fp32, one torch thread, pool sized from spec.kv_cache_bytes (in /dev/shm).
+    CPU: fp32, spec.cpu_threads torch threads (on the cores the worker is pinned to), pool
+    sized from spec.kv_cache_bytes (in /dev/shm).
     GPU (NOT RUN ON HARDWARE): bf16 on cuda:0 (the worker's own first device; the daemon
     lists its devices first in CUDA_VISIBLE_DEVICES), pool sized from the free memory
     after loading the weights times spec.gpu_mem_fraction. One device per worker: tensor
@@ -192,7 +199,7 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     else:
         device, dtype = torch.device("cpu"), torch.float32
         cpu_heap.keep_freed_memory()
-        torch.set_num_threads(1)
+        torch.set_num_threads(max(1, spec.cpu_threads))
         try:
             torch.set_num_interop_threads(1)
         except RuntimeError:        # already set (or parallel work already ran)

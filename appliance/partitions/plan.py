@@ -146,7 +146,8 @@ def _parse_split(split: str) -> tuple[int, int]:
 
 
 def _cpu_plan(cpu: Device, tp: int, manual: tuple[int, int] | None, mode: str) -> PartitionPlan:
-    """The CPU box: one prefill and one decode process, which the daemon pins to one core each."""
+    """The CPU box: one prefill and one decode process; the daemon splits the cores between
+    them (engine.cpu_threads)."""
     if tp != 1:
         raise PlanError(f"tp={tp} needs GPUs; the CPU runs tp=1")
     if mode == "agg":
@@ -158,7 +159,7 @@ def _cpu_plan(cpu: Device, tp: int, manual: tuple[int, int] | None, mode: str) -
             f"split {manual[0]}+{manual[1]} is not possible on the CPU: it runs exactly one "
             "prefill and one decode worker (1+1)"
         )
-    pinning = "each pinned to one core" if cpu.cores >= 2 else "sharing its only core"
+    pinning = "the cores split between them" if cpu.cores >= 2 else "sharing its only core"
     reason = f"CPU only ({cpu.cores} cores): 1 prefill + 1 decode worker on {cpu.id}, {pinning}"
     return PartitionPlan(
         mode="disagg",

@@ -40,9 +40,14 @@ def die_with_parent() -> None:
 
 
 def pin(spec: WorkerSpec) -> None:
-    if spec.cpu_core is not None and hasattr(os, "sched_setaffinity"):
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[spec.cpu_core % len(cores)]})
+    """Keep to the cores the daemon gave us, so two workers' threads never compete for
+    one core (and one worker's threads stay near its own caches)."""
+    if spec.cpu_cores and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, set(spec.cpu_cores))
+        except OSError as exc:   # the cores went away (cpuset changed): run unpinned
+            print(f"applianced worker {spec.worker}: cannot pin to cores {spec.cpu_cores}: "
+                  f"{exc}", file=sys.stderr)
 
 
 def run(fd: int, spec: WorkerSpec) -> int:
@@ -68,7 +73,8 @@ def run(fd: int, spec: WorkerSpec) -> int:
     sock.sendall(wire.pack([Hello(spec.worker, os.getpid(), spec.role, engine.name,
                                   engine.simulated, tuple(spec.devices), info["layout"],
                                   info["block_size"], info["kv_blocks_total"],
-                                  info["peer_handle"], info.get("max_context", 0)),
+                                  info["peer_handle"], info.get("max_context", 0),
+                                  info.get("threads", 0)),
                         engine.stats()]))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 

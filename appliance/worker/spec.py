@@ -17,7 +17,8 @@ class WorkerSpec:
     gpu_name: str | None = None     # catalogue name (sim and gpu)
     device_uuids: list[str] = field(default_factory=list)
     peer_uuids: list[str] = field(default_factory=list)   # GPUs of workers we swap KV with
-    cpu_core: int | None = None
+    cpu_cores: list[int] = field(default_factory=list)    # CPU ids to pin to; [] = no pinning
+    cpu_threads: int = 1            # torch threads of a CPU engine
     model_spec: str | None = None   # simulator shape; None = read model_dir/config.json
     sim_speed: float = 1.0
     block_size: int = 16
