@@ -248,6 +248,16 @@ def test_kv_handoff_between_pools_continues_decode(llama):
     )
 
 
+def _checkpoint(cls, cfg, path: Path, seed: int):
+    """A randomized `cls` checkpoint saved to `path`: (our model, transformers' reloaded)."""
+    torch.manual_seed(0)
+    ref = cls(cfg).eval()
+    _randomize(ref, seed=seed)
+    _save(ref, path)
+    ref = cls.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    return load_model(path), ref
+
+
 def test_qwen2_bias_and_tied_embeddings(tmp_path):
     cfg = transformers.Qwen2Config(
         vocab_size=VOCAB,
@@ -260,14 +270,7 @@ def test_qwen2_bias_and_tied_embeddings(tmp_path):
         tie_word_embeddings=True,
         attn_implementation="eager",
     )
-    torch.manual_seed(0)
-    ref = transformers.Qwen2ForCausalLM(cfg).eval()
-    _randomize(ref, seed=2)
-    _save(ref, tmp_path)
-    ref = transformers.Qwen2ForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="eager", dtype=torch.float32
-    ).eval()
-    model = load_model(tmp_path)
+    model, ref = _checkpoint(transformers.Qwen2ForCausalLM, cfg, tmp_path, seed=2)
     assert model.shape.qkv_bias and not model.shape.o_bias and model.shape.tie_word_embeddings
     kv = allocate_kv_pool(model.shape, 8, BLOCK)
     pager = Pager(8, seed=2)
@@ -292,14 +295,7 @@ def test_mistral_sliding_window_caps_the_context(tmp_path):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         sliding_window=W, attn_implementation="eager",
     )
-    torch.manual_seed(0)
-    ref = transformers.MistralForCausalLM(cfg).eval()
-    _randomize(ref, seed=3)
-    _save(ref, tmp_path)
-    ref = transformers.MistralForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="eager", dtype=torch.float32
-    ).eval()
-    model = load_model(tmp_path)
+    model, ref = _checkpoint(transformers.MistralForCausalLM, cfg, tmp_path, seed=3)
     assert (model.shape.sliding_window, model.shape.max_context) == (W, W)
     (seq,) = _prompts([W + 6], seed=5)
     kv = allocate_kv_pool(model.shape, 8, BLOCK)
