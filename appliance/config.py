@@ -57,6 +57,7 @@ class EngineConfig:
     gpu_mem_fraction: float = 0.9
     reserve_ratio: float = 1.0        # share of max_tokens reserved at admission (1 = never preempt)
     handoff_timeout_s: float = 30.0   # free handed-off KV nobody picked up after this
+    prefill_chunk_tokens: int = 0     # >0: prefill in chunks of this many tokens, decodes between
     conditional_disagg_tokens: int = 0  # >0: prompts shorter than this skip the prefill worker
 
 
@@ -143,6 +144,9 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"config: {key} must be positive, got {value}")
     if not 0 < cfg.server.port < 65536:
         raise ConfigError(f"config: server.port must be 1-65535, got {cfg.server.port}")
+    if cfg.engine.prefill_chunk_tokens < 0:
+        raise ConfigError("config: engine.prefill_chunk_tokens must be 0 (off) or more, "
+                          f"got {cfg.engine.prefill_chunk_tokens}")
     if cfg.engine.cpu_threads < 0:
         raise ConfigError(f"config: engine.cpu_threads must be 0 (auto) or more, got {cfg.engine.cpu_threads}")
     if not 0.0 <= cfg.engine.reserve_ratio <= 1.0:

@@ -384,6 +384,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repetitions")
     ap.add_argument("--presets", default="tiny,20m")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for both sides (a CPU worker runs as many as it has cores)")
     ap.add_argument("--parts", default="equal,trace,handoff",
                     help="comma list of: equal (same-shape batches), trace (trace-shaped "
                          "requests), handoff")
@@ -394,7 +396,7 @@ def main() -> int:
     # (batch, prompt tokens): the three batch sizes at short context, and one long context
     a.decode_cases = [(b, a.prompt) for b in a.batches] + [(4, 256) if a.quick else (8, 1024)]
     a.min_requests, a.prompt_scale, a.max_out = (8, 0.0625, 64) if a.quick else (16, 0.125, 256)
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     # What a CPU worker does at start-up (build_torch_engine). It is process-wide, so
     # `generate` in this process runs with the same malloc settings.
     keep_freed_memory()

@@ -110,6 +110,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--vocab", type=int, default=4096, help="prompt token ids are drawn below this")
     p.add_argument("--modes", default="agg,disagg")
+    p.add_argument("--config", help="a config.toml for the daemons (e.g. prefill_chunk_tokens)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "trace.json"))
     args = p.parse_args()
     trace = load_trace(TRACE, args.start, args.requests)
@@ -119,6 +120,8 @@ def main() -> int:
             state = Path(tmp) / mode
             state.mkdir()
             extra = ["--model", args.model] if args.model else []
+            if args.config:
+                extra += ["--config", str(Path(args.config).resolve())]
             proc, url = start_daemon(state, ["--engine", args.engine, "--devices", args.devices,
                                              "--mode", mode, *extra])
             try:
@@ -138,7 +141,8 @@ def main() -> int:
                "offered_req_per_s": round(len(trace) / span, 2) if span else None,
                "mean_prompt_tokens": round(sum(prompts) / len(prompts)),
                "mean_output_tokens": round(sum(outs) / len(outs), 1),
-               "engine": args.engine, "results": results, "date": time.strftime("%Y-%m-%d")}
+               "engine": args.engine, "results": results, "date": time.strftime("%Y-%m-%d"),
+               "config": Path(args.config).read_text() if args.config else ""}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
     print(f"trace rows {args.start}..{args.start + len(trace)}, offered "

@@ -78,6 +78,8 @@ def test_config_check(tmp_path):
         ("[server\n", "not valid TOML"),
         ("[auth.keys]\nsecret = 'svc'\n", "SHA-256"),
         ("[engine]\nreserve_ratio = 2.0\n", "reserve_ratio"),
+        ("[engine]\nprefill_chunk_tokens = -1\n", "prefill_chunk_tokens must be 0 (off) or more"),
+        ("[engine]\ncpu_threads = -2\n", "cpu_threads must be 0 (auto) or more"),
     ]:
         bad = tmp_path / "bad.toml"
         bad.write_text(text)

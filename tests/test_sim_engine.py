@@ -361,3 +361,29 @@ def test_prefix_cache_hit_on_second_identical_prompt():
     p.add(Prefill("r3", prompt(40), params, handoff=False))
     (t,) = of(p.step(), Tokens)
     assert t.cached_tokens == 32
+
+
+def test_chunked_prefill_in_the_simulator():
+    """The same seeded tokens with and without chunks; the records show the chunks, and a
+    prefill worker hands its KV off only after the last one."""
+    params = SamplingParams(max_tokens=5, seed=3)
+    outs, records = {}, {}
+    for chunk in (0, 64):
+        eng = engine(f"c{chunk}", prefill_chunk_tokens=chunk)
+        eng.add(Prefill("a", prompt(150), params, handoff=False))
+        eng.add(Prefill("b", prompt(20, start=500), params, handoff=False))
+        events = run_until_idle(eng)
+        outs[chunk] = {rid: stream(events, rid)[0] for rid in ("a", "b")}
+        records[chunk] = [r for r in of(events, IterationRecord) if r.phase == "prefill"]
+    assert outs[64] == outs[0] and len(outs[0]["a"]) == 5
+    assert [e for r in records[0] for e in r.entries] == [("a", 150, 150), ("b", 20, 20)]
+    assert [e for r in records[64] for e in r.entries] == [
+        ("a", 64, 64), ("a", 64, 128), ("a", 22, 150), ("b", 20, 20)]
+    assert [len(r.entries) for r in records[64]] == [1, 1, 2]   # b fills the last budget
+
+    pre = engine("p0", prefill_chunk_tokens=64)
+    pre.add(Prefill("a", prompt(150), params, handoff=True))
+    done = []
+    while not done:
+        done = of(pre.step(), PrefillDone)
+    assert done[0].handle.num_tokens == 150 and pre.stats().kv_blocks_handed_off == 10

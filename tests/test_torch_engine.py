@@ -32,11 +32,12 @@ def block_bytes(model_dir, block_size: int = BS) -> int:
 
 
 def make_engine(model_dir, worker: str, *, num_blocks: int = 256, block_size: int = BS,
-                role: str = "agg", reserve_ratio: float = 1.0) -> TorchEngine:
+                role: str = "agg", reserve_ratio: float = 1.0, chunk: int = 0) -> TorchEngine:
     spec = WorkerSpec(worker=worker, role=role, engine="torch", devices=[f"cpu-{worker}"],
                       device_kind="cpu", model_dir=str(model_dir), block_size=block_size,
                       max_batch_tokens=2048, max_seqs=64, reserve_ratio=reserve_ratio,
-                      kv_cache_bytes=num_blocks * block_bytes(model_dir, block_size))
+                      kv_cache_bytes=num_blocks * block_bytes(model_dir, block_size),
+                      prefill_chunk_tokens=chunk)
     eng = build_torch_engine(spec, model_dir)
     assert eng.blocks.num_blocks == num_blocks
     return eng
@@ -267,6 +268,53 @@ def test_handed_off_blocks_freed_by_sweep_when_never_acknowledged(tiny_model, pr
 
 
 # --------------------------------------------------------------------------- (c) seeds
+
+
+CHUNK = 12      # not a divisor of the block size: chunks end inside blocks
+
+
+def test_chunked_prefill_matches_transformers(tiny_model, prompts, reference):
+    eng = make_engine(tiny_model, "chunk0", chunk=CHUNK)
+    first, later = split(prompts)
+    out, cached, records = run_agg(eng, first, later)
+    for name in prompts:
+        assert out[name] == reference[name], name
+    assert cached["prefB"] == 2 * BS           # prefA's blocks were committed chunk by chunk
+    prefills = [r for r in records if r.phase == "prefill"]
+    assert all(sum(n for _, n, _ in r.entries) <= CHUNK for r in prefills)
+    by_request: dict[str, list[tuple[int, int]]] = {}
+    for r in prefills:
+        for rid, n, ctx in r.entries:
+            by_request.setdefault(rid, []).append((n, ctx))
+    # Each prompt's chunks cover it exactly once (less prefB's cached blocks), the last
+    # ends at the prompt's end, and a prompt longer than a chunk took several steps.
+    for name, p in prompts.items():
+        chunks = by_request[name]
+        assert sum(n for n, _ in chunks) == len(p) - cached[name], (name, chunks)
+        assert chunks[-1][1] == len(p) and len(chunks) >= -(-(len(p) - cached[name]) // CHUNK)
+    # Once something decodes, no two prefill chunks run back to back.
+    phases = [r.phase for r in records]
+    first_decode = phases.index("decode")
+    assert all(not (a == b == "prefill") for a, b in zip(phases[first_decode:],
+                                                            phases[first_decode + 1:]))
+    assert_all_free(eng)
+
+
+def test_chunked_prefill_hands_off_and_keeps_seeded_streams(tiny_model, prompts):
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=99)
+    plain, _, _ = run_agg(make_engine(tiny_model, "c0"), {"x": prompts["long"]}, {},
+                          {"x": seeded})
+    chunked, _, _ = run_agg(make_engine(tiny_model, "c1", chunk=CHUNK),
+                            {"x": prompts["long"], "a": prompts["short"]}, {},
+                            {"x": seeded})
+    assert chunked["x"] == plain["x"]           # chunks draw no samples
+    pre = make_engine(tiny_model, "c2", role="prefill", chunk=CHUNK)
+    dec = make_engine(tiny_model, "c3", role="decode")
+    dec.attach_peer(pre.worker, pre.peer_handle())
+    split_out, _, _ = run_disagg(pre, dec, {"x": prompts["long"], "a": prompts["short"]}, {},
+                                 {"x": seeded})
+    assert split_out["x"] == plain["x"]
+    assert_all_free(pre, dec)
 
 
 def test_seeded_sampling_independent_of_batch(tiny_model, prompts):

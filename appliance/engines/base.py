@@ -50,11 +50,11 @@ class BatchEngine:
     def __init__(self, worker: str, devices: tuple[str, ...], num_blocks: int, block_size: int,
                  max_batch_tokens: int, max_seqs: int, max_context: int,
                  eos_token_ids: tuple[int, ...] = (), handoff_timeout_s: float = 30.0,
-                 reserve_ratio: float = 1.0):
+                 reserve_ratio: float = 1.0, prefill_chunk_tokens: int = 0):
         self.worker = worker
         self.devices = devices
         self.blocks = BlockManager(num_blocks, block_size, reserve_ratio)
-        self.scheduler = Scheduler(self.blocks, max_batch_tokens, max_seqs)
+        self.scheduler = Scheduler(self.blocks, max_batch_tokens, max_seqs, prefill_chunk_tokens)
         # A sequence may not outgrow the pool: past it, it could never be re-admitted
         # after preemption (and its reservation could never be admitted at all).
         self.max_context = min(max_context, num_blocks * block_size)
@@ -70,8 +70,11 @@ class BatchEngine:
     def layout(self) -> str:
         raise NotImplementedError
 
-    def run_batch(self, batch: Batch) -> list[int]:
-        """Run one forward pass over batch.seqs; return one sampled token per sequence."""
+    def run_batch(self, batch: Batch) -> list[int | None]:
+        """Run one forward pass over batch.seqs; return one sampled token per sequence.
+
+        A prefill computes `seq.step_tokens` tokens from `seq.num_cached` on; a sequence
+        whose prompt that leaves unfinished (a chunk) gets None and draws no sample."""
         raise NotImplementedError
 
     def import_kv(self, seqs: list[Sequence]) -> None:
@@ -146,8 +149,11 @@ class BatchEngine:
             return []
         start = time.time()
         t0 = time.perf_counter()
-        entries = [(s.request_id, 1 if batch.phase == "decode" else s.uncached, len(s.tokens))
-                   for s in batch.seqs]
+        if batch.phase == "decode":
+            entries = [(s.request_id, 1, len(s.tokens)) for s in batch.seqs]
+        else:
+            entries = [(s.request_id, s.step_tokens, s.num_cached + s.step_tokens)
+                       for s in batch.seqs]
         events: list[Event] = []
         if batch.phase == "kv_import":
             events = self._import(batch.seqs)
@@ -195,6 +201,10 @@ class BatchEngine:
         events: list[Event] = []
         prefill = batch.phase == "prefill"
         for seq, token in zip(batch.seqs, tokens):
+            if token is None:       # a chunk of a longer prompt: its KV is in, no token yet
+                seq.num_cached += seq.step_tokens
+                self.blocks.commit(seq)
+                continue
             seq.num_cached = len(seq.tokens)
             seq.tokens.append(token)
             self.blocks.commit(seq)

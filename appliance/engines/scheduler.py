@@ -5,6 +5,14 @@ prompts under a token budget, or one decode token for every running sequence.
 Sequences arriving with a KV handle (disaggregated decode) skip prefill: they are
 admitted in a `kv_import` step that copies their blocks in.
 
+Chunked prefill (`chunk_tokens` > 0): a prefill step computes at most that many prompt
+tokens, splitting a longer prompt over several steps (each chunk attends over the KV of
+the ones before, as a prefix-cache hit does), and a decode step runs between two chunks
+whenever sequences are decoding. A long prompt then delays the running sequences by one
+chunk at a time rather than by its whole prefill: lower ITL tails in agg mode, for a
+little more prefill time (each chunk re-reads the weights and the prompt's earlier KV).
+`seq.step_tokens` says how many tokens of each sequence a prefill step computes.
+
 When a decode step cannot get a block, the newest running sequence is preempted
 and recomputed later (its generated tokens stay, so no output is lost).
 """
@@ -24,26 +32,40 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_seqs: int):
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_seqs: int,
+                 chunk_tokens: int = 0):
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
+        self.chunk_tokens = chunk_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []   # admitted, prompt partly computed (chunked)
         self.preemptions = 0
+        self._last_phase = ""
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def queued_prefill_tokens(self) -> int:
-        return sum(s.uncached for s in self.waiting if s.handle is None)
+        return (sum(s.uncached for s in self.waiting if s.handle is None)
+                + sum(s.uncached for s in self.prefilling))
 
     def schedule(self) -> Batch | None:
-        if self.waiting and len(self.running) < self.max_seqs:
-            if self.waiting[0].handle is not None:
+        batch = self._next()
+        if batch is not None:
+            self._last_phase = batch.phase
+        return batch
+
+    def _next(self) -> Batch | None:
+        if self.chunk_tokens and self._last_phase == "prefill" and self.running:
+            return self._decode()      # one decode step between two prefill chunks
+        admitted = len(self.running) + len(self.prefilling)
+        if self.prefilling or (self.waiting and admitted < self.max_seqs):
+            if not self.prefilling and self.waiting[0].handle is not None:
                 batch = self._admit_imports()
             else:
                 batch = self._admit_prefills()
@@ -66,27 +88,44 @@ class Scheduler:
         return Batch("kv_import", seqs) if seqs else None
 
     def _admit_prefills(self) -> Batch | None:
+        chunked = self.chunk_tokens > 0
+        budget = self.chunk_tokens if chunked else self.max_batch_tokens
         seqs: list[Sequence] = []
         tokens = 0
-        while (self.waiting and self.waiting[0].handle is None
-               and len(self.running) + len(seqs) < self.max_seqs):
+        for seq in self.prefilling:        # prompts already under way go on first
+            if tokens >= budget:
+                break
+            seq.step_tokens = min(seq.uncached, budget - tokens)
+            tokens += seq.step_tokens
+            seqs.append(seq)
+        room = self.max_seqs - len(self.running) - len(self.prefilling)
+        while (self.waiting and self.waiting[0].handle is None and room > 0
+               and not (chunked and tokens >= budget)):
             seq = self.waiting[0]
             if not self.blocks.can_admit(seq):
                 break
-            # A prompt longer than the budget runs alone rather than never. Checked
-            # before allocating: a trial allocation would evict cached prefixes.
+            # Unchunked, a prompt longer than the budget runs alone rather than never.
+            # Checked before allocating: a trial allocation would evict cached prefixes.
             uncached = len(seq.tokens) - self.blocks.cached_tokens(seq)
-            if seqs and tokens + uncached > self.max_batch_tokens:
+            if not chunked and seqs and tokens + uncached > budget:
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq)
-            tokens += seq.uncached
+            seq.step_tokens = min(seq.uncached, budget - tokens) if chunked else seq.uncached
+            tokens += seq.step_tokens
             seqs.append(seq)
+            room -= 1
         if not seqs:
             return None
         for seq in seqs:
             seq.status = Status.RUNNING
-        self.running.extend(seqs)
+            done = seq.step_tokens == seq.uncached   # its first token comes out of this step
+            if seq in self.prefilling:
+                if done:
+                    self.prefilling.remove(seq)
+                    self.running.append(seq)
+            else:
+                (self.running if done else self.prefilling).append(seq)
         return Batch("prefill", seqs)
 
     def _decode(self) -> Batch:
@@ -121,7 +160,9 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take seq out of the schedule; its blocks are the caller's business."""
-        if seq.status is Status.RUNNING:
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        elif seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)     # (an import in flight is in neither list)

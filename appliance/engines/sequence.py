@@ -23,7 +23,7 @@ class Sequence:
     __slots__ = (
         "request_id", "tokens", "num_prompt", "params", "role", "status",
         "block_table", "num_cached", "handle", "sampler", "reserved_blocks",
-        "prefix_hit", "arrival", "hashed_blocks", "chain_hash",
+        "prefix_hit", "arrival", "hashed_blocks", "chain_hash", "step_tokens",
     )
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -44,6 +44,7 @@ class Sequence:
         self.arrival = arrival
         self.hashed_blocks = 0       # full blocks whose hash is in the prefix cache
         self.chain_hash = 0          # hash chain value after those blocks
+        self.step_tokens = 0         # prompt tokens the current prefill step computes
         if first_token is not None:
             self.tokens.append(first_token)
 

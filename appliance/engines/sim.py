@@ -48,13 +48,14 @@ class SimEngine(BatchEngine):
         if seconds >= MIN_SLEEP_S:
             time.sleep(seconds)
 
-    def run_batch(self, batch: Batch) -> list[int]:
-        if batch.phase == "prefill":
-            self._sleep(self.timing.prefill_s([s.uncached for s in batch.seqs],
-                                               [s.num_cached for s in batch.seqs]))
-        else:
-            self._sleep(self.timing.decode_s([len(s.tokens) for s in batch.seqs]))
+    def run_batch(self, batch: Batch) -> list[int | None]:
         ids = self.vocab_ids
+        if batch.phase == "prefill":
+            self._sleep(self.timing.prefill_s([s.step_tokens for s in batch.seqs],
+                                               [s.num_cached for s in batch.seqs]))
+            return [ids[s.sampler.randrange(len(ids))] if s.step_tokens == s.uncached else None
+                    for s in batch.seqs]
+        self._sleep(self.timing.decode_s([len(s.tokens) for s in batch.seqs]))
         return [ids[s.sampler.randrange(len(ids))] for s in batch.seqs]
 
     def import_kv(self, seqs: list[Sequence]) -> None:

@@ -4,7 +4,8 @@
 what runs; this class only turns a scheduled `Batch` into one forward pass
 (`torch_model.LlamaModel`) and one sampled token per sequence, and moves KV between pools:
 
-- prefill: each sequence's uncached tokens (a prefix-cache hit or a recompute after
+- prefill: `seq.step_tokens` of each sequence's uncached tokens (all of them, or one chunk
+  of a long prompt; a prefix-cache hit, an earlier chunk or a recompute after
   preemption starts past 0; the model attends over the cached blocks through the block
   table), slots from the block table;
 - decode: each sequence's last token at position len-1;
@@ -121,7 +122,7 @@ class TorchEngine(BatchEngine):
         self._peers[worker] = _Peer(bytes(handle), pool)
 
     # ---- execution --------------------------------------------------------
-    def run_batch(self, batch: Batch) -> list[int]:
+    def run_batch(self, batch: Batch) -> list[int | None]:
         bs = self.blocks.block_size
         prefill = batch.phase == "prefill"
         ids: list[int] = []
@@ -131,12 +132,12 @@ class TorchEngine(BatchEngine):
         ctx_lens: list[int] = []
         tables: list[list[int]] = []
         for seq in batch.seqs:
-            n = len(seq.tokens)
             start = seq.num_cached
+            n = start + seq.step_tokens if prefill else len(seq.tokens)
             if not prefill and n - start != 1:
                 raise RuntimeError(f"decode of {seq.request_id} with {n - start} new tokens")
             table = seq.block_table
-            ids.extend(seq.tokens[start:])
+            ids.extend(seq.tokens[start:n])
             pos.extend(range(start, n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, n))
             q_lens.append(n - start)
@@ -146,7 +147,16 @@ class TorchEngine(BatchEngine):
                          torch.tensor(slots, dtype=torch.long))
         logits = self.model(torch.tensor(ids, dtype=torch.long),
                             torch.tensor(pos, dtype=torch.long), attn, self.kv)
-        return sample(logits, [seq.sampler for seq in batch.seqs])
+        done = [i for i, (seq, end) in enumerate(zip(batch.seqs, ctx_lens))
+                if end == len(seq.tokens)]
+        if len(done) == len(batch.seqs):
+            return sample(logits, [seq.sampler for seq in batch.seqs])
+        out: list[int | None] = [None] * len(batch.seqs)
+        if done:    # only finished prompts draw a token: a chunk must not use up the rng
+            picked = sample(logits[done], [batch.seqs[i].sampler for i in done])
+            for i, token in zip(done, picked):
+                out[i] = token
+        return out
 
     def import_kv(self, seqs: list[Sequence]) -> None:
         by_source: dict[str, tuple[list[int], list[int]]] = {}
@@ -219,4 +229,4 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         block_size=spec.block_size, max_batch_tokens=spec.max_batch_tokens,
         max_seqs=spec.max_seqs, max_context=model.shape.max_context,
         eos_token_ids=read_eos_ids(model_dir), handoff_timeout_s=spec.handoff_timeout_s,
-        reserve_ratio=spec.reserve_ratio)
+        reserve_ratio=spec.reserve_ratio, prefill_chunk_tokens=spec.prefill_chunk_tokens)

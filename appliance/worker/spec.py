@@ -28,6 +28,7 @@ class WorkerSpec:
     gpu_mem_fraction: float = 0.9
     handoff_timeout_s: float = 30.0
     reserve_ratio: float = 1.0
+    prefill_chunk_tokens: int = 0   # > 0: prompts are prefilled in chunks of this many tokens
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
