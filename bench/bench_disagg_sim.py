@@ -1,6 +1,6 @@
 """Aggregated vs disaggregated serving on a simulated 8xH100 node, on a virtual clock.
 
-    .venv/bin/python bench/bench_disagg_sim.py [--quick] [--jobs 2]
+    .venv/bin/python bench/bench_disagg_sim.py [--quick] [--jobs 2] [--agg-chunk 512]
 
 The workload of NVIDIA's Dynamo claim (~+30% throughput/GPU for disaggregation on one
 8xH100 node, Llama-70B FP8, ISL 3000 / OSL 150): every request has a 3,000-token prompt
@@ -33,6 +33,10 @@ GPUs count, whatever their role), per-user tokens/s = 1 / mean inter-token laten
 each per-user rate target, the best throughput/GPU any agg configuration reaches at or
 above that rate vs the best disagg one (interpolating each configuration's C-curve at
 the target), and their ratio. Writes bench/results/disagg_sim.json.
+
+--agg-chunk N adds every agg layout a second time with chunked prefill
+(`engine.prefill_chunk_tokens` = N: prompts in chunks of N tokens, a decode step between
+two chunks), so "best agg" is the better of the two at each target.
 """
 from __future__ import annotations
 
@@ -81,12 +85,13 @@ TARGETS = [10, 20, 30, 40, 50, 75, 100]     # tokens/s/user
 class Config:
     mode: str                 # "agg" | "disagg"
     groups: tuple             # ((role, tp, count), ...)
+    chunk: int = 0            # agg only: engine.prefill_chunk_tokens
 
     @property
     def name(self) -> str:
         if self.mode == "agg":
             (_, tp, n), = self.groups
-            return f"agg {n}x tp{tp}"
+            return f"agg {n}x tp{tp}" + (f" chunk{self.chunk}" if self.chunk else "")
         (_, ptp, pn), (_, dtp, dn) = self.groups
         return f"disagg {pn}P(tp{ptp})+{dn}D(tp{dtp})"
 
@@ -95,8 +100,9 @@ class Config:
         return sum(tp * n for _, tp, n in self.groups)
 
 
-def all_configs() -> list[Config]:
-    configs = [Config("agg", (("agg", tp, NODE_GPUS // tp),)) for tp in (1, 2, 4, 8)]
+def all_configs(agg_chunk: int = 0) -> list[Config]:
+    configs = [Config("agg", (("agg", tp, NODE_GPUS // tp),), chunk)
+               for chunk in sorted({0, agg_chunk}) for tp in (1, 2, 4, 8)]
     for ptp, dtp in itertools.product((1, 2, 4), (1, 2, 4)):
         for pn in range(1, NODE_GPUS // ptp):
             rest = NODE_GPUS - ptp * pn
@@ -144,7 +150,7 @@ class VirtualSimEngine(SimEngine):
         self.elapsed += seconds
 
 
-def build_engine(worker: str, tp: int) -> VirtualSimEngine:
+def build_engine(worker: str, tp: int, chunk: int = 0) -> VirtualSimEngine:
     """As engine_factory._build_sim builds a `sim` worker on tp simulated H100s."""
     timing = timing_for(tp)
     num_blocks = timing.kv_capacity_tokens(DEFAULTS.gpu_mem_fraction) // DEFAULTS.block_size
@@ -153,7 +159,8 @@ def build_engine(worker: str, tp: int) -> VirtualSimEngine:
         devices=tuple(f"sim{i}" for i in range(tp)), num_blocks=num_blocks,
         block_size=DEFAULTS.block_size, max_batch_tokens=DEFAULTS.max_batch_tokens,
         max_seqs=DEFAULTS.max_seqs, max_context=timing.model.max_context,
-        eos_token_ids=(), handoff_timeout_s=1e9, reserve_ratio=DEFAULTS.reserve_ratio)
+        eos_token_ids=(), handoff_timeout_s=1e9, reserve_ratio=DEFAULTS.reserve_ratio,
+        prefill_chunk_tokens=chunk)
 
 
 @dataclass
@@ -197,7 +204,7 @@ class Replay:
         for role, tp, n in cfg.groups:
             for i in range(n):
                 name = f"{role}{i}"
-                self.workers.append(Worker(name, role, tp, build_engine(name, tp)))
+                self.workers.append(Worker(name, role, tp, build_engine(name, tp, cfg.chunk)))
         self.by_name = {w.name: w for w in self.workers}
         self.front = [w for w in self.workers if w.role in ("agg", "prefill")]
         self.decoders = [w for w in self.workers if w.role == "decode"]
@@ -430,13 +437,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer configurations and levels")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes (configurations in parallel)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "disagg_sim.json"))
+    ap.add_argument("--agg-chunk", type=int, default=0,
+                    help="also run every agg layout with chunked prefill of this many tokens")
     args = ap.parse_args()
 
     started = time.perf_counter()
     levels = CONCURRENCY_QUICK if args.quick else CONCURRENCY
     configs, skipped = [], []
-    for cfg in all_configs():
-        if args.quick and cfg.name not in QUICK_CONFIGS:
+    for cfg in all_configs(args.agg_chunk):
+        if args.quick and cfg.name.split(" chunk")[0] not in QUICK_CONFIGS:
             continue
         why = feasibility(cfg)
         (skipped.append({"config": cfg.name, "reason": why}) if why else configs.append(cfg))
@@ -448,7 +457,7 @@ def main() -> None:
             runs = [r for rs in pool.map(sweep, jobs) for r in rs]
     else:
         runs = [r for job in jobs for r in sweep(job)]
-    order = {cfg.name: i for i, cfg in enumerate(all_configs())}
+    order = {cfg.name: i for i, cfg in enumerate(all_configs(args.agg_chunk))}
     runs.sort(key=lambda r: (order[r["config"]], r["concurrency"]))
 
     kv = {tp: timing_for(tp).kv_capacity_tokens(DEFAULTS.gpu_mem_fraction) for tp in (1, 2, 4, 8)}
@@ -505,6 +514,7 @@ def main() -> None:
         "engine_defaults": {k: getattr(DEFAULTS, k) for k in
                             ("block_size", "max_batch_tokens", "max_seqs", "gpu_mem_fraction",
                              "reserve_ratio")},
+        "agg_chunk": args.agg_chunk,
         "kv_capacity_tokens": kv, "skipped": skipped, "runs": runs, "comparison": comparison,
         "quick": args.quick, "wall_s": round(elapsed, 1), "python": platform.python_version(),
     }, indent=1))
