@@ -173,7 +173,9 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
     if arch == "MistralForCausalLM":
         window = cfg.get("sliding_window", 4096)
         return int(window) if window else None
-    if arch != "Qwen2ForCausalLM" or not cfg.get("use_sliding_window") or not cfg.get("sliding_window"):
+    if arch != "Qwen2ForCausalLM":
+        return None
+    if not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
         return None
     types = cfg.get("layer_types")
     if types is not None:
