@@ -352,3 +352,36 @@ def test_default_model_is_built_once_outside_the_daemon(tmp_path):
         assert "generating the default model" not in d.log_text()
     finally:
         d.stop()
+
+
+def test_cpu_workers_that_cannot_fit_in_memory_are_refused(tiny_model, tmp_path):
+    """Each torch CPU worker holds the model in fp32 and its KV pool: the daemon adds
+    them up against the memory available and refuses with the numbers, before starting
+    any worker (which the OOM killer would otherwise stop, or something else instead)."""
+    import subprocess
+    import sys
+
+    from appliance.config import Config
+    from appliance.daemon.app import StartupError, check_cpu_memory, worker_specs
+    from appliance.models.specs import spec_from_hf_config
+    from appliance.partitions import discover, plan_partition
+
+    inv = discover("cpu")
+    specs = worker_specs(Config(), inv, plan_partition(inv), "torch", tiny_model)
+    weights = spec_from_hf_config(tiny_model / "config.json").params * 4
+    need = 2 * (weights + (1 << 30) + (1 << 30))       # 2 workers: weights, KV, runtime
+    check_cpu_memory(specs, tiny_model, int(need) + 1)
+    with pytest.raises(StartupError, match=r"2 CPU worker\(s\) need 4\.0 GiB but 3\.9 GiB"):
+        check_cpu_memory(specs, tiny_model, int(need) - (100 << 20))
+    sims = worker_specs(Config(), inv, plan_partition(inv), "sim", tiny_model)
+    check_cpu_memory(sims, tiny_model, 0)              # the simulator holds no weights
+
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("[engine]\nkv_cache_bytes = 70368744177664\n")      # 64 TiB per worker
+    out = subprocess.run([sys.executable, "-m", "appliance", "serve", "--devices", "cpu",
+                          "--engine", "torch", "--model", str(tiny_model), "--port", "1",
+                          "--state-dir", str(tmp_path / "s"), "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert "need" in last and "GiB of memory is available" in last and "--mode agg" in last

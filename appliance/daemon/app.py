@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 from aiohttp import web
 
 from appliance import __version__
@@ -111,7 +112,39 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None) -> Setup:
         max_context = _max_context(model_dir, e.model_spec)
     except (ValueError, OSError) as exc:
         raise StartupError(str(exc)) from None
+    check_cpu_memory(specs, model_dir, psutil.virtual_memory().available)
     return Setup(inv, plan, engine, model_dir, name, max_context, specs)
+
+
+# What a torch CPU worker holds besides its weights and KV pool: the interpreter, torch,
+# oneDNN's scratch, the kept-free heap of `cpu_heap` (measured: 0.3-0.5 GiB on the tiny
+# model; the heap can keep up to 1 GiB more under load).
+CPU_WORKER_OVERHEAD_BYTES = 1 << 30
+
+
+def check_cpu_memory(specs: list[WorkerSpec], model_dir: Path, available: int) -> None:
+    """Every torch worker on the CPU holds the whole model in fp32 plus its KV pool.
+    Refuse to start what cannot fit, with the numbers, rather than let the kernel's OOM
+    killer pick a victim in the middle of loading (the daemon, possibly)."""
+    cpu = [s for s in specs if s.engine == "torch" and s.device_kind == "cpu"]
+    if not cpu:
+        return
+    from appliance.models.specs import spec_from_hf_config
+    try:
+        weights = spec_from_hf_config(model_dir / "config.json").params * 4
+    except (ValueError, KeyError, OSError):
+        return      # not a shape we can size: the worker reports what is wrong with it
+    each = [weights + s.kv_cache_bytes + CPU_WORKER_OVERHEAD_BYTES for s in cpu]
+    if sum(each) > available:
+        raise StartupError(
+            f"{len(cpu)} CPU worker(s) need {_size(sum(each))} but {_size(available)} of "
+            f"memory is available: each holds {_size(weights)} of fp32 weights, a "
+            f"{_size(cpu[0].kv_cache_bytes)} KV pool and ~1 GiB of runtime. Use --mode agg "
+            "(one worker), a smaller engine.kv_cache_bytes, or a smaller model")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
 
 
 def allowed_cores() -> list[int]:
