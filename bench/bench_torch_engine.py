@@ -1,5 +1,6 @@
-"""Torch engine vs transformers `generate`, single thread, fp32, on the generated models;
-and the KV handoff's bandwidth. Not a test: prints tables.
+"""Torch engine vs transformers `generate`, fp32, the same thread count on both sides (one by
+default, `--threads N`), on the generated models; and the KV handoff's bandwidth. Not a
+test: prints tables.
 
     .venv/bin/python bench/bench_torch_engine.py            # full run (~3-4 min on 2 cores)
     .venv/bin/python bench/bench_torch_engine.py --quick    # smoke run (~1 min)
