@@ -312,9 +312,12 @@ class Replay:
             return
         rec = next(e for e in events if isinstance(e, IterationRecord))
         w.steps.append((now, now + d, rec.phase))
-        if rec.phase == "decode":
+        # Decoding sequences of a step: all of a decode step, those past their prompt
+        # (context > ISL) in a mixed one (chunked prefill).
+        decoding = [e for e in rec.entries if rec.phase == "decode" or e[2] > ISL]
+        if rec.phase in ("decode", "mixed") and decoding:
             w.decode_steps += 1
-            w.decode_seqs += len(rec.entries)
+            w.decode_seqs += len(decoding)
         w.free_at = now + d
         heapq.heappush(self.heap, (now + d, next(self.seq), w, events))
 

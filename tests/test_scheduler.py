@@ -378,23 +378,27 @@ def test_full_reservation_never_preempts():
 # ---- chunked prefill ----------------------------------------------------------------
 
 def run_chunked(sched: Scheduler, batch: Batch) -> None:
-    """The engine after a step with chunked prefill: a chunk that leaves part of its
-    prompt gives no token."""
-    for s in batch.seqs:
-        if batch.phase == "prefill" and s.step_tokens < s.uncached:
+    """The engine after a step with chunked prefill: a prompt chunk that leaves part of
+    its prompt gives no token."""
+    for i, s in enumerate(batch.seqs):
+        if i < batch.num_prefill and s.step_tokens < s.uncached:
             s.num_cached += s.step_tokens
-            sched.blocks.commit(s)
         else:
             s.num_cached = len(s.tokens)
             s.tokens.append(next(_next_token))
-            sched.blocks.commit(s)
+        sched.blocks.commit(s)
 
 
 def chunked(num_blocks: int = 64, chunk: int = 8, max_seqs: int = 32) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, BS, 0.0), 1024, max_seqs, chunk_tokens=chunk)
 
 
-def test_chunked_prefill_splits_prompts_and_decodes_between_chunks():
+def shape_of(batch: Batch) -> tuple[str, list[tuple[str, int]]]:
+    return batch.phase, [(s.request_id, s.step_tokens if i < batch.num_prefill else 1)
+                         for i, s in enumerate(batch.seqs)]
+
+
+def test_chunked_prefill_splits_prompts_and_mixes_them_with_decodes():
     sched = chunked(chunk=8)
     short, long = seq("short", 3, max_tokens=20), seq("long", 21, start=500)
     sched.add(short)
@@ -402,19 +406,16 @@ def test_chunked_prefill_splits_prompts_and_decodes_between_chunks():
     steps = []
     while long.num_output == 0:
         batch = sched.schedule()
-        steps.append((batch.phase, [(s.request_id, s.step_tokens if batch.phase == "prefill"
-                                     else 1) for s in batch.seqs]))
+        steps.append(shape_of(batch))
         run_chunked(sched, batch)
     assert steps == [
-        ("prefill", [("short", 3), ("long", 5)]),    # one budget of 8 tokens per step
-        ("decode", [("short", 1)]),                  # short decodes between the chunks
-        ("prefill", [("long", 8)]),
-        ("decode", [("short", 1)]),
-        ("prefill", [("long", 8)]),                  # 5 + 8 + 8 = 21: long's first token
+        ("prefill", [("short", 3), ("long", 5)]),           # 8 prompt tokens per step
+        ("mixed", [("long", 8), ("short", 1)]),             # prompts first, then decodes
+        ("mixed", [("long", 8), ("short", 1)]),             # 5 + 8 + 8 = 21: long's token
     ]
     assert long.num_cached == 21 and len(long.tokens) == 22
     assert sched.running == [short, long] and not sched.prefilling
-    assert sched.schedule().phase == "decode"        # nothing left to prefill
+    assert shape_of(sched.schedule()) == ("decode", [("short", 1), ("long", 1)])
 
 
 def test_chunked_prefill_continues_started_prompts_before_admitting_new_ones():
@@ -422,13 +423,13 @@ def test_chunked_prefill_continues_started_prompts_before_admitting_new_ones():
     a, b = seq("a", 12), seq("b", 4, start=500)
     sched.add(a)
     first = sched.schedule()
-    assert [(s.request_id, s.step_tokens) for s in first.seqs] == [("a", 8)]
+    assert shape_of(first) == ("prefill", [("a", 8)])
     run_chunked(sched, first)
     assert sched.prefilling == [a] and sched.running == []
     assert sched.queued_prefill_tokens() == 4
     sched.add(b)
-    second = sched.schedule()              # nothing decodes yet: prefill again
-    assert [(s.request_id, s.step_tokens) for s in second.seqs] == [("a", 4), ("b", 4)]
+    second = sched.schedule()
+    assert shape_of(second) == ("prefill", [("a", 4), ("b", 4)])
     run_chunked(sched, second)
     assert sched.running == [a, b] and not sched.prefilling
 
@@ -438,20 +439,17 @@ def test_chunked_prefill_counts_prompts_under_way_against_max_seqs_and_can_abort
     a, b, c = seq("a", 10), seq("b", 10, start=100), seq("c", 3, start=200)
     for s in (a, b, c):
         sched.add(s)
-    batch = sched.schedule()
-    assert [s.request_id for s in batch.seqs] == ["a"]      # the chunk is full at 4
-    run_chunked(sched, batch)
-    batch = sched.schedule()
-    assert [(s.request_id, s.step_tokens) for s in batch.seqs] == [("a", 4)]
-    run_chunked(sched, batch)
-    batch = sched.schedule()
-    assert [(s.request_id, s.step_tokens) for s in batch.seqs] == [("a", 2), ("b", 2)]
-    run_chunked(sched, batch)
+    shapes = []
+    for _ in range(3):
+        batch = sched.schedule()
+        shapes.append(shape_of(batch))
+        run_chunked(sched, batch)
+    assert shapes == [("prefill", [("a", 4)]),               # the chunk is full at 4
+                      ("prefill", [("a", 4)]),
+                      ("prefill", [("a", 2), ("b", 2)])]
     assert sched.prefilling == [b] and sched.running == [a]
-    assert list(sched.waiting) == [c]                       # two admitted = max_seqs
+    assert list(sched.waiting) == [c]                        # two admitted = max_seqs
     free_before = sched.blocks.num_free
-    finish(sched, b)                                        # an abort mid-prompt
+    finish(sched, b)                                         # an abort mid-prompt
     assert not sched.prefilling and sched.blocks.num_free == free_before + 3
-    while c.num_output == 0:
-        run_chunked(sched, sched.schedule())
-    assert sched.running == [a, c]
+    assert shape_of(sched.schedule()) == ("mixed", [("c", 3), ("a", 1)])

@@ -126,7 +126,7 @@ class Pager:
         return [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
 
 
-def run_step(model, kv, pager, tables, cached, new_tokens, is_prefill):
+def run_step(model, kv, pager, tables, cached, new_tokens, is_prefill, num_prefill=None):
     """Run one step: sequence i has `cached[i]` tokens in the pool and `new_tokens[i]` new."""
     ids, pos, slots = [], [], []
     for i, toks in enumerate(new_tokens):
@@ -141,6 +141,7 @@ def run_step(model, kv, pager, tables, cached, new_tokens, is_prefill):
         context_lens=[c + len(t) for c, t in zip(cached, new_tokens)],
         block_tables=[list(t) for t in tables],
         slot_mapping=torch.tensor(slots),
+        num_prefill=num_prefill,
     )
     return model(torch.tensor(ids), torch.tensor(pos), batch, kv)
 
@@ -188,6 +189,25 @@ def test_prefill_then_decode_matches_transformers(llama, group_blocks, monkeypat
         logits = run_step(model, kv, pager, tables, cached, [[t] for t in nxt], is_prefill=False)
         for i, s in enumerate(seqs):
             torch.testing.assert_close(logits[i], ref_last_logits(ref, s), rtol=RTOL, atol=ATOL)
+
+
+def test_mixed_step_of_prompt_chunks_and_decodes_matches_transformers(llama):
+    """Chunked prefill's mixed batch: prompt chunks (one continuing over its earlier chunk,
+    one fresh) and decoding sequences in one forward pass, attended each their own way."""
+    path, ref = llama
+    model = load_model(path)
+    kv = allocate_kv_pool(model.shape, num_blocks=40, block_size=BLOCK)
+    pager = Pager(40, seed=5)
+    a, b, c, d = _prompts([7, 21, 30, 12], seed=9)
+    tables: list[list[int]] = [[], [], [], []]
+    # a and b are decoding; c has its first 10 tokens in the pool; d is new.
+    logits = run_step(model, kv, pager, tables[:3], [0, 0, 0], [a, b, c[:10]], True)
+    nxt = logits[:2].argmax(-1).tolist()
+    logits = run_step(model, kv, pager, [tables[2], tables[3], tables[0], tables[1]],
+                      [10, 0, len(a), len(b)], [c[10:25], d, [nxt[0]], [nxt[1]]], False,
+                      num_prefill=2)
+    for i, want in enumerate((c[:25], d, a + [nxt[0]], b + [nxt[1]])):
+        torch.testing.assert_close(logits[i], ref_last_logits(ref, want), rtol=RTOL, atol=ATOL)
 
 
 def test_decode_groups_bound_gathered_bytes(monkeypatch):

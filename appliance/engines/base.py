@@ -73,8 +73,9 @@ class BatchEngine:
     def run_batch(self, batch: Batch) -> list[int | None]:
         """Run one forward pass over batch.seqs; return one sampled token per sequence.
 
-        A prefill computes `seq.step_tokens` tokens from `seq.num_cached` on; a sequence
-        whose prompt that leaves unfinished (a chunk) gets None and draws no sample."""
+        The first `batch.num_prefill` sequences are prompts: each computes `seq.step_tokens`
+        tokens from `seq.num_cached` on, and one whose prompt that leaves unfinished (a
+        chunk) gets None and draws no sample. The others decode their last token."""
         raise NotImplementedError
 
     def import_kv(self, seqs: list[Sequence]) -> None:
@@ -149,11 +150,9 @@ class BatchEngine:
             return []
         start = time.time()
         t0 = time.perf_counter()
-        if batch.phase == "decode":
-            entries = [(s.request_id, 1, len(s.tokens)) for s in batch.seqs]
-        else:
-            entries = [(s.request_id, s.step_tokens, s.num_cached + s.step_tokens)
-                       for s in batch.seqs]
+        P = batch.num_prefill
+        entries = [(s.request_id, s.step_tokens, s.num_cached + s.step_tokens) if i < P
+                   else (s.request_id, 1, len(s.tokens)) for i, s in enumerate(batch.seqs)]
         events: list[Event] = []
         if batch.phase == "kv_import":
             events = self._import(batch.seqs)
@@ -199,8 +198,8 @@ class BatchEngine:
 
     def _postprocess(self, batch: Batch, tokens: list[int]) -> list[Event]:
         events: list[Event] = []
-        prefill = batch.phase == "prefill"
-        for seq, token in zip(batch.seqs, tokens):
+        for i, (seq, token) in enumerate(zip(batch.seqs, tokens)):
+            prefill = i < batch.num_prefill
             if token is None:       # a chunk of a longer prompt: its KV is in, no token yet
                 seq.num_cached += seq.step_tokens
                 self.blocks.commit(seq)

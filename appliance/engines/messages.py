@@ -157,7 +157,7 @@ class IterationRecord:
     """
 
     worker: str
-    phase: str                  # "prefill" | "decode" | "kv_import"
+    phase: str                  # "prefill" | "decode" | "kv_import" | "mixed" (chunked prefill)
     start: float                # time.time() at the start of the iteration
     wall_s: float
     devices: tuple[str, ...]

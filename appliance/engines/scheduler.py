@@ -5,13 +5,14 @@ prompts under a token budget, or one decode token for every running sequence.
 Sequences arriving with a KV handle (disaggregated decode) skip prefill: they are
 admitted in a `kv_import` step that copies their blocks in.
 
-Chunked prefill (`chunk_tokens` > 0): a prefill step computes at most that many prompt
-tokens, splitting a longer prompt over several steps (each chunk attends over the KV of
-the ones before, as a prefix-cache hit does), and a decode step runs between two chunks
-whenever sequences are decoding. A long prompt then delays the running sequences by one
-chunk at a time rather than by its whole prefill: lower ITL tails in agg mode, for a
-little more prefill time (each chunk re-reads the weights and the prompt's earlier KV).
-`seq.step_tokens` says how many tokens of each sequence a prefill step computes.
+Chunked prefill (`chunk_tokens` > 0) lifts the never-mixed rule: every step decodes one
+token for each running sequence and carries at most `chunk_tokens` prompt tokens along
+(a `mixed` batch: prompts first, then the decoding sequences), splitting longer prompts
+over several steps; each chunk attends over the KV of the ones before, as a prefix-cache
+hit does. A long prompt then delays the running sequences by one chunk's worth of work
+per step instead of stalling them for its whole prefill, and the decode tokens ride on
+the weight reads the chunk makes anyway. `seq.step_tokens` says how many prompt tokens
+of a sequence a step computes.
 
 When a decode step cannot get a block, the newest running sequence is preempted
 and recomputed later (its generated tokens stay, so no output is lost).
@@ -27,8 +28,9 @@ from appliance.engines.sequence import Role, Sequence, Status
 
 @dataclass(slots=True)
 class Batch:
-    phase: str                    # "prefill" | "decode" | "kv_import"
+    phase: str                    # "prefill" | "decode" | "kv_import" | "mixed"
     seqs: list[Sequence]
+    num_prefill: int = 0          # seqs[:num_prefill] are prompts (all of a prefill batch)
 
 
 class Scheduler:
@@ -42,7 +44,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []   # admitted, prompt partly computed (chunked)
         self.preemptions = 0
-        self._last_phase = ""
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -55,25 +56,30 @@ class Scheduler:
                 + sum(s.uncached for s in self.prefilling))
 
     def schedule(self) -> Batch | None:
-        batch = self._next()
-        if batch is not None:
-            self._last_phase = batch.phase
-        return batch
-
-    def _next(self) -> Batch | None:
-        if self.chunk_tokens and self._last_phase == "prefill" and self.running:
-            return self._decode()      # one decode step between two prefill chunks
         admitted = len(self.running) + len(self.prefilling)
+        if self.waiting and admitted < self.max_seqs and not self.prefilling \
+                and self.waiting[0].handle is not None:
+            batch = self._admit_imports()      # a copy, no forward pass: a step of its own
+            if batch is not None:
+                return batch
+        if self.chunk_tokens:
+            return self._mixed()
         if self.prefilling or (self.waiting and admitted < self.max_seqs):
-            if not self.prefilling and self.waiting[0].handle is not None:
-                batch = self._admit_imports()
-            else:
-                batch = self._admit_prefills()
+            batch = self._admit_prefills()
             if batch is not None:
                 return batch
         if self.running:
             return self._decode()
         return None
+
+    def _mixed(self) -> Batch | None:
+        decode = self._decode().seqs if self.running else []
+        prompts = self._admit_prefills()
+        if prompts is None:
+            return Batch("decode", decode) if decode else None
+        if not decode:
+            return prompts
+        return Batch("mixed", prompts.seqs + decode, len(prompts.seqs))
 
     def _admit_imports(self) -> Batch | None:
         seqs = []
@@ -126,7 +132,7 @@ class Scheduler:
                     self.running.append(seq)
             else:
                 (self.running if done else self.prefilling).append(seq)
-        return Batch("prefill", seqs)
+        return Batch("prefill", seqs, len(seqs))
 
     def _decode(self) -> Batch:
         batch: list[Sequence] = []

@@ -50,13 +50,16 @@ class SimEngine(BatchEngine):
 
     def run_batch(self, batch: Batch) -> list[int | None]:
         ids = self.vocab_ids
-        if batch.phase == "prefill":
-            self._sleep(self.timing.prefill_s([s.step_tokens for s in batch.seqs],
-                                               [s.num_cached for s in batch.seqs]))
-            return [ids[s.sampler.randrange(len(ids))] if s.step_tokens == s.uncached else None
-                    for s in batch.seqs]
-        self._sleep(self.timing.decode_s([len(s.tokens) for s in batch.seqs]))
-        return [ids[s.sampler.randrange(len(ids))] for s in batch.seqs]
+        P = batch.num_prefill
+        if not P:
+            self._sleep(self.timing.decode_s([len(s.tokens) for s in batch.seqs]))
+            return [ids[s.sampler.randrange(len(ids))] for s in batch.seqs]
+        # Prompts (or chunks) and, in a mixed batch, one new token per decoding sequence
+        # over its cached context: one pass over the weights for all of them.
+        new = [s.step_tokens if i < P else 1 for i, s in enumerate(batch.seqs)]
+        self._sleep(self.timing.prefill_s(new, [s.num_cached for s in batch.seqs]))
+        return [ids[s.sampler.randrange(len(ids))] if i >= P or s.step_tokens == s.uncached
+                else None for i, s in enumerate(batch.seqs)]
 
     def import_kv(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

@@ -124,14 +124,15 @@ class TorchEngine(BatchEngine):
     # ---- execution --------------------------------------------------------
     def run_batch(self, batch: Batch) -> list[int | None]:
         bs = self.blocks.block_size
-        prefill = batch.phase == "prefill"
+        P = batch.num_prefill
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         q_lens: list[int] = []
         ctx_lens: list[int] = []
         tables: list[list[int]] = []
-        for seq in batch.seqs:
+        for i, seq in enumerate(batch.seqs):
+            prefill = i < P
             start = seq.num_cached
             n = start + seq.step_tokens if prefill else len(seq.tokens)
             if not prefill and n - start != 1:
@@ -143,8 +144,8 @@ class TorchEngine(BatchEngine):
             q_lens.append(n - start)
             ctx_lens.append(n)
             tables.append(table)
-        attn = AttnBatch(prefill, q_lens, ctx_lens, tables,
-                         torch.tensor(slots, dtype=torch.long))
+        attn = AttnBatch(P == len(batch.seqs), q_lens, ctx_lens, tables,
+                         torch.tensor(slots, dtype=torch.long), num_prefill=P)
         logits = self.model(torch.tensor(ids, dtype=torch.long),
                             torch.tensor(pos, dtype=torch.long), attn, self.kv)
         done = [i for i, (seq, end) in enumerate(zip(batch.seqs, ctx_lens))

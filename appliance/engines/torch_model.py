@@ -372,6 +372,9 @@ class AttnBatch:
     ``seq_lens_q[i]`` new tokens of sequence i; ``context_lens[i]`` = cached + new tokens;
     ``block_tables[i]`` covers ``context_lens[i]`` slots; ``slot_mapping[t]`` is where the
     K/V of flat token t is written. A decode batch has exactly one new token per sequence.
+    A mixed batch (`num_prefill` set) has prompts (or chunks of them) first, attended one
+    by one as in a prefill, then decoding sequences, one token each, attended in groups
+    as in a decode: both share the step's matmuls.
     """
 
     is_prefill: bool
@@ -379,6 +382,13 @@ class AttnBatch:
     context_lens: list[int]
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor
+    num_prefill: int | None = None    # mixed: sequences [0, num_prefill) are prompts
+
+    def prompts(self) -> int:
+        """How many leading sequences are prompts (the rest decode)."""
+        if self.num_prefill is not None:
+            return self.num_prefill
+        return len(self.seq_lens_q) if self.is_prefill else 0
 
 
 # A decode step attends over the K/V of its sequences in groups of at most this many bytes
@@ -408,7 +418,8 @@ class _Plan:
     last_token_idx: torch.Tensor  # [B] rows of the last new token of each sequence
     # prefill: per sequence (q_start, q_end, ctx_slots | None, mask | None)
     prefill: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
-    decode: list[_DecodeGroup]
+    decode: list[_DecodeGroup]    # over the decoding sequences only (first = 0)
+    prefill_tokens: int = 0       # rows [0, prefill_tokens) belong to prompts
 
 
 def _context_slots(
@@ -469,23 +480,26 @@ def _plan(batch: AttnBatch, num_tokens: int, block_size: int, block_bytes: int,
             )
     ends = torch.tensor(q_lens, dtype=torch.long).cumsum(0)
     last = (ends - 1).to(device)
-    if batch.is_prefill:
-        steps: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
-        start = 0
-        for q, c, t in zip(q_lens, ctx_lens, tables):
-            if c == q:  # no cached prefix: attend over this step's own K/V, causal
-                steps.append((start, start + q, None, None))
-            else:
-                slots = _context_slots(t, c, block_size, device)
-                qpos = torch.arange(c - q, c, device=device)
-                mask = torch.arange(c, device=device)[None, :] <= qpos[:, None]
-                steps.append((start, start + q, slots, mask))
-            start += q
-        return _Plan(last, steps, [])
-
-    if any(q != 1 for q in q_lens):
-        raise ValueError(f"decode batch must have one new token per sequence, got {q_lens}")
-    return _Plan(last, [], _decode_groups(ctx_lens, tables, block_size, block_bytes, device))
+    P = batch.prompts()
+    if not 0 <= P <= nseq:
+        raise ValueError(f"num_prefill {P} of {nseq} sequences")
+    steps: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+    start = 0
+    for q, c, t in zip(q_lens[:P], ctx_lens[:P], tables[:P]):
+        if c == q:  # no cached prefix: attend over this step's own K/V, causal
+            steps.append((start, start + q, None, None))
+        else:
+            slots = _context_slots(t, c, block_size, device)
+            qpos = torch.arange(c - q, c, device=device)
+            mask = torch.arange(c, device=device)[None, :] <= qpos[:, None]
+            steps.append((start, start + q, slots, mask))
+        start += q
+    if P == nseq:
+        return _Plan(last, steps, [], start)
+    if any(q != 1 for q in q_lens[P:]):
+        raise ValueError(f"decode batch must have one new token per sequence, got {q_lens[P:]}")
+    groups = _decode_groups(ctx_lens[P:], tables[P:], block_size, block_bytes, device)
+    return _Plan(last, steps, groups, start)
 
 
 # --------------------------------------------------------------------------- model
@@ -637,10 +651,15 @@ class LlamaModel(torch.nn.Module):
             kv_layer.index_copy_(1, slot_mapping, qkv[:, H:].view(T, 2, KVH, hd).transpose(0, 1))
             k_cache, v_cache = kv_layer[0], kv_layer[1]
 
-            if batch.is_prefill:
+            Tp = plan.prefill_tokens
+            if not plan.decode:
                 o = self._prefill_attention(q, k, v, k_cache, v_cache, plan)
-            else:
+            elif not plan.prefill:
                 o = self._decode_attention(q, kv[:, li], plan)
+            else:   # mixed: prompt rows first, then one row per decoding sequence
+                o = torch.cat((
+                    self._prefill_attention(q[:Tp], k[:Tp], v[:Tp], k_cache, v_cache, plan),
+                    self._decode_attention(q[Tp:], kv[:, li], plan)))
             h = h + layer.o(o)
 
             x = F.rms_norm(h, (s.hidden_size,), layer.mlp_norm, eps)
