@@ -146,9 +146,43 @@ def _error(resp, status, code=None, param=None):
     ({"messages": [{"role": "user", "content": "x"}]}, "model"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000},
      "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+      "top_logprobs": 21}, "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": True}, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": "high"}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "top_k": -2}, "top_k"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": [5, 1]}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "min_p": 0.1}, "min_p"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "x", "suffix": "}"}, "suffix"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_bad_parameters_are_400(daemon, payload, param):
-    _error(daemon.post("/v1/chat/completions", payload), 400, param=param)
+    route = "/v1/completions" if "prompt" in payload else "/v1/chat/completions"
+    _error(daemon.post(route, payload), 400, param=param)
+
+
+def test_values_that_mean_off_are_accepted(daemon):
+    code, _, body = daemon.post("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+        "min_p": 0, "repetition_penalty": 1, "tools": [], "response_format": {"type": "text"},
+        "logprobs": False, "top_k": -1, "frequency_penalty": 0, "logit_bias": {"5": -100}})
+    assert code == 200, body
+    assert body["choices"][0]["logprobs"] is None
+
+
+def test_simulator_refuses_logprobs_in_one_line(daemon):
+    _, body = _error(daemon.post("/v1/completions", {"model": MODEL, "prompt": "x",
+                                                     "max_tokens": 2, "logprobs": 1}),
+                     400, code="invalid_request")
+    assert "not available from the sim engine" in body["error"]["message"]
 
 
 def test_malformed_json_and_non_object(daemon):

@@ -77,11 +77,14 @@ def reference(tiny_model, prompts) -> dict[str, list[int]]:
     return out
 
 
-def collect(events, out: dict, cached: dict, records: list | None = None) -> None:
+def collect(events, out: dict, cached: dict, records: list | None = None,
+            lps: dict | None = None) -> None:
     for ev in events:
         if isinstance(ev, Tokens):
             out.setdefault(ev.request_id, []).extend(ev.tokens)
             cached.setdefault(ev.request_id, ev.cached_tokens)
+            if lps is not None and ev.logprobs is not None:
+                lps.setdefault(ev.request_id, []).extend(ev.logprobs)
         elif isinstance(ev, RequestFailed):
             raise AssertionError(f"request failed: {ev}")
         elif isinstance(ev, IterationRecord) and records is not None:
@@ -89,7 +92,7 @@ def collect(events, out: dict, cached: dict, records: list | None = None) -> Non
 
 
 def run_agg(eng: TorchEngine, first: dict[str, list[int]], later: dict[str, list[int]],
-            params: dict[str, SamplingParams] | None = None):
+            params: dict[str, SamplingParams] | None = None, lps: dict | None = None):
     """Add `first`, run one step (their prefill), add `later`, run to idle."""
     params = params or {}
     out: dict[str, list[int]] = {}
@@ -97,19 +100,19 @@ def run_agg(eng: TorchEngine, first: dict[str, list[int]], later: dict[str, list
     records: list[IterationRecord] = []
     for name, p in first.items():
         assert eng.add(Prefill(name, p, params.get(name, GREEDY), handoff=False)) == []
-    collect(eng.step(), out, cached, records)
+    collect(eng.step(), out, cached, records, lps)
     for name, p in later.items():
         assert eng.add(Prefill(name, p, params.get(name, GREEDY), handoff=False)) == []
     for _ in range(10_000):
         if not eng.has_work():
             break
-        collect(eng.step(), out, cached, records)
+        collect(eng.step(), out, cached, records, lps)
     assert not eng.has_work()
     return out, cached, records
 
 
 def run_disagg(pre: TorchEngine, dec: TorchEngine, first: dict, later: dict,
-               params: dict | None = None):
+               params: dict | None = None, lps: dict | None = None):
     """What the router does: Prefill(handoff) on `pre`, Decode(handle) on `dec`,
     Release to `pre` once `dec` reports KvImported."""
     params = params or {}
@@ -123,6 +126,8 @@ def run_disagg(pre: TorchEngine, dec: TorchEngine, first: dict, later: dict,
             if isinstance(ev, PrefillDone):
                 out[ev.request_id] = [ev.first_token]
                 cached[ev.request_id] = ev.cached_tokens
+                if lps is not None and ev.logprobs is not None:
+                    lps[ev.request_id] = list(ev.logprobs)
                 if ev.handle is not None:
                     rid = ev.request_id
                     r = dec.add(Decode(rid, prompts[rid], ev.first_token,
@@ -149,7 +154,7 @@ def run_disagg(pre: TorchEngine, dec: TorchEngine, first: dict, later: dict,
                 elif isinstance(ev, IterationRecord):
                     dec_phases.append(ev.phase)
                 else:
-                    collect([ev], out, {})
+                    collect([ev], out, {}, None, lps)
     return out, cached, dec_phases
 
 
@@ -343,6 +348,63 @@ def test_seeded_sampling_independent_of_batch(tiny_model, prompts):
     reseeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1235)
     different, _, _ = run_agg(eng, {"x": prompts["long"]}, {}, {"x": reseeded})
     assert different["x"] != alone["x"]
+
+
+def reference_with_controls(model, prompt: list[int], p: SamplingParams):
+    """Greedy decoding written out over transformers' logits with OpenAI's formulas:
+    logit_bias added, then ``c[j] * frequency + (c[j] > 0) * presence`` taken off, c the
+    counts of generated tokens; logprobs from the raw logits."""
+    ids, out, lps = list(prompt), [], []
+    bias = torch.zeros(model.config.vocab_size)
+    for t, b in p.logit_bias:
+        bias[t] += b
+    with torch.no_grad():
+        for _ in range(p.max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long),
+                                    minlength=logits.numel()).float()
+            adjusted = (logits + bias - counts * p.frequency_penalty
+                        - (counts > 0).float() * p.presence_penalty)
+            tok = int(adjusted.argmax())
+            lp = torch.log_softmax(logits, -1)
+            lps.append((float(lp[tok]), lp.argsort(descending=True)[: p.logprobs or 0].tolist()))
+            out.append(tok)
+            ids.append(tok)
+    return out, lps
+
+
+def test_penalties_bias_and_logprobs_match_a_reference(tiny_model, prompts):
+    model = transformers.LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompt = prompts["long"]
+    # The random model's logits lie within ~2 of each other: a bias of 2 makes token X
+    # win (nearly) every step, and penalties of 2 take that back once X was said.
+    x = 77
+    biased = SamplingParams(max_tokens=10, temperature=0.0, logit_bias=((x, 2.0),), logprobs=3)
+    penalized = SamplingParams(max_tokens=10, temperature=0.0, logit_bias=((x, 2.0),),
+                               frequency_penalty=1.5, presence_penalty=0.5, logprobs=3)
+    ref_b, _ = reference_with_controls(model, prompt, biased)
+    ref_p, ref_lps = reference_with_controls(model, prompt, penalized)
+    assert ref_b.count(x) > 5 and ref_p.count(x) == 1, (ref_b, ref_p)   # they do something
+
+    lps: dict = {}
+    out, _, _ = run_agg(make_engine(tiny_model, "pen0"), {"b": prompt, "p": prompt}, {},
+                        {"b": biased, "p": penalized}, lps)
+    assert out["b"] == ref_b and out["p"] == ref_p
+    assert len(lps["p"]) == len(ref_p)
+    for (lp, alts), (ref_lp, ref_top) in zip(lps["p"], ref_lps):
+        assert lp == pytest.approx(ref_lp, abs=1e-4)
+        assert [t for t, _ in alts] == ref_top
+
+    # Disaggregated: the first token's logprobs come from the prefill worker, and the
+    # decode worker counts that token in its penalties.
+    pre = make_engine(tiny_model, "pen1", role="prefill")
+    dec = make_engine(tiny_model, "pen2", role="decode")
+    dec.attach_peer(pre.worker, pre.peer_handle())
+    split_lps: dict = {}
+    split_out, _, _ = run_disagg(pre, dec, {"p": prompt}, {}, {"p": penalized}, split_lps)
+    assert split_out["p"] == ref_p
+    assert [t for _, t in split_lps["p"]] == [alts for _, alts in lps["p"]]
+    assert_all_free(pre, dec)
 
 
 def test_invalid_requests_fail_without_touching_the_engine(tiny_model):

@@ -160,6 +160,67 @@ def test_seeded_sampling_repeats_across_modes(disagg, agg, tok):
     assert other != runs[0]
 
 
+def test_logprobs_are_the_models_through_the_api(disagg, agg, tok, tiny_model, reference):
+    """Chat and completions, streamed and not, disagg and agg: each token's logprob and
+    top alternatives are transformers' log-softmax on the same greedy path."""
+    ids = tok.encode(PROMPTS[1])
+    want = reference(ids, 8)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + want])).logits[0, len(ids) - 1:-1].float()
+    ref = torch.log_softmax(logits, -1)
+    ref_top = ref.argsort(-1, descending=True)[:, :3]
+    for daemon in (disagg, agg):
+        c = daemon.client()
+        r = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                 logprobs=3)
+        lp = r.choices[0].logprobs
+        assert "".join(lp.tokens) == r.choices[0].text == tok.decode(want)
+        assert lp.tokens == [tok.decode([t]) for t in want]
+        assert lp.text_offset == [sum(len(x) for x in lp.tokens[:i]) for i in range(8)]
+        for i, t in enumerate(want):
+            assert lp.token_logprobs[i] == pytest.approx(float(ref[i, t]), abs=1e-4)
+            assert list(lp.top_logprobs[i]) == [tok.decode([int(a)]) for a in ref_top[i]]
+
+        stream = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                      logprobs=3, stream=True)
+        chunks = [ch.choices[0].logprobs for ch in stream if ch.choices[0].logprobs]
+        assert sum((x.tokens for x in chunks), []) == lp.tokens
+        assert sum((x.text_offset for x in chunks), []) == lp.text_offset
+
+        messages = [{"role": "user", "content": "pipes"}]
+        chat_ids = tok.encode_chat(messages)
+        chat_want = reference(chat_ids, 6)
+        full = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                         temperature=0, logprobs=True, top_logprobs=2)
+        content = full.choices[0].logprobs.content
+        assert [e.token for e in content] == [tok.decode([t]) for t in chat_want]
+        assert all(bytes(e.bytes) == e.token.encode() and len(e.top_logprobs) == 2
+                   for e in content)
+        streamed = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                             temperature=0, logprobs=True, top_logprobs=2,
+                                             stream=True)
+        got = [e for ch in streamed if ch.choices and ch.choices[0].logprobs
+               for e in ch.choices[0].logprobs.content]
+        assert [(e.token, e.logprob) for e in got] == [(e.token, e.logprob) for e in content]
+
+
+def test_stop_string_cuts_the_logprobs_where_it_ends(agg, tok, reference):
+    ids = tok.encode(PROMPTS[1])
+    want = reference(ids, 12)
+    texts = [tok.decode([t]) for t in want]
+    k = next(i for i in range(3, 12) if texts[i].strip())       # a visible token to stop on
+    stop = texts[k].strip()
+    cut = tok.decode(want[:k + 1])
+    if stop in tok.decode(want[:k]):
+        pytest.skip("the stop string occurs earlier; pick another prompt")
+    r = agg.client().completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                        logprobs=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == cut[:cut.index(stop)]
+    assert r.choices[0].logprobs.tokens == texts[:k + 1]
+
+
 def test_fifty_concurrent_handoffs(disagg, tok, reference):
     prompts = [tok.encode(f"# task {i}\n" + "x = " * (i % 7 + 1) + str(i)) for i in range(50)]
     lengths = [6 + i % 11 for i in range(50)]

@@ -205,6 +205,21 @@ def test_stop_token_and_refused_prompt(build):
     assert failed.request_id == "long" and failed.code == "invalid_request"
 
 
+def test_sampling_controls_reach_tensorrt_llm_or_are_refused(build):
+    agg = build("agg")
+    agg.add(Prefill("k", PROMPT, SamplingParams(max_tokens=2, top_k=5, frequency_penalty=0.5,
+                                                presence_penalty=-0.25), False))
+    agg.add(Prefill("plain", PROMPT, SamplingParams(max_tokens=2), False))
+    (lp,) = agg.add(Prefill("lp", PROMPT, SamplingParams(max_tokens=2, logprobs=1), False))
+    (bias,) = agg.add(Prefill("b", PROMPT, SamplingParams(max_tokens=2,
+                                                          logit_bias=((3, 5.0),)), False))
+    assert lp.code == bias.code == "invalid_request" and "logprobs" in lp.message
+    drive(agg, idle(agg))
+    (k, plain) = [sp for _, sp, _, _ in fake.LLM.instances[0].submitted]
+    assert (k.top_k, k.frequency_penalty, k.presence_penalty) == (5, 0.5, -0.25)
+    assert (plain.top_k, plain.frequency_penalty, plain.presence_penalty) == (None, None, None)
+
+
 # ---- abort -------------------------------------------------------------------------
 
 def test_unseeded_requests_get_a_seed_of_their_own(build):

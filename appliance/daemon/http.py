@@ -155,33 +155,79 @@ class Completion:
         self.max_tokens = req.max_tokens if req.max_tokens is not None else room
 
     async def run(self):
-        """Yield text deltas until the request finishes; sets finish_reason and counts."""
+        """Yield (text delta, logprob entries) until the request finishes; sets
+        finish_reason and counts. Entries are (token id, TokenLogprob) of the tokens
+        behind the text, when the request asked for logprobs (else always empty)."""
         svc = self.svc
         detok = svc.tokenizer.stream()
         stops = StopMatcher(self.req.stop)
         params = self.req.sampling(self.max_tokens)
         gen = svc.router.generate(self.trace, self.prompt, params)
+        pending: list = []
         try:
-            async for tokens, reason in gen:
+            async for tokens, reason, lps in gen:
                 self.completion_tokens += len(tokens)
-                piece = detok.push(tokens)
-                if reason is not None:
-                    piece += detok.flush()
-                text, hit = stops.feed(piece)
-                if hit:
-                    self.finish_reason = "stop"
-                    if text:
-                        yield text
-                    return
-                if reason is not None:
-                    self.finish_reason = reason
-                    text += stops.flush()
-                if text:
-                    yield text
-                if reason is not None:
-                    return
+                if lps is None:
+                    pieces = [(tokens, reason)]
+                else:   # one token at a time: a stop string cuts the entries where it ends
+                    pieces = [([t], reason if i == len(tokens) - 1 else None)
+                              for i, t in enumerate(tokens)]
+                    lps = iter(zip(tokens, lps))
+                for ids, why in pieces:
+                    if lps is not None:
+                        pending.append(next(lps))
+                    piece = detok.push(ids)
+                    if why is not None:
+                        piece += detok.flush()
+                    text, hit = stops.feed(piece)
+                    if hit:
+                        self.finish_reason = "stop"
+                        if text or pending:
+                            yield text, pending
+                        return
+                    if why is not None:
+                        self.finish_reason = why
+                        text += stops.flush()
+                    if text or (why is not None and pending):
+                        yield text, pending
+                        pending = []
+                    if why is not None:
+                        return
         finally:
             await gen.aclose()
+
+    def logprob_entries(self, entries: list) -> list[dict]:
+        """OpenAI chat shape: each token's own text, its bytes, logprob and alternatives.
+        A token's text is decoded alone, so a piece of a multi-byte character shows as
+        U+FFFD (with those bytes), as in vLLM."""
+        decode = self.svc.tokenizer.decode
+
+        def one(token: int, logprob: float) -> dict:
+            text = decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in alts]}
+                for token, (lp, alts) in entries]
+
+    def completion_logprobs(self, entries: list, offset: int) -> dict:
+        """The legacy completions shape; text offsets count from the completion's start."""
+        chat = self.logprob_entries(entries)
+        offsets = []
+        for e in chat:
+            offsets.append(offset)
+            offset += len(e["token"])
+        return {"tokens": [e["token"] for e in chat],
+                "token_logprobs": [e["logprob"] for e in chat],
+                "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]}
+                                 for e in chat],
+                "text_offset": offsets}
+
+    def logprobs(self, entries: list, offset: int = 0) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        if self.req.endpoint == "chat":
+            return {"content": self.logprob_entries(entries), "refusal": None}
+        return self.completion_logprobs(entries, offset)
 
     def usage(self) -> dict:
         return usage(len(self.prompt), self.completion_tokens, self.trace.cached_tokens)
@@ -197,17 +243,19 @@ class Completion:
             finish_reason=self.finish_reason, error=self.error, simulated=self.svc.simulated)
 
     # ---- response shapes ---------------------------------------------------
-    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> bytes:
+    def chunk(self, text: str | None, finish: str | None, first: bool = False,
+              logprobs: dict | None = None) -> bytes:
         if self.req.endpoint == "chat":
             delta: dict = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs,
+                      "finish_reason": finish}
             obj = "text_completion"
         return b"data: " + orjson.dumps({
             "id": self.object_id, "object": obj, "created": self.created,
@@ -221,13 +269,14 @@ class Completion:
             "model": self.svc.model_name, "choices": [], "usage": self.usage(),
             "simulated": self.svc.simulated}) + b"\n\n"
 
-    def full(self, text: str) -> dict:
+    def full(self, text: str, entries: list) -> dict:
+        logprobs = self.logprobs(entries)
         if self.req.endpoint == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": self.finish_reason}
+                      "logprobs": logprobs, "finish_reason": self.finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None,
+            choice = {"index": 0, "text": text, "logprobs": logprobs,
                       "finish_reason": self.finish_reason}
             obj = "text_completion"
         return {"id": self.object_id, "object": obj, "created": self.created,
@@ -282,17 +331,18 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
 
 
 async def _complete(comp: Completion, headers: dict) -> web.Response:
-    parts = []
+    parts, entries = [], []
     try:
-        async for text in comp.run():
+        async for text, lps in comp.run():
             parts.append(text)
+            entries.extend(lps)
     except (NoWorker, WorkerGone, EngineError) as exc:
         comp.error = str(exc)
         err = _failure(exc)
         err.headers.update(headers)
         return error_response(err)
     comp.status = "ok"
-    return json_response(comp.full("".join(parts)), headers=headers)
+    return json_response(comp.full("".join(parts), entries), headers=headers)
 
 
 async def _stream(request: web.Request, comp: Completion, headers: dict) -> web.StreamResponse:
@@ -310,11 +360,17 @@ async def _stream(request: web.Request, comp: Completion, headers: dict) -> web.
     await resp.prepare(request)
     try:
         out = comp.chunk("", None, first=True) if comp.req.endpoint == "chat" else b""
-        if first is not None:
-            out += comp.chunk(first, None)
-        await resp.write(out)
-        async for text in gen:
-            await resp.write(comp.chunk(text, None))
+        sent = 0        # characters of text so far (completions' text_offset)
+        item = first
+        while item is not None:
+            text, lps = item
+            out += comp.chunk(text, None, logprobs=comp.logprobs(lps, sent))
+            sent += len(text)
+            await resp.write(out)
+            out = b""
+            item = await anext(gen, None)
+        if out:
+            await resp.write(out)
         tail = comp.chunk(None if comp.req.endpoint == "chat" else "", comp.finish_reason)
         if comp.req.include_usage:
             tail += comp.usage_chunk()

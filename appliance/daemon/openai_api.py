@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 from appliance.engines.messages import SamplingParams
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20       # OpenAI's chat bound; completions' is 5 there, 20 here
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# Parameters that would change the output and are not implemented: refused, never
+# ignored. Each maps to the value that means "off", which is accepted.
+_UNSUPPORTED_UNLESS = {"echo": False, "tools": None, "functions": None, "suffix": None,
+                       "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -55,11 +61,19 @@ class GenerationRequest:
     prompt_text: str | None = None      # completions
     prompt_ids: list[int] | None = None  # completions given token ids
     ignore_eos: bool = False
+    top_k: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None         # None: none; k: each token's and the top k
 
     def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
                               top_p=self.top_p, seed=self.seed, stop_token_ids=stop_token_ids,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, top_k=self.top_k,
+                              frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty,
+                              logit_bias=self.logit_bias, logprobs=self.logprobs)
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float,
@@ -84,6 +98,64 @@ def _int(body: dict, key: str, lo: int | None = None) -> int | None:
     if lo is not None and value < lo:
         raise bad(f"'{key}' must be at least {lo}, got {value}", key)
     return value
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token id (a JSON string key) to a bias in [-100, 100]. Ids beyond
+    the vocabulary are refused by the engine, which knows it."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad("'logit_bias' must be an object of token id -> bias", "logit_bias",
+                  "invalid_type")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad(f"'logit_bias' takes at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias")
+    out = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if token < 0 or str(token) != str(key).strip():
+            raise bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r}",
+                      "logit_bias")
+        out.append((token, float(bias)))
+    return tuple(sorted(out))
+
+
+def _logprobs(body: dict, endpoint: str) -> int | None:
+    """Chat: logprobs=true and top_logprobs=k. Completions: logprobs=k."""
+    if endpoint == "chat":
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise bad("'logprobs' must be true or false", "logprobs", "invalid_type")
+        top = _int(body, "top_logprobs", 0)
+        if top is not None and not on:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if not on:
+            return None
+        k = top or 0
+        param = "top_logprobs"
+    else:
+        k = _int(body, "logprobs", 0)
+        if k is None:
+            return None
+        param = "logprobs"
+    if k > MAX_TOP_LOGPROBS:
+        raise bad(f"'{param}' must be at most {MAX_TOP_LOGPROBS}, got {k}", param)
+    return k
+
+
+def _top_k(body: dict) -> int:
+    k = _int(body, "top_k")
+    if k is None or k == -1:            # vLLM's "off"
+        return 0
+    if k < 0:
+        raise bad(f"'top_k' must be -1 or 0 (off) or a positive count, got {k}", "top_k")
+    return k
 
 
 def _stop(body: dict) -> list[str]:
@@ -160,10 +232,14 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
     n = _int(body, "n", 1)
     if n not in (None, 1):
         raise bad("only n=1 is supported", "n")
-    for unsupported in ("logprobs", "echo", "tools", "functions"):
+    for unsupported, off in _UNSUPPORTED_UNLESS.items():
         value = body.get(unsupported)
-        if value and not (unsupported == "logprobs" and value is False):
+        if value is not None and value != off and not (off is None and not value):
             raise bad(f"'{unsupported}' is not supported", unsupported, "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad("'response_format' other than {\"type\": \"text\"} is not supported",
+                  "response_format", "unsupported_parameter")
     best_of = _int(body, "best_of", 1)
     if best_of not in (None, 1):
         raise bad("only best_of=1 is supported", "best_of")
@@ -191,7 +267,10 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
         max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=_int(body, "seed"),
-        stop=_stop(body), ignore_eos=ignore_eos)
+        stop=_stop(body), ignore_eos=ignore_eos, top_k=_top_k(body),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body), logprobs=_logprobs(body, endpoint))
     if endpoint == "chat":
         req.messages = _messages(body)
     else:

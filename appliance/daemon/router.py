@@ -15,9 +15,13 @@ from typing import AsyncIterator
 
 from appliance.engines.messages import (
     Abort, Decode, KvImported, Prefill, PrefillDone, Release, RequestFailed, SamplingParams,
-    Tokens,
+    TokenLogprob, Tokens,
 )
 from appliance.daemon.workers import Channel, WorkerGone, WorkerLink, WorkerPool
+
+
+# What a request yields per event: new tokens, finish reason or None, logprobs or None.
+Step = tuple[list[int], str | None, list[TokenLogprob] | None]
 
 
 class NoWorker(Exception):
@@ -51,6 +55,8 @@ async def _next(channel: Channel):
         while items and isinstance(items[0], Tokens):
             nxt = items.popleft()
             ev.tokens.extend(nxt.tokens)
+            if ev.logprobs is not None and nxt.logprobs is not None:
+                ev.logprobs.extend(nxt.logprobs)
             ev.finish_reason = nxt.finish_reason
             if nxt.finish_reason is not None:
                 break
@@ -92,8 +98,9 @@ class Router:
         return max(self._ready(workers, "decode"), key=lambda w: (_free_blocks(w), -w.inflight))
 
     async def generate(self, trace: Trace, prompt: list[int],
-                       params: SamplingParams) -> AsyncIterator[tuple[list[int], str | None]]:
-        """Yield (new tokens, finish reason or None) until the request finishes.
+                       params: SamplingParams) -> AsyncIterator[Step]:
+        """Yield (new tokens, finish reason or None, their logprobs or None) until the
+        request finishes.
 
         Closing the generator early (client gone, stop string) aborts the request on
         whichever worker holds it and releases any handed-off KV."""
@@ -131,7 +138,7 @@ class Router:
                         trace.first_token = time.time()
                         trace.cached_tokens = ev.cached_tokens
                     done = ev.finish_reason is not None
-                    yield ev.tokens, ev.finish_reason
+                    yield ev.tokens, ev.finish_reason, ev.logprobs
                     if done:
                         return
                 else:
@@ -164,7 +171,7 @@ class Router:
         trace.first_token = time.time()
         trace.cached_tokens = ev.cached_tokens
         if ev.handle is None:
-            yield [ev.first_token], ev.finish_reason or "length"
+            yield [ev.first_token], ev.finish_reason or "length", ev.logprobs
             return
         # From here the prefill worker holds KV for us until we release it.
         released = False
@@ -172,7 +179,7 @@ class Router:
         dw: WorkerLink | None = None
         pending = 0
         try:
-            yield [ev.first_token], None
+            yield [ev.first_token], None, ev.logprobs
             dw = self._most_free(self.decode)
             trace.decode_worker = dw.id
             dqueue = dw.open(rid)
@@ -183,7 +190,7 @@ class Router:
                 dev = await _next(dqueue)
                 if isinstance(dev, Tokens):
                     done = dev.finish_reason is not None
-                    yield dev.tokens, dev.finish_reason
+                    yield dev.tokens, dev.finish_reason, dev.logprobs
                     if done:
                         return
                 elif isinstance(dev, KvImported):

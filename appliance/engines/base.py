@@ -46,6 +46,7 @@ class BatchEngine:
 
     name = "batch"
     simulated = False
+    logprobs = False            # whether run_batch sets seq.logprob when asked
 
     def __init__(self, worker: str, devices: tuple[str, ...], num_blocks: int, block_size: int,
                  max_batch_tokens: int, max_seqs: int, max_context: int,
@@ -113,6 +114,9 @@ class BatchEngine:
         else:
             seq = Sequence(rid, msg.prompt, msg.params,
                            Role.PREFILL if msg.handoff else Role.FULL, arrival=time.time())
+        if msg.params.logprobs is not None and not self.logprobs:
+            return [RequestFailed(rid, f"logprobs are not available from the {self.name} engine",
+                                  "invalid_request")]
         needed = self.blocks.blocks_for(len(seq.tokens) + 1)
         if needed > self.blocks.num_blocks:
             return [RequestFailed(rid, f"request needs {needed} KV blocks, the pool has "
@@ -207,6 +211,9 @@ class BatchEngine:
             seq.num_cached = len(seq.tokens)
             seq.tokens.append(token)
             self.blocks.commit(seq)
+            lps = None
+            if seq.logprob is not None:
+                lps, seq.logprob = [seq.logprob], None
             reason = self._finish_reason(seq, token)
             cached = seq.prefix_hit if prefill else 0
             if prefill:
@@ -221,9 +228,9 @@ class BatchEngine:
                     self._handed_off[seq.request_id] = (seq, time.time() + self.handoff_timeout_s)
                 else:
                     self._finish(seq)
-                events.append(PrefillDone(seq.request_id, token, handle, reason, cached))
+                events.append(PrefillDone(seq.request_id, token, handle, reason, cached, lps))
                 continue
-            events.append(Tokens(seq.request_id, [token], reason, cached))
+            events.append(Tokens(seq.request_id, [token], reason, cached, lps))
             if reason is not None:
                 self._finish(seq)
         return events

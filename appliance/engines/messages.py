@@ -23,6 +23,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0                          # 0 = off
+    frequency_penalty: float = 0.0          # OpenAI's, over the generated tokens
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs
+    logprobs: int | None = None             # None: none; k: the chosen token's and top k
 
 
 @dataclass(slots=True)
@@ -114,6 +119,10 @@ class StartFailed:
     message: str
 
 
+# A sampled token's log-probability and the top-k alternatives as (token id, logprob).
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass(slots=True)
 class PrefillDone:
     """First token of a disaggregated request; handle is None when it already finished."""
@@ -123,6 +132,7 @@ class PrefillDone:
     handle: KvHandle | None
     finish_reason: str | None   # "stop" | "length" | None (continue on a decode worker)
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None   # one entry, when the request asked
 
 
 @dataclass(slots=True)
@@ -131,6 +141,7 @@ class Tokens:
     tokens: list[int]
     finish_reason: str | None = None
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None   # one per token, when the request asked
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ class Sequence:
     __slots__ = (
         "request_id", "tokens", "num_prompt", "params", "role", "status",
         "block_table", "num_cached", "handle", "sampler", "reserved_blocks",
-        "prefix_hit", "arrival", "hashed_blocks", "chain_hash", "step_tokens",
+        "prefix_hit", "arrival", "hashed_blocks", "chain_hash", "step_tokens", "logprob",
     )
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -45,6 +45,7 @@ class Sequence:
         self.hashed_blocks = 0       # full blocks whose hash is in the prefix cache
         self.chain_hash = 0          # hash chain value after those blocks
         self.step_tokens = 0         # prompt tokens the current prefill step computes
+        self.logprob: Any = None     # the last sampled token's TokenLogprob, if asked for
         if first_token is not None:
             self.tokens.append(first_token)
 
@@ -54,6 +55,10 @@ class Sequence:
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.num_prompt
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
 
     @property
     def uncached(self) -> int:

@@ -26,7 +26,7 @@ import torch
 from appliance.engines import cpu_heap
 from appliance.engines.base import BatchEngine, KvLayoutError
 from appliance.engines.messages import Decode, Prefill, RequestFailed, SamplingParams
-from appliance.engines.sampling import SamplingState, sample
+from appliance.engines.sampling import SamplingState, sample, top_logprobs
 from appliance.engines.scheduler import Batch
 from appliance.engines.sequence import Sequence
 from appliance.engines.torch_model import (
@@ -45,6 +45,7 @@ class _Peer:
 
 class TorchEngine(BatchEngine):
     name = "torch"
+    logprobs = True
     simulated = False
 
     def __init__(self, *, model: LlamaModel, share_pool: bool = True, **kwargs):
@@ -94,8 +95,11 @@ class TorchEngine(BatchEngine):
                     drawn: int = 0) -> SamplingState:
         """`drawn` tokens were sampled elsewhere (the prefill worker's first token): skip
         their draws so a seeded request continues the same stream as in agg mode."""
-        state = SamplingState.create(params.temperature, params.top_p, params.seed,
-                                     device=self.model.device)
+        state = SamplingState.create(
+            params.temperature, params.top_p, params.seed, device=self.model.device,
+            top_k=params.top_k, frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty, logit_bias=params.logit_bias,
+            vocab_size=self.model.shape.vocab_size)
         if state.temperature != 0.0:
             for _ in range(drawn):   # sampling.sample draws one fp32 uniform per token
                 torch.rand(1, generator=state.generator, device=self.model.device,
@@ -150,14 +154,28 @@ class TorchEngine(BatchEngine):
                             torch.tensor(pos, dtype=torch.long), attn, self.kv)
         done = [i for i, (seq, end) in enumerate(zip(batch.seqs, ctx_lens))
                 if end == len(seq.tokens)]
-        if len(done) == len(batch.seqs):
-            return sample(logits, [seq.sampler for seq in batch.seqs])
         out: list[int | None] = [None] * len(batch.seqs)
-        if done:    # only finished prompts draw a token: a chunk must not use up the rng
-            picked = sample(logits[done], [batch.seqs[i].sampler for i in done])
-            for i, token in zip(done, picked):
-                out[i] = token
+        if not done:
+            return out
+        # Only finished prompts draw a token: a chunk must not use up the rng.
+        rows = logits if len(done) == len(batch.seqs) else logits[done]
+        seqs = [batch.seqs[i] for i in done]
+        picked = sample(rows, [seq.sampler for seq in seqs],
+                        [seq.generated if seq.sampler.penalized else () for seq in seqs])
+        for i, token in zip(done, picked):
+            out[i] = token
+        self._logprobs(rows, seqs, picked)
         return out
+
+    @staticmethod
+    def _logprobs(rows: torch.Tensor, seqs: list[Sequence], picked: list[int]) -> None:
+        asked = [j for j, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if not asked:
+            return
+        k = max(seqs[j].params.logprobs for j in asked)
+        found = top_logprobs(rows[asked], [picked[j] for j in asked], k)
+        for j, (chosen, alts) in zip(asked, found):
+            seqs[j].logprob = (chosen, alts[:seqs[j].params.logprobs])
 
     def import_kv(self, seqs: list[Sequence]) -> None:
         by_source: dict[str, tuple[list[int], list[int]]] = {}

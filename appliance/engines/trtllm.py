@@ -132,7 +132,8 @@ USED_API: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "fields": {
         "SamplingParams": ("max_tokens", "temperature", "top_p", "seed", "stop_token_ids",
-                           "end_id", "ignore_eos", "detokenize", "include_stop_str_in_output"),
+                           "end_id", "ignore_eos", "detokenize", "include_stop_str_in_output",
+                           "top_k", "frequency_penalty", "presence_penalty"),
         "DisaggregatedParams": ("request_type", "first_gen_tokens", "ctx_request_id",
                                 "opaque_state"),
         "KvCacheConfig": ("free_gpu_memory_fraction",),
@@ -346,6 +347,11 @@ class TrtllmEngine:
             return [RequestFailed(rid, f"request id {rid} is already on worker {self.worker}")]
         if not msg.prompt:
             return [RequestFailed(rid, "empty prompt", "invalid_request")]
+        # Not mapped onto TensorRT-LLM yet: refused rather than silently ignored.
+        if msg.params.logprobs is not None or msg.params.logit_bias:
+            what = "logprobs" if msg.params.logprobs is not None else "logit_bias"
+            return [RequestFailed(rid, f"{what} is not available from the trtllm engine",
+                                  "invalid_request")]
         disagg = None
         if isinstance(msg, Decode):
             handle = msg.handle
@@ -473,6 +479,13 @@ class TrtllmEngine:
                                   temperature=p.temperature, top_p=p.top_p,
                                   ignore_eos=p.ignore_eos, detokenize=False,
                                   include_stop_str_in_output=True)
+        # TensorRT-LLM takes None for "off"; OpenAI's penalties map one to one.
+        if p.top_k > 0:
+            kw["top_k"] = p.top_k
+        if p.frequency_penalty:
+            kw["frequency_penalty"] = p.frequency_penalty
+        if p.presence_penalty:
+            kw["presence_penalty"] = p.presence_penalty
         if p.top_p <= 0:            # top_p=0 means greedy here; TensorRT-LLM disallows it
             kw.update(temperature=0.0, top_p=None)
         stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.extra_eos))
