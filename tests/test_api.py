@@ -159,6 +159,9 @@ def _error(resp, status, code=None, param=None):
     ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"model": MODEL, "prompt": "x", "logit_bias": [5, 1]}, "logit_bias"),
     ({"model": MODEL, "prompt": "x", "min_p": 0.1}, "min_p"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "echo": "yes"}, "echo"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ({"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
     ({"model": MODEL, "prompt": "x", "suffix": "}"}, "suffix"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
@@ -176,6 +179,18 @@ def test_values_that_mean_off_are_accepted(daemon):
         "logprobs": False, "top_k": -1, "frequency_penalty": 0, "logit_bias": {"5": -100}})
     assert code == 200, body
     assert body["choices"][0]["logprobs"] is None
+
+
+def test_echo_returns_the_prompt_first(daemon):
+    code, _, body = daemon.post("/v1/completions", {"model": MODEL, "prompt": "Hello there",
+                                                    "max_tokens": 3, "echo": True})
+    assert code == 200, body
+    text = body["choices"][0]["text"]
+    assert text.startswith("Hello there") and len(text) > len("Hello there")
+    code, _, body = daemon.post("/v1/completions", {"model": MODEL, "prompt": "Hello there",
+                                                    "max_tokens": 0, "echo": True})
+    assert code == 200 and body["choices"][0]["text"] == "Hello there"
+    assert body["usage"]["completion_tokens"] == 0
 
 
 def test_simulator_refuses_logprobs_in_one_line(daemon):

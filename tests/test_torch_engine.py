@@ -407,6 +407,45 @@ def test_penalties_bias_and_logprobs_match_a_reference(tiny_model, prompts):
     assert_all_free(pre, dec)
 
 
+def test_prompt_logprobs_match_transformers_whatever_the_path(tiny_model, prompts):
+    model = transformers.LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompt = prompts["prefA"]                                # 40 tokens: 2 full blocks
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    want = [float(ref[p, prompt[p + 1]]) for p in range(len(prompt) - 1)]
+    want_top = [ref[p].argsort(descending=True)[:2].tolist() for p in range(len(prompt) - 1)]
+    asked = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
+
+    def check(plps, cached):
+        assert plps[0] is None and len(plps) == len(prompt)
+        assert [lp for lp, _ in plps[1:]] == pytest.approx(want, abs=1e-4)
+        assert [[t for t, _ in alts] for _, alts in plps[1:]] == want_top
+        assert cached == 0           # scored from scratch, not served from the cache
+
+    def first_events(eng, name):
+        out = []
+        while eng.has_work():
+            out += [ev for ev in eng.step() if isinstance(ev, (Tokens, PrefillDone))
+                    and ev.request_id == name]
+        return out
+
+    for chunk in (0, 12):       # 12-token chunks end inside blocks and carry over
+        eng = make_engine(tiny_model, f"pl{chunk}", chunk=chunk)
+        run_agg(eng, {"warm": prompt}, {})                # the prompt's blocks are cached now
+        eng.add(Prefill("x", prompt, asked, handoff=False))
+        evs = first_events(eng, "x")
+        check(evs[0].prompt_logprobs, evs[0].cached_tokens)
+        assert all(ev.prompt_logprobs is None for ev in evs[1:])
+        assert_all_free(eng)
+
+    pre = make_engine(tiny_model, "pl-p", role="prefill")
+    pre.add(Prefill("x", prompt, asked, handoff=True))
+    (done,) = first_events(pre, "x")
+    check(done.prompt_logprobs, done.cached_tokens)
+    pre.release("x")
+    assert_all_free(pre)
+
+
 def test_invalid_requests_fail_without_touching_the_engine(tiny_model):
     eng = make_engine(tiny_model, "v0", num_blocks=16)
     bad_t = SamplingParams(max_tokens=4, temperature=-1.0)

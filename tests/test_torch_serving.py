@@ -205,6 +205,38 @@ def test_logprobs_are_the_models_through_the_api(disagg, agg, tok, tiny_model, r
         assert [(e.token, e.logprob) for e in got] == [(e.token, e.logprob) for e in content]
 
 
+def test_echo_scores_the_prompt_like_transformers(disagg, agg, tok, tiny_model, reference):
+    """What evaluation harnesses send to score text: echo, logprobs, max_tokens 0."""
+    text = PROMPTS[2]
+    ids = tok.encode(text)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    want = [float(ref[p, ids[p + 1]]) for p in range(len(ids) - 1)]
+    complete(disagg, ids, 2)     # the prompt's blocks are in the prefix cache now
+    for daemon in (disagg, agg):
+        c = daemon.client()
+        r = c.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True,
+                                 logprobs=1, temperature=0)
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text == text and r.usage.completion_tokens == 0
+        assert lp.tokens == [tok.decode([t]) for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+        assert [list(d) for d in lp.top_logprobs[1:]] == [
+            [tok.decode([int(ref[p].argmax())])] for p in range(len(ids) - 1)]
+
+        gen = reference(ids, 5)
+        r = c.completions.create(model=MODEL, prompt=ids, max_tokens=5, echo=True, logprobs=0,
+                                 temperature=0)
+        assert r.choices[0].text == tok.decode(ids) + tok.decode(gen)
+        assert len(r.choices[0].logprobs.tokens) == len(ids) + 5
+        assert r.usage.completion_tokens == 5
+        stream = c.completions.create(model=MODEL, prompt=ids, max_tokens=5, echo=True,
+                                      temperature=0, stream=True)
+        assert "".join(ch.choices[0].text for ch in stream) == r.choices[0].text
+
+
 def test_stop_string_cuts_the_logprobs_where_it_ends(agg, tok, reference):
     ids = tok.encode(PROMPTS[1])
     want = reference(ids, 12)

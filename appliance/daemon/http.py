@@ -161,11 +161,20 @@ class Completion:
         svc = self.svc
         detok = svc.tokenizer.stream()
         stops = StopMatcher(self.req.stop)
-        params = self.req.sampling(self.max_tokens)
+        # max_tokens 0 (echo only): the engine still runs the prompt, for its logprobs,
+        # and the one token it samples is dropped.
+        params = self.req.sampling(max(1, self.max_tokens))
         gen = svc.router.generate(self.trace, self.prompt, params)
         pending: list = []
+        echoing = self.req.echo
         try:
             async for tokens, reason, lps in gen:
+                if echoing:
+                    echoing = False
+                    yield self.prompt_text(), self.prompt_entries()
+                    if self.max_tokens == 0:
+                        self.finish_reason = "length"
+                        return
                 self.completion_tokens += len(tokens)
                 if lps is None:
                     pieces = [(tokens, reason)]
@@ -196,6 +205,18 @@ class Completion:
         finally:
             await gen.aclose()
 
+    def prompt_text(self) -> str:
+        req = self.req
+        return req.prompt_text if req.prompt_text is not None else self.svc.tokenizer.decode(
+            self.prompt)
+
+    def prompt_entries(self) -> list:
+        """(token id, TokenLogprob or None) for the echoed prompt, when logprobs were asked."""
+        lps = self.trace.prompt_logprobs
+        if self.req.logprobs is None or lps is None:
+            return []
+        return list(zip(self.prompt, lps))
+
     def logprob_entries(self, entries: list) -> list[dict]:
         """OpenAI chat shape: each token's own text, its bytes, logprob and alternatives.
         A token's text is decoded alone, so a piece of a multi-byte character shows as
@@ -206,8 +227,14 @@ class Completion:
             text = decode([token])
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-        return [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in alts]}
-                for token, (lp, alts) in entries]
+        out = []
+        for token, scored in entries:
+            if scored is None:      # an echoed prompt's first token: nothing predicts it
+                out.append({**one(token, None), "top_logprobs": None})
+            else:
+                lp, alts = scored
+                out.append({**one(token, lp), "top_logprobs": [one(t, v) for t, v in alts]})
+        return out
 
     def completion_logprobs(self, entries: list, offset: int) -> dict:
         """The legacy completions shape; text offsets count from the completion's start."""
@@ -218,7 +245,8 @@ class Completion:
             offset += len(e["token"])
         return {"tokens": [e["token"] for e in chat],
                 "token_logprobs": [e["logprob"] for e in chat],
-                "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]}
+                "top_logprobs": [None if e["top_logprobs"] is None else
+                                 {a["token"]: a["logprob"] for a in e["top_logprobs"]}
                                  for e in chat],
                 "text_offset": offsets}
 

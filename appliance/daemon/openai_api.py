@@ -14,7 +14,7 @@ MAX_TOP_LOGPROBS = 20       # OpenAI's chat bound; completions' is 5 there, 20 h
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # Parameters that would change the output and are not implemented: refused, never
 # ignored. Each maps to the value that means "off", which is accepted.
-_UNSUPPORTED_UNLESS = {"echo": False, "tools": None, "functions": None, "suffix": None,
+_UNSUPPORTED_UNLESS = {"tools": None, "functions": None, "suffix": None,
                        "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -66,6 +66,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None         # None: none; k: each token's and the top k
+    echo: bool = False                  # completions: the prompt comes back before the answer
 
     def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
@@ -73,7 +74,8 @@ class GenerationRequest:
                               ignore_eos=self.ignore_eos, top_k=self.top_k,
                               frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty,
-                              logit_bias=self.logit_bias, logprobs=self.logprobs)
+                              logit_bias=self.logit_bias, logprobs=self.logprobs,
+                              prompt_logprobs=self.logprobs if self.echo else None)
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float,
@@ -256,8 +258,15 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         if not stream:
             raise bad("'stream_options' is only allowed with stream=true", "stream_options")
         include_usage = bool(opts.get("include_usage", False))
+    echo = body.get("echo", False)
+    if echo is None:
+        echo = False
+    if not isinstance(echo, bool):
+        raise bad("'echo' must be true or false", "echo", "invalid_type")
+    if echo and endpoint == "chat":
+        raise bad("'echo' is not supported", "echo", "unsupported_parameter")
     max_tokens = _int(body, "max_completion_tokens", 1)
-    legacy = _int(body, "max_tokens", 1)
+    legacy = _int(body, "max_tokens", 0 if echo else 1)   # 0 with echo: score the prompt
     if max_tokens is None:
         max_tokens = legacy
     ignore_eos = body.get("ignore_eos", False)
@@ -270,7 +279,7 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         stop=_stop(body), ignore_eos=ignore_eos, top_k=_top_k(body),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        logit_bias=_logit_bias(body), logprobs=_logprobs(body, endpoint))
+        logit_bias=_logit_bias(body), logprobs=_logprobs(body, endpoint), echo=echo)
     if endpoint == "chat":
         req.messages = _messages(body)
     else:

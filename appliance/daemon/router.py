@@ -44,6 +44,7 @@ class Trace:
     decode_worker: str | None = None
     first_token: float | None = None
     cached_tokens: int = 0
+    prompt_logprobs: list | None = None     # from the first token's event, when asked
 
 
 async def _next(channel: Channel):
@@ -137,6 +138,7 @@ class Router:
                         counted = False
                         trace.first_token = time.time()
                         trace.cached_tokens = ev.cached_tokens
+                        trace.prompt_logprobs = ev.prompt_logprobs
                     done = ev.finish_reason is not None
                     yield ev.tokens, ev.finish_reason, ev.logprobs
                     if done:
@@ -170,6 +172,7 @@ class Router:
             pw.close(rid)
         trace.first_token = time.time()
         trace.cached_tokens = ev.cached_tokens
+        trace.prompt_logprobs = ev.prompt_logprobs
         if ev.handle is None:
             yield [ev.first_token], ev.finish_reason or "length", ev.logprobs
             return

@@ -114,7 +114,8 @@ class BatchEngine:
         else:
             seq = Sequence(rid, msg.prompt, msg.params,
                            Role.PREFILL if msg.handoff else Role.FULL, arrival=time.time())
-        if msg.params.logprobs is not None and not self.logprobs:
+        if (msg.params.logprobs is not None or msg.params.prompt_logprobs is not None) \
+                and not self.logprobs:
             return [RequestFailed(rid, f"logprobs are not available from the {self.name} engine",
                                   "invalid_request")]
         needed = self.blocks.blocks_for(len(seq.tokens) + 1)
@@ -211,9 +212,11 @@ class BatchEngine:
             seq.num_cached = len(seq.tokens)
             seq.tokens.append(token)
             self.blocks.commit(seq)
-            lps = None
+            lps = plps = None
             if seq.logprob is not None:
                 lps, seq.logprob = [seq.logprob], None
+            if prefill and seq.prompt_lps is not None and seq.num_output == 1:
+                plps, seq.prompt_lps = seq.prompt_lps, None
             reason = self._finish_reason(seq, token)
             cached = seq.prefix_hit if prefill else 0
             if prefill:
@@ -228,9 +231,10 @@ class BatchEngine:
                     self._handed_off[seq.request_id] = (seq, time.time() + self.handoff_timeout_s)
                 else:
                     self._finish(seq)
-                events.append(PrefillDone(seq.request_id, token, handle, reason, cached, lps))
+                events.append(PrefillDone(seq.request_id, token, handle, reason, cached, lps,
+                                          plps))
                 continue
-            events.append(Tokens(seq.request_id, [token], reason, cached, lps))
+            events.append(Tokens(seq.request_id, [token], reason, cached, lps, plps))
             if reason is not None:
                 self._finish(seq)
         return events

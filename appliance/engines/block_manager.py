@@ -64,6 +64,8 @@ class BlockManager:
 
     def _cache_hits(self, seq: Sequence) -> list[int]:
         # The last token is always recomputed: its logits give the next token.
+        if seq.needs_prompt_logits:
+            return []
         hits = []
         for h, chunk in self._chain(seq.tokens, len(seq.tokens) - 1):
             block = self._lookup(h, chunk)

@@ -28,6 +28,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs
     logprobs: int | None = None             # None: none; k: the chosen token's and top k
+    prompt_logprobs: int | None = None      # the same for every prompt token after the first
 
 
 @dataclass(slots=True)
@@ -133,6 +134,8 @@ class PrefillDone:
     finish_reason: str | None   # "stop" | "length" | None (continue on a decode worker)
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None   # one entry, when the request asked
+    # One per prompt token, None for the first (nothing predicts it), when asked.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -142,6 +145,7 @@ class Tokens:
     finish_reason: str | None = None
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None   # one per token, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # with the first token only
 
 
 @dataclass(slots=True)

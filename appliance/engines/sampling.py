@@ -174,11 +174,16 @@ def top_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int
     """
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])
+    k = min(k, lp.shape[1])
+    # topk, not a sort of the whole vocabulary (150k entries for some models); it leaves
+    # the order of ties open, so everything at or above the k-th value is re-sorted stably.
+    floor = lp.topk(k, dim=-1).values[:, -1:] if k > 0 else None
     out = []
-    if k > 0:
-        top_vals, top_ids = torch.sort(lp, dim=-1, descending=True, stable=True)
-        top_vals, top_ids = top_vals[:, :k].tolist(), top_ids[:, :k].tolist()
     for i, c in enumerate(chosen[:, 0].tolist()):
-        alts = list(zip(top_ids[i], top_vals[i])) if k > 0 else []
+        alts: list[tuple[int, float]] = []
+        if floor is not None:
+            ids = (lp[i] >= floor[i]).nonzero()[:, 0]           # ascending ids
+            vals, order = torch.sort(lp[i, ids], descending=True, stable=True)
+            alts = list(zip(ids[order][:k].tolist(), vals[:k].tolist()))
         out.append((c, alts))
     return out

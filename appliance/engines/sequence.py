@@ -24,6 +24,7 @@ class Sequence:
         "request_id", "tokens", "num_prompt", "params", "role", "status",
         "block_table", "num_cached", "handle", "sampler", "reserved_blocks",
         "prefix_hit", "arrival", "hashed_blocks", "chain_hash", "step_tokens", "logprob",
+        "prompt_lps",
     )
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -46,6 +47,10 @@ class Sequence:
         self.chain_hash = 0          # hash chain value after those blocks
         self.step_tokens = 0         # prompt tokens the current prefill step computes
         self.logprob: Any = None     # the last sampled token's TokenLogprob, if asked for
+        # Prompt logprobs gathered chunk by chunk until the first token goes out with them.
+        self.prompt_lps: list | None = None
+        if params.prompt_logprobs is not None and first_token is None:
+            self.prompt_lps = [None]
         if first_token is not None:
             self.tokens.append(first_token)
 
@@ -55,6 +60,12 @@ class Sequence:
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.num_prompt
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs asked for and not yet computed: every prompt position's logits
+        are needed, so none may come from the prefix cache."""
+        return self.prompt_lps is not None and self.num_output == 0
 
     @property
     def generated(self) -> list[int]:

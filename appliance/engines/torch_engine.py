@@ -43,6 +43,9 @@ class _Peer:
     pool: handoff.PeerPool
 
 
+PROMPT_LOGIT_ROWS = 256     # prompt positions scored per vocabulary projection
+
+
 class TorchEngine(BatchEngine):
     name = "torch"
     logprobs = True
@@ -150,8 +153,24 @@ class TorchEngine(BatchEngine):
             tables.append(table)
         attn = AttnBatch(P == len(batch.seqs), q_lens, ctx_lens, tables,
                          torch.tensor(slots, dtype=torch.long), num_prefill=P)
+        # Prompt logprobs: the rows of positions whose next token is still prompt.
+        scored: list[tuple[Sequence, int, int]] = []     # (seq, first row, first position)
+        rows: list[int] = []
+        row = 0
+        for seq, q in zip(batch.seqs[:P], q_lens):
+            if seq.needs_prompt_logits:
+                start = seq.num_cached
+                n = max(0, min(start + q, seq.num_prompt - 1) - start)
+                if n:
+                    scored.append((seq, len(rows), start))
+                    rows.extend(range(row, row + n))
+            row += q
+        if rows:
+            attn.hidden_rows = torch.tensor(rows, dtype=torch.long)
         logits = self.model(torch.tensor(ids, dtype=torch.long),
                             torch.tensor(pos, dtype=torch.long), attn, self.kv)
+        if rows:
+            self._prompt_logprobs(attn.hidden, scored, len(rows))
         done = [i for i, (seq, end) in enumerate(zip(batch.seqs, ctx_lens))
                 if end == len(seq.tokens)]
         out: list[int | None] = [None] * len(batch.seqs)
@@ -166,6 +185,20 @@ class TorchEngine(BatchEngine):
             out[i] = token
         self._logprobs(rows, seqs, picked)
         return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, scored: list, total: int) -> None:
+        """Score each prompt position's next prompt token. The vocabulary projection runs
+        PROMPT_LOGIT_ROWS rows at a time: a whole long prompt's logits would be
+        tokens x vocab floats (2,048 x 128k = 1 GiB)."""
+        ends = [first for _, first, _ in scored[1:]] + [total]
+        for (seq, first, pos), end in zip(scored, ends):
+            k = seq.params.prompt_logprobs
+            for a in range(first, end, PROMPT_LOGIT_ROWS):
+                b = min(end, a + PROMPT_LOGIT_ROWS)
+                p0 = pos + a - first
+                targets = seq.tokens[p0 + 1:p0 + 1 + b - a]
+                seq.prompt_lps.extend(top_logprobs(self.model.lm_head(hidden[a:b]),
+                                                   targets, k))
 
     @staticmethod
     def _logprobs(rows: torch.Tensor, seqs: list[Sequence], picked: list[int]) -> None:

@@ -383,6 +383,10 @@ class AttnBatch:
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor
     num_prefill: int | None = None    # mixed: sequences [0, num_prefill) are prompts
+    # Rows whose final (normed) hidden states the caller wants besides the logits (prompt
+    # logprobs); forward stores them in `hidden`, [len(hidden_rows), hidden_size].
+    hidden_rows: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
     def prompts(self) -> int:
         """How many leading sequences are prompts (the rest decode)."""
@@ -666,6 +670,9 @@ class LlamaModel(torch.nn.Module):
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
 
+        if batch.hidden_rows is not None:
+            rows = batch.hidden_rows.to(h.device)
+            batch.hidden = F.rms_norm(h.index_select(0, rows), (s.hidden_size,), self.norm, eps)
         last = F.rms_norm(h.index_select(0, plan.last_token_idx), (s.hidden_size,), self.norm, eps)
         return self.lm_head(last).float()
 

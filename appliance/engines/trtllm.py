@@ -348,8 +348,9 @@ class TrtllmEngine:
         if not msg.prompt:
             return [RequestFailed(rid, "empty prompt", "invalid_request")]
         # Not mapped onto TensorRT-LLM yet: refused rather than silently ignored.
-        if msg.params.logprobs is not None or msg.params.logit_bias:
-            what = "logprobs" if msg.params.logprobs is not None else "logit_bias"
+        p = msg.params
+        if p.logprobs is not None or p.prompt_logprobs is not None or p.logit_bias:
+            what = "logit_bias" if p.logit_bias else "logprobs"
             return [RequestFailed(rid, f"{what} is not available from the trtllm engine",
                                   "invalid_request")]
         disagg = None
