@@ -133,7 +133,9 @@ def _error(resp, status, code=None, param=None):
 
 
 @pytest.mark.parametrize("payload,param", [
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": 2**70}, "seed"),
+    ({"model": MODEL, "prompt": "x", "n": 2, "best_of": 3}, "best_of"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
@@ -179,6 +181,32 @@ def test_values_that_mean_off_are_accepted(daemon):
         "logprobs": False, "top_k": -1, "frequency_penalty": 0, "logit_bias": {"5": -100}})
     assert code == 200, body
     assert body["choices"][0]["logprobs"] is None
+
+
+def test_n_choices_whole_and_streamed(daemon):
+    c = daemon.client()
+    r = chat(c, "Hi", max_tokens=5, n=3, seed=4, extra_body={"ignore_eos": True})
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert all(ch.finish_reason == "length" for ch in r.choices)
+    assert r.usage.completion_tokens == 15 and r.usage.prompt_tokens > 0
+    one = chat(c, "Hi", max_tokens=5, seed=4, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == one.choices[0].message.content
+    assert len({ch.message.content for ch in r.choices}) > 1
+
+    stream = c.completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=2, seed=9,
+                                  stream=True, stream_options={"include_usage": True},
+                                  extra_body={"ignore_eos": True})
+    texts, finish, usage_seen = ["", ""], [None, None], None
+    for ch in stream:
+        if ch.usage:
+            usage_seen = ch.usage
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+    whole = c.completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=2, seed=9,
+                                 extra_body={"ignore_eos": True})
+    assert texts == [ch.text for ch in whole.choices] and finish == ["length", "length"]
+    assert usage_seen.completion_tokens == 8
 
 
 def test_echo_returns_the_prompt_first(daemon):

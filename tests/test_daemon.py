@@ -67,6 +67,18 @@ def test_client_disconnect_frees_kv(daemon_factory, tiny_model):
     stream.close()                       # hang up mid-stream
     d.wait_for(kv_idle, what="every KV block free after the disconnect")
 
+    # n = 3: three engine requests behind one stream; hanging up aborts all of them.
+    stream = d.client().chat.completions.create(model=MODEL, messages=MSG, max_tokens=400,
+                                                n=3, stream=True)
+    it = iter(stream)
+    seen = set()
+    while len(seen) < 3:
+        seen.update(ch.index for ch in next(it).choices)
+    d.wait_for(lambda st: sum(w["running"] for w in st["workers"]) == 3,
+               what="three choices decoding")
+    stream.close()
+    d.wait_for(kv_idle, what="every KV block free after an n=3 disconnect")
+
 
 def test_kill_decode_worker_mid_request(daemon_factory, tiny_model):
     d = daemon_factory("--devices", "cpu", "--engine", "sim", *SLOW, model=tiny_model)

@@ -253,6 +253,26 @@ def test_stop_string_cuts_the_logprobs_where_it_ends(agg, tok, reference):
     assert r.choices[0].logprobs.tokens == texts[:k + 1]
 
 
+def test_n_choices_run_side_by_side_and_free_everything(disagg, tok, reference):
+    ids = tok.encode(PROMPTS[1])
+    c = disagg.client()
+    greedy = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, n=3)
+    assert [ch.text for ch in greedy.choices] == [tok.decode(reference(ids, 8))] * 3
+    assert greedy.usage.completion_tokens == 24 and greedy.usage.prompt_tokens == len(ids)
+    seeded = c.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=1.0,
+                                  seed=21, n=4)
+    texts = [ch.text for ch in seeded.choices]
+    for i in (0, 2):    # choice i is what n = 1 gives with seed + i
+        alone = c.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=1.0,
+                                     seed=21 + i)
+        assert texts[i] == alone.choices[0].text
+    assert len(set(texts)) == 4
+    deadline = time.monotonic() + 10
+    while not idle(disagg.status()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert idle(disagg.status())
+
+
 def test_fifty_concurrent_handoffs(disagg, tok, reference):
     prompts = [tok.encode(f"# task {i}\n" + "x = " * (i % 7 + 1) + str(i)) for i in range(50)]
     lengths = [6 + i % 11 for i in range(50)]

@@ -31,6 +31,9 @@ class RequestRecord:
     finish_reason: str | None
     error: str | None = None
     simulated: bool = False
+    # n > 1: the choices ran as engine requests `request_id`, `request_id.1`, … (their
+    # iteration records carry those ids); the token counts above cover all of them.
+    choices: int = 1
 
 
 class RecordSink(Protocol):

@@ -10,16 +10,14 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
 
-from appliance.accounting.records import RequestRecord
-from appliance.daemon.openai_api import ApiError, GenerationRequest, bad, parse_request, usage
-from appliance.daemon.router import EngineError, NoWorker, Trace
-from appliance.daemon.tokenizer import StopMatcher
+from appliance.daemon.completion import Completion
+from appliance.daemon.openai_api import ApiError, bad, parse_request
+from appliance.daemon.router import EngineError, NoWorker
 from appliance.daemon.workers import WorkerGone
 
 if TYPE_CHECKING:
@@ -106,212 +104,6 @@ async def _read_json(request: web.Request):
         raise bad(f"malformed JSON body: {exc}", None, "invalid_json") from None
 
 
-class Completion:
-    """One generation request in flight: tokens in, text and usage out."""
-
-    def __init__(self, svc: "Service", req: GenerationRequest, tenant: str):
-        self.svc = svc
-        self.req = req
-        self.tenant = tenant
-        self.request_id = svc.next_request_id()
-        self.created = int(time.time())
-        self.trace = Trace(self.request_id, time.time())
-        self.prompt: list[int] = []
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self.status = "error"
-        self.error: str | None = None
-
-    @property
-    def object_id(self) -> str:
-        return ("chatcmpl-" if self.req.endpoint == "chat" else "cmpl-") + self.request_id
-
-    def prepare(self) -> None:
-        svc, req = self.svc, self.req
-        if req.model != svc.model_name:
-            raise ApiError(404, f"model '{req.model}' does not exist (this appliance serves "
-                                f"'{svc.model_name}')", "model", "model_not_found")
-        tok = svc.tokenizer
-        if req.endpoint == "chat":
-            try:
-                self.prompt = tok.encode_chat(req.messages)
-            except ValueError as exc:
-                raise bad(f"cannot apply the chat template: {exc}", "messages") from None
-        elif req.prompt_ids is not None:
-            if any(t < 0 or t >= tok.vocab_size for t in req.prompt_ids):
-                raise bad(f"token ids must be within [0, {tok.vocab_size})", "prompt")
-            self.prompt = list(req.prompt_ids)
-        else:
-            self.prompt = tok.encode(req.prompt_text)
-        room = svc.max_context - len(self.prompt)
-        if room < 1:
-            raise bad(f"the prompt has {len(self.prompt)} tokens; this model's context is "
-                      f"{svc.max_context}", "messages" if req.endpoint == "chat" else "prompt",
-                      "context_length_exceeded")
-        if req.max_tokens is not None and req.max_tokens > room:
-            raise bad(f"max_tokens {req.max_tokens} + prompt {len(self.prompt)} tokens exceed "
-                      f"this model's context of {svc.max_context}", "max_tokens",
-                      "context_length_exceeded")
-        self.max_tokens = req.max_tokens if req.max_tokens is not None else room
-
-    async def run(self):
-        """Yield (text delta, logprob entries) until the request finishes; sets
-        finish_reason and counts. Entries are (token id, TokenLogprob) of the tokens
-        behind the text, when the request asked for logprobs (else always empty)."""
-        svc = self.svc
-        detok = svc.tokenizer.stream()
-        stops = StopMatcher(self.req.stop)
-        # max_tokens 0 (echo only): the engine still runs the prompt, for its logprobs,
-        # and the one token it samples is dropped.
-        params = self.req.sampling(max(1, self.max_tokens))
-        gen = svc.router.generate(self.trace, self.prompt, params)
-        pending: list = []
-        echoing = self.req.echo
-        try:
-            async for tokens, reason, lps in gen:
-                if echoing:
-                    echoing = False
-                    yield self.prompt_text(), self.prompt_entries()
-                    if self.max_tokens == 0:
-                        self.finish_reason = "length"
-                        return
-                self.completion_tokens += len(tokens)
-                if lps is None:
-                    pieces = [(tokens, reason)]
-                else:   # one token at a time: a stop string cuts the entries where it ends
-                    pieces = [([t], reason if i == len(tokens) - 1 else None)
-                              for i, t in enumerate(tokens)]
-                    lps = iter(zip(tokens, lps))
-                for ids, why in pieces:
-                    if lps is not None:
-                        pending.append(next(lps))
-                    piece = detok.push(ids)
-                    if why is not None:
-                        piece += detok.flush()
-                    text, hit = stops.feed(piece)
-                    if hit:
-                        self.finish_reason = "stop"
-                        if text or pending:
-                            yield text, pending
-                        return
-                    if why is not None:
-                        self.finish_reason = why
-                        text += stops.flush()
-                    if text or (why is not None and pending):
-                        yield text, pending
-                        pending = []
-                    if why is not None:
-                        return
-        finally:
-            await gen.aclose()
-
-    def prompt_text(self) -> str:
-        req = self.req
-        return req.prompt_text if req.prompt_text is not None else self.svc.tokenizer.decode(
-            self.prompt)
-
-    def prompt_entries(self) -> list:
-        """(token id, TokenLogprob or None) for the echoed prompt, when logprobs were asked."""
-        lps = self.trace.prompt_logprobs
-        if self.req.logprobs is None or lps is None:
-            return []
-        return list(zip(self.prompt, lps))
-
-    def logprob_entries(self, entries: list) -> list[dict]:
-        """OpenAI chat shape: each token's own text, its bytes, logprob and alternatives.
-        A token's text is decoded alone, so a piece of a multi-byte character shows as
-        U+FFFD (with those bytes), as in vLLM."""
-        decode = self.svc.tokenizer.decode
-
-        def one(token: int, logprob: float) -> dict:
-            text = decode([token])
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        out = []
-        for token, scored in entries:
-            if scored is None:      # an echoed prompt's first token: nothing predicts it
-                out.append({**one(token, None), "top_logprobs": None})
-            else:
-                lp, alts = scored
-                out.append({**one(token, lp), "top_logprobs": [one(t, v) for t, v in alts]})
-        return out
-
-    def completion_logprobs(self, entries: list, offset: int) -> dict:
-        """The legacy completions shape; text offsets count from the completion's start."""
-        chat = self.logprob_entries(entries)
-        offsets = []
-        for e in chat:
-            offsets.append(offset)
-            offset += len(e["token"])
-        return {"tokens": [e["token"] for e in chat],
-                "token_logprobs": [e["logprob"] for e in chat],
-                "top_logprobs": [None if e["top_logprobs"] is None else
-                                 {a["token"]: a["logprob"] for a in e["top_logprobs"]}
-                                 for e in chat],
-                "text_offset": offsets}
-
-    def logprobs(self, entries: list, offset: int = 0) -> dict | None:
-        if self.req.logprobs is None:
-            return None
-        if self.req.endpoint == "chat":
-            return {"content": self.logprob_entries(entries), "refusal": None}
-        return self.completion_logprobs(entries, offset)
-
-    def usage(self) -> dict:
-        return usage(len(self.prompt), self.completion_tokens, self.trace.cached_tokens)
-
-    def record(self) -> RequestRecord:
-        t = self.trace
-        return RequestRecord(
-            request_id=self.request_id, tenant=self.tenant, model=self.svc.model_name,
-            endpoint=self.req.endpoint, prompt_tokens=len(self.prompt),
-            output_tokens=self.completion_tokens, cached_tokens=t.cached_tokens,
-            arrival=t.arrival, first_token=t.first_token, finish=time.time(),
-            prefill_worker=t.prefill_worker, decode_worker=t.decode_worker, status=self.status,
-            finish_reason=self.finish_reason, error=self.error, simulated=self.svc.simulated)
-
-    # ---- response shapes ---------------------------------------------------
-    def chunk(self, text: str | None, finish: str | None, first: bool = False,
-              logprobs: dict | None = None) -> bytes:
-        if self.req.endpoint == "chat":
-            delta: dict = {}
-            if first:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs,
-                      "finish_reason": finish}
-            obj = "text_completion"
-        return b"data: " + orjson.dumps({
-            "id": self.object_id, "object": obj, "created": self.created,
-            "model": self.svc.model_name, "choices": [choice],
-            "simulated": self.svc.simulated}) + b"\n\n"
-
-    def usage_chunk(self) -> bytes:
-        obj = "chat.completion.chunk" if self.req.endpoint == "chat" else "text_completion"
-        return b"data: " + orjson.dumps({
-            "id": self.object_id, "object": obj, "created": self.created,
-            "model": self.svc.model_name, "choices": [], "usage": self.usage(),
-            "simulated": self.svc.simulated}) + b"\n\n"
-
-    def full(self, text: str, entries: list) -> dict:
-        logprobs = self.logprobs(entries)
-        if self.req.endpoint == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs, "finish_reason": self.finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs,
-                      "finish_reason": self.finish_reason}
-            obj = "text_completion"
-        return {"id": self.object_id, "object": obj, "created": self.created,
-                "model": self.svc.model_name, "choices": [choice], "usage": self.usage(),
-                "system_fingerprint": self.svc.fingerprint, "simulated": self.svc.simulated}
-
-
 def _failure(exc: BaseException) -> ApiError:
     if isinstance(exc, NoWorker):
         return ApiError(503, f"{exc}; retry shortly", code="no_worker",
@@ -359,18 +151,20 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
 
 
 async def _complete(comp: Completion, headers: dict) -> web.Response:
-    parts, entries = [], []
+    n = len(comp.choices)
+    parts: list[list[str]] = [[] for _ in range(n)]
+    entries: list[list] = [[] for _ in range(n)]
     try:
-        async for text, lps in comp.run():
-            parts.append(text)
-            entries.extend(lps)
+        async for index, text, lps in comp.run():
+            parts[index].append(text)
+            entries[index].extend(lps)
     except (NoWorker, WorkerGone, EngineError) as exc:
         comp.error = str(exc)
         err = _failure(exc)
         err.headers.update(headers)
         return error_response(err)
     comp.status = "ok"
-    return json_response(comp.full("".join(parts), entries), headers=headers)
+    return json_response(comp.full(["".join(p) for p in parts], entries), headers=headers)
 
 
 async def _stream(request: web.Request, comp: Completion, headers: dict) -> web.StreamResponse:
@@ -387,19 +181,22 @@ async def _stream(request: web.Request, comp: Completion, headers: dict) -> web.
     resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
     await resp.prepare(request)
     try:
-        out = comp.chunk("", None, first=True) if comp.req.endpoint == "chat" else b""
-        sent = 0        # characters of text so far (completions' text_offset)
+        chat = comp.req.endpoint == "chat"
+        out = b"".join(comp.chunk(c.index, "", None, first=True) for c in comp.choices) \
+            if chat else b""
+        sent = [0] * len(comp.choices)   # characters of text so far (completions' text_offset)
         item = first
         while item is not None:
-            text, lps = item
-            out += comp.chunk(text, None, logprobs=comp.logprobs(lps, sent))
-            sent += len(text)
+            index, text, lps = item
+            out += comp.chunk(index, text, None, logprobs=comp.logprobs(lps, sent[index]))
+            sent[index] += len(text)
             await resp.write(out)
             out = b""
             item = await anext(gen, None)
         if out:
             await resp.write(out)
-        tail = comp.chunk(None if comp.req.endpoint == "chat" else "", comp.finish_reason)
+        tail = b"".join(comp.chunk(c.index, None if chat else "", c.finish_reason)
+                        for c in comp.choices)
         if comp.req.include_usage:
             tail += comp.usage_chunk()
         await resp.write(tail + DONE)

@@ -12,6 +12,7 @@ from appliance.engines.messages import SamplingParams
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20       # OpenAI's chat bound; completions' is 5 there, 20 here
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_CHOICES = 16
 # Parameters that would change the output and are not implemented: refused, never
 # ignored. Each maps to the value that means "off", which is accepted.
 _UNSUPPORTED_UNLESS = {"tools": None, "functions": None, "suffix": None,
@@ -67,10 +68,17 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None         # None: none; k: each token's and the top k
     echo: bool = False                  # completions: the prompt comes back before the answer
+    n: int = 1                          # choices
 
-    def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = (),
+                 choice: int = 0) -> SamplingParams:
+        """Choice i of n draws from seed + i: different answers, the first one what n = 1
+        gives."""
+        seed = None if self.seed is None else self.seed + choice
+        if seed is not None and seed >= 1 << 64:      # torch takes seeds below 2**64
+            seed -= 1 << 64
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed, stop_token_ids=stop_token_ids,
+                              top_p=self.top_p, seed=seed, stop_token_ids=stop_token_ids,
                               ignore_eos=self.ignore_eos, top_k=self.top_k,
                               frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty,
@@ -149,6 +157,13 @@ def _logprobs(body: dict, endpoint: str) -> int | None:
     if k > MAX_TOP_LOGPROBS:
         raise bad(f"'{param}' must be at most {MAX_TOP_LOGPROBS}, got {k}", param)
     return k
+
+
+def _seed(body: dict) -> int | None:
+    seed = _int(body, "seed")
+    if seed is not None and not -(1 << 63) <= seed < 1 << 64:
+        raise bad("'seed' must fit in 64 bits", "seed")
+    return seed
 
 
 def _top_k(body: dict) -> int:
@@ -231,9 +246,9 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required", "model", "missing_required_parameter")
-    n = _int(body, "n", 1)
-    if n not in (None, 1):
-        raise bad("only n=1 is supported", "n")
+    n = _int(body, "n", 1) or 1
+    if n > MAX_CHOICES:
+        raise bad(f"'n' must be at most {MAX_CHOICES}, got {n}", "n")
     for unsupported, off in _UNSUPPORTED_UNLESS.items():
         value = body.get(unsupported)
         if value is not None and value != off and not (off is None and not value):
@@ -243,8 +258,9 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         raise bad("'response_format' other than {\"type\": \"text\"} is not supported",
                   "response_format", "unsupported_parameter")
     best_of = _int(body, "best_of", 1)
-    if best_of not in (None, 1):
-        raise bad("only best_of=1 is supported", "best_of")
+    if best_of not in (None, n):
+        raise bad("'best_of' other than n is not supported", "best_of",
+                  "unsupported_parameter")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -275,11 +291,11 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
     req = GenerationRequest(
         endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
         max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=_int(body, "seed"),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=_seed(body),
         stop=_stop(body), ignore_eos=ignore_eos, top_k=_top_k(body),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        logit_bias=_logit_bias(body), logprobs=_logprobs(body, endpoint), echo=echo)
+        logit_bias=_logit_bias(body), logprobs=_logprobs(body, endpoint), echo=echo, n=n)
     if endpoint == "chat":
         req.messages = _messages(body)
     else:

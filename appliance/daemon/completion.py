@@ -1,0 +1,290 @@
+"""One OpenAI generation request in flight: its prompt, its choices, and the response
+shapes (whole, or as SSE chunks). No aiohttp here: http.py moves the bytes.
+
+Each of a request's `n` choices is an engine request of its own (ids `R`, `R.1`, `R.2`…;
+seeds `seed`, `seed + 1`… so choice 0 is what n = 1 gives), running concurrently; their
+shared prompt blocks come from the prefix cache once the first has been prefilled.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+import orjson
+
+from appliance.accounting.records import RequestRecord
+from appliance.daemon.openai_api import ApiError, GenerationRequest, bad, usage
+from appliance.daemon.router import Trace
+from appliance.daemon.tokenizer import StopMatcher
+
+if TYPE_CHECKING:
+    from appliance.daemon.app import Service
+
+_END = object()
+
+
+class Choice:
+    """One of the request's answers: its own engine request, text and finish reason."""
+
+    def __init__(self, comp: Completion, index: int):
+        self.comp = comp
+        self.index = index
+        rid = comp.request_id if index == 0 else f"{comp.request_id}.{index}"
+        self.trace = Trace(rid, comp.arrival)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+
+    async def run(self) -> AsyncIterator[tuple[str, list]]:
+        """Yield (text delta, logprob entries) until this choice finishes; sets
+        finish_reason and counts. Entries are (token id, TokenLogprob) of the tokens
+        behind the text, when the request asked for logprobs (else always empty)."""
+        comp, req = self.comp, self.comp.req
+        detok = comp.svc.tokenizer.stream()
+        stops = StopMatcher(req.stop)
+        # max_tokens 0 (echo only): the engine still runs the prompt, for its logprobs,
+        # and the one token it samples is dropped.
+        params = req.sampling(max(1, comp.max_tokens), choice=self.index)
+        gen = comp.svc.router.generate(self.trace, comp.prompt, params)
+        pending: list = []
+        echoing = req.echo
+        try:
+            async for tokens, reason, lps in gen:
+                if echoing:
+                    echoing = False
+                    yield comp.prompt_text(), self.prompt_entries()
+                    if comp.max_tokens == 0:
+                        self.finish_reason = "length"
+                        return
+                self.completion_tokens += len(tokens)
+                if lps is None:
+                    pieces = [(tokens, reason)]
+                else:   # one token at a time: a stop string cuts the entries where it ends
+                    pieces = [([t], reason if i == len(tokens) - 1 else None)
+                              for i, t in enumerate(tokens)]
+                    lps = iter(zip(tokens, lps))
+                for ids, why in pieces:
+                    if lps is not None:
+                        pending.append(next(lps))
+                    piece = detok.push(ids)
+                    if why is not None:
+                        piece += detok.flush()
+                    text, hit = stops.feed(piece)
+                    if hit:
+                        self.finish_reason = "stop"
+                        if text or pending:
+                            yield text, pending
+                        return
+                    if why is not None:
+                        self.finish_reason = why
+                        text += stops.flush()
+                    if text or (why is not None and pending):
+                        yield text, pending
+                        pending = []
+                    if why is not None:
+                        return
+        finally:
+            await gen.aclose()
+
+    def prompt_entries(self) -> list:
+        """(token id, TokenLogprob or None) for the echoed prompt, when logprobs were asked."""
+        lps = self.trace.prompt_logprobs
+        if self.comp.req.logprobs is None or lps is None:
+            return []
+        return list(zip(self.comp.prompt, lps))
+
+
+class Completion:
+    """One generation request in flight: tokens in, text and usage out."""
+
+    def __init__(self, svc: "Service", req: GenerationRequest, tenant: str):
+        self.svc = svc
+        self.req = req
+        self.tenant = tenant
+        self.request_id = svc.next_request_id()
+        self.arrival = time.time()
+        self.created = int(self.arrival)
+        self.prompt: list[int] = []
+        self.max_tokens = 0
+        self.choices = [Choice(self, i) for i in range(req.n)]
+        self.status = "error"
+        self.error: str | None = None
+
+    @property
+    def object_id(self) -> str:
+        return ("chatcmpl-" if self.req.endpoint == "chat" else "cmpl-") + self.request_id
+
+    def prepare(self) -> None:
+        svc, req = self.svc, self.req
+        if req.model != svc.model_name:
+            raise ApiError(404, f"model '{req.model}' does not exist (this appliance serves "
+                                f"'{svc.model_name}')", "model", "model_not_found")
+        tok = svc.tokenizer
+        if req.endpoint == "chat":
+            try:
+                self.prompt = tok.encode_chat(req.messages)
+            except ValueError as exc:
+                raise bad(f"cannot apply the chat template: {exc}", "messages") from None
+        elif req.prompt_ids is not None:
+            if any(t < 0 or t >= tok.vocab_size for t in req.prompt_ids):
+                raise bad(f"token ids must be within [0, {tok.vocab_size})", "prompt")
+            self.prompt = list(req.prompt_ids)
+        else:
+            self.prompt = tok.encode(req.prompt_text)
+        room = svc.max_context - len(self.prompt)
+        if room < 1:
+            raise bad(f"the prompt has {len(self.prompt)} tokens; this model's context is "
+                      f"{svc.max_context}", "messages" if req.endpoint == "chat" else "prompt",
+                      "context_length_exceeded")
+        if req.max_tokens is not None and req.max_tokens > room:
+            raise bad(f"max_tokens {req.max_tokens} + prompt {len(self.prompt)} tokens exceed "
+                      f"this model's context of {svc.max_context}", "max_tokens",
+                      "context_length_exceeded")
+        self.max_tokens = req.max_tokens if req.max_tokens is not None else room
+
+    async def run(self) -> AsyncIterator[tuple[int, str, list]]:
+        """Yield (choice index, text delta, logprob entries) from all choices as they
+        come. The first failure ends the request; leaving early aborts every choice."""
+        if len(self.choices) == 1:
+            async for text, lps in self.choices[0].run():
+                yield 0, text, lps
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for text, lps in choice.run():
+                    queue.put_nowait((choice.index, text, lps))
+            except Exception as exc:    # (cancellation passes: nobody is listening)
+                queue.put_nowait((choice.index, exc, None))
+            else:
+                queue.put_nowait((choice.index, _END, None))
+
+        tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        try:
+            live = len(tasks)
+            while live:
+                index, text, lps = await queue.get()
+                if text is _END:
+                    live -= 1
+                elif isinstance(text, Exception):
+                    raise text
+                else:
+                    yield index, text, lps
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def prompt_text(self) -> str:
+        req = self.req
+        return req.prompt_text if req.prompt_text is not None else self.svc.tokenizer.decode(
+            self.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    def usage(self) -> dict:
+        # The prompt counts once, as OpenAI counts it for n > 1.
+        cached = max(c.trace.cached_tokens for c in self.choices)
+        return usage(len(self.prompt), self.completion_tokens, cached)
+
+    def record(self) -> RequestRecord:
+        first = self.choices[0]
+        t = first.trace
+        starts = [c.trace.first_token for c in self.choices if c.trace.first_token is not None]
+        return RequestRecord(
+            request_id=self.request_id, tenant=self.tenant, model=self.svc.model_name,
+            endpoint=self.req.endpoint, prompt_tokens=len(self.prompt),
+            output_tokens=self.completion_tokens,
+            cached_tokens=max(c.trace.cached_tokens for c in self.choices),
+            arrival=self.arrival, first_token=min(starts) if starts else None,
+            finish=time.time(), prefill_worker=t.prefill_worker, decode_worker=t.decode_worker,
+            status=self.status, finish_reason=first.finish_reason, error=self.error,
+            simulated=self.svc.simulated, choices=len(self.choices))
+
+    # ---- logprobs ------------------------------------------------------------
+    def logprob_entries(self, entries: list) -> list[dict]:
+        """OpenAI chat shape: each token's own text, its bytes, logprob and alternatives.
+        A token's text is decoded alone, so a piece of a multi-byte character shows as
+        U+FFFD (with those bytes), as in vLLM."""
+        decode = self.svc.tokenizer.decode
+
+        def one(token: int, logprob: float | None) -> dict:
+            text = decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        out = []
+        for token, scored in entries:
+            if scored is None:      # an echoed prompt's first token: nothing predicts it
+                out.append({**one(token, None), "top_logprobs": None})
+            else:
+                lp, alts = scored
+                out.append({**one(token, lp), "top_logprobs": [one(t, v) for t, v in alts]})
+        return out
+
+    def completion_logprobs(self, entries: list, offset: int) -> dict:
+        """The legacy completions shape; text offsets count from the completion's start."""
+        chat = self.logprob_entries(entries)
+        offsets = []
+        for e in chat:
+            offsets.append(offset)
+            offset += len(e["token"])
+        return {"tokens": [e["token"] for e in chat],
+                "token_logprobs": [e["logprob"] for e in chat],
+                "top_logprobs": [None if e["top_logprobs"] is None else
+                                 {a["token"]: a["logprob"] for a in e["top_logprobs"]}
+                                 for e in chat],
+                "text_offset": offsets}
+
+    def logprobs(self, entries: list, offset: int = 0) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        if self.req.endpoint == "chat":
+            return {"content": self.logprob_entries(entries), "refusal": None}
+        return self.completion_logprobs(entries, offset)
+
+    # ---- response shapes ---------------------------------------------------
+    def chunk(self, index: int, text: str | None, finish: str | None, first: bool = False,
+              logprobs: dict | None = None) -> bytes:
+        if self.req.endpoint == "chat":
+            delta: dict = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs,
+                      "finish_reason": finish}
+            obj = "text_completion"
+        return b"data: " + orjson.dumps({
+            "id": self.object_id, "object": obj, "created": self.created,
+            "model": self.svc.model_name, "choices": [choice],
+            "simulated": self.svc.simulated}) + b"\n\n"
+
+    def usage_chunk(self) -> bytes:
+        obj = "chat.completion.chunk" if self.req.endpoint == "chat" else "text_completion"
+        return b"data: " + orjson.dumps({
+            "id": self.object_id, "object": obj, "created": self.created,
+            "model": self.svc.model_name, "choices": [], "usage": self.usage(),
+            "simulated": self.svc.simulated}) + b"\n\n"
+
+    def full(self, texts: list[str], entries: list[list]) -> dict:
+        choices = []
+        for c, text, lps in zip(self.choices, texts, entries):
+            logprobs = self.logprobs(lps)
+            if self.req.endpoint == "chat":
+                choices.append({"index": c.index,
+                                "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason})
+        obj = "chat.completion" if self.req.endpoint == "chat" else "text_completion"
+        return {"id": self.object_id, "object": obj, "created": self.created,
+                "model": self.svc.model_name, "choices": choices, "usage": self.usage(),
+                "system_fingerprint": self.svc.fingerprint, "simulated": self.svc.simulated}
