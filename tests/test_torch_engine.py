@@ -457,6 +457,12 @@ def test_invalid_requests_fail_without_touching_the_engine(tiny_model):
     assert ev.code == "invalid_request"
     (ev,) = eng.add(Prefill("c", [5] * (eng.max_context + 1), GREEDY, handoff=False))
     assert ev.code == "context_length_exceeded"
+    huge_seed = SamplingParams(max_tokens=4, temperature=1.0, seed=2**70)
+    (ev,) = eng.add(Prefill("s", [0, 5, 6], huge_seed, handoff=False))
+    assert ev.code == "invalid_request"
+    (ev,) = eng.add(Prefill("b", [0, 5], SamplingParams(max_tokens=4, logit_bias=((4096, 1.0),)),
+                            handoff=False))
+    assert ev.code == "invalid_request" and "vocabulary" in ev.message
     assert not eng.has_work()
     assert_all_free(eng)
 

@@ -91,8 +91,8 @@ class TorchEngine(BatchEngine):
                                   "invalid_request")]
         try:
             return super().add(msg)
-        except ValueError as exc:           # bad sampling parameters
-            return [RequestFailed(rid, str(exc), "invalid_request")]
+        except (ValueError, RuntimeError) as exc:   # bad sampling parameters (a seed
+            return [RequestFailed(rid, str(exc), "invalid_request")]   # torch can't take)
 
     def new_sampler(self, request_id: str, params: SamplingParams,
                     drawn: int = 0) -> SamplingState:

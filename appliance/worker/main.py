@@ -16,7 +16,7 @@ import threading
 import time
 
 from appliance.engines.messages import (
-    Abort, AttachPeer, Decode, Hello, Prefill, Release, Shutdown, StartFailed,
+    Abort, AttachPeer, Decode, Hello, Prefill, Release, RequestFailed, Shutdown, StartFailed,
 )
 from appliance.worker import wire
 from appliance.worker.spec import WorkerSpec
@@ -102,7 +102,13 @@ def run(fd: int, spec: WorkerSpec) -> int:
             if msg is None or isinstance(msg, Shutdown):
                 return 0
             if isinstance(msg, (Prefill, Decode)):
-                events += engine.add(msg)
+                try:
+                    events += engine.add(msg)
+                except Exception as exc:   # one bad request must not end everyone's
+                    print(f"applianced worker {spec.worker}: request {msg.request_id} "
+                          f"refused: {exc!r}", file=sys.stderr)
+                    events.append(RequestFailed(msg.request_id, f"engine refused the request: "
+                                                f"{type(exc).__name__}: {exc}"))
             elif isinstance(msg, Abort):
                 engine.abort(msg.request_id)
             elif isinstance(msg, Release):
