@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -162,15 +163,19 @@ def trace_requests(count: int, prompt_scale: float, max_out: int, vocab: int):
     return reqs
 
 
-def engine_serves(model, reqs, max_seqs: int, max_batch_tokens: int = 8192) -> dict:
+def engine_serves(model, reqs, max_seqs: int, max_batch_tokens: int = 8192,
+                  params: SamplingParams | None = None) -> dict:
     """All requests queued at once; the engine keeps at most `max_seqs` running
-    (continuous batching; by default the daemon's prefill budget of 8,192 tokens)."""
+    (continuous batching; by default the daemon's prefill budget of 8,192 tokens).
+    `params`: the sampling of every request (greedy, each its own length, by default)."""
     need = sum(-(-(len(p) + o) // BS) for p, o in reqs)
     eng = engine(model, "bench", need + 8, max_seqs=max_seqs,
                  max_batch_tokens=max_batch_tokens)
     for i, (p, o) in enumerate(reqs):
-        eng.add(Prefill(f"r{i}", p, SamplingParams(max_tokens=o, temperature=0.0,
-                                                   ignore_eos=True), handoff=False))
+        sp = SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True)
+        if params is not None:
+            sp = dataclasses.replace(params, max_tokens=o, ignore_eos=True)
+        eng.add(Prefill(f"r{i}", p, sp, handoff=False))
     pre = dec = 0.0
     dec_tok = 0
     outs: dict[str, list[int]] = {}
@@ -242,6 +247,40 @@ def bench_workload(model_dir: Path, preset: str, a) -> list[dict]:
             hf_dec=(out_tok - len(reqs)) / theirs["decode"],
             ours_pre=prompt_tok / ours["prefill"], hf_pre=prompt_tok / theirs["prefill"],
             match=match))
+    return rows
+
+
+SAMPLING = {
+    "greedy": SamplingParams(max_tokens=1, temperature=0.0),
+    "temperature 0.8, top-k 50, top-p 0.95": SamplingParams(
+        max_tokens=1, temperature=0.8, top_k=50, top_p=0.95, seed=1),
+    "greedy + penalties + 16 logit_bias": SamplingParams(
+        max_tokens=1, temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3,
+        logit_bias=tuple((t, 1.0) for t in range(100, 116))),
+    "greedy + logprobs (top 5)": SamplingParams(max_tokens=1, temperature=0.0, logprobs=5),
+    "greedy + prompt logprobs (echo, top 1)": SamplingParams(max_tokens=1, temperature=0.0,
+                                                             prompt_logprobs=1),
+}
+
+
+def bench_sampling(model_dir: Path, preset: str, a) -> list[dict]:
+    """The cost of the sampling controls: the same requests (B at once, 256-token prompts)
+    with each setting; engine decode and prefill tok/s, median of the repetitions."""
+    model = load_model(model_dir)
+    rows = []
+    for batch in (1, 8):
+        reqs = [(p, a.new) for p in prompts_for(batch, 256, 5, model.shape.vocab_size)]
+        engine_serves(model, reqs[:1], max_seqs=batch)        # warm-up
+        # Settings interleaved within each repetition, so that a slow spell of this
+        # shared machine does not land on one setting.
+        runs: dict[str, list[dict]] = {name: [] for name in SAMPLING}
+        for _ in range(max(3, a.reps)):
+            for name, params in SAMPLING.items():
+                runs[name].append(engine_serves(model, reqs, max_seqs=batch, params=params))
+        for name, rs in runs.items():
+            rows.append(dict(model=preset, batch=batch, what=name,
+                             dec=med([r["decode_tokens"] / r["decode"] for r in rs]),
+                             pre=med([256 * batch / r["prefill"] for r in rs])))
     return rows
 
 
@@ -389,7 +428,8 @@ def main() -> int:
                     help="torch threads for both sides (a CPU worker runs as many as it has cores)")
     ap.add_argument("--parts", default="equal,trace,handoff",
                     help="comma list of: equal (same-shape batches), trace (trace-shaped "
-                         "requests), handoff")
+                         "requests), handoff, sampling (the cost of the sampling controls; "
+                         "not in the default run)")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     a.batches = (1, 8, 32)
@@ -404,7 +444,7 @@ def main() -> int:
     from appliance.models.tiny import init_tiny
 
     t_start = time.perf_counter()
-    rows, handoffs, work = [], [], []
+    rows, handoffs, work, sampling = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in a.presets.split(","):
             d = init_tiny(Path(tmp) / preset, seed=0, preset=preset)
@@ -414,6 +454,8 @@ def main() -> int:
                 work += bench_workload(d, preset, a)
             if "handoff" in parts:
                 handoffs.append(bench_handoff(d, preset, a))
+            if "sampling" in parts:
+                sampling += bench_sampling(d, preset, a)
 
     print(f"\ntorch {torch.__version__}, threads={torch.get_num_threads()}, fp32, "
           f"prompt={a.prompt} new={a.new} reps={a.reps} (median)")
@@ -447,6 +489,16 @@ def main() -> int:
                   f"{w['hf_dec']:>10.0f} {w['ours_dec'] / w['hf_dec']:>6.2f} "
                   f"{w['ours_pre']:>13.0f} {w['hf_pre']:>11.0f} "
                   f"{w['ours_pre'] / w['hf_pre']:>6.2f}  {w['match']}/{w['requests']}")
+    if sampling:
+        print(f"\nSampling controls: B requests of 256 prompt tokens, {a.new} new tokens, "
+              "engine tok/s (median) and the ratio to greedy at the same B")
+        print(f"{'model':<6} {'B':>3} {'setting':<40} {'decode tok/s':>13} {'ratio':>6} "
+              f"{'prefill tok/s':>14} {'ratio':>6}")
+        for r in sampling:
+            g = next(x for x in sampling if x["model"] == r["model"]
+                     and x["batch"] == r["batch"] and x["what"] == "greedy")
+            print(f"{r['model']:<6} {r['batch']:>3} {r['what']:<40} {r['dec']:>13.0f} "
+                  f"{r['dec'] / g['dec']:>6.2f} {r['pre']:>14.0f} {r['pre'] / g['pre']:>6.2f}")
     if not handoffs:
         print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
         return 0

@@ -113,3 +113,26 @@ def test_top_logprobs_are_the_models_log_softmax():
     assert [t for t, _ in alts1[:2]] == [10, 20] and math.isclose(lp1, alts1[1][1])
     assert sum(math.exp(v) for _, v in alts0) < 1.0
     assert top_logprobs(logits, chosen, 0)[0][1] == []
+    (_, (cut_at_tie,)) = top_logprobs(logits, chosen, 1)[1]    # the tie straddles k = 1
+    assert cut_at_tie[0] == 10
+
+
+def test_nucleus_and_top_k_agree_with_a_full_sort():
+    """top-p and top-k look at a head of the distribution found by topk; what they keep
+    must be what a stable sort of everything keeps (ties in id order included)."""
+    g = torch.Generator().manual_seed(11)
+    for peaked in (0.3, 3.0, 12.0):            # flat to sharp
+        logits = torch.randn(1, V, generator=g) * peaked
+        logits[0, 40] = logits[0, 41] = logits[0].max()      # a tie at the top
+        for top_p, top_k in ((0.5, 0), (0.9, 0), (0.99, 0), (1.0, 5), (0.7, 9)):
+            probs = torch.softmax(logits[0], -1)
+            ref, ref_ids = torch.sort(probs, descending=True, stable=True)
+            keep = V
+            if top_k:
+                keep = top_k
+            if top_p < 1.0:
+                cdf = ref[:keep].cumsum(0)
+                keep = int(torch.searchsorted(cdf, top_p * cdf[-1]).item()) + 1
+            allowed = set(ref_ids[:keep].tolist())
+            got = draws(logits, 200, top_p=top_p, top_k=top_k)
+            assert got <= allowed and (len(allowed) > 3 or got == allowed), (peaked, top_p)

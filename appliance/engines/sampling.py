@@ -97,38 +97,80 @@ class SamplingState:
         return self.penalized or self.bias_ids is not None
 
 
-def _adjusted(row: torch.Tensor, p: SamplingState, generated: Sequence[int]) -> torch.Tensor:
-    """fp32 copy of one row of logits with logit_bias added and the penalties taken off
-    (OpenAI: ``mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty``, c[j]
-    the count of token j among this sequence's generated tokens)."""
-    row = row.float().clone()
-    if p.bias_ids is not None:
-        row.index_add_(0, p.bias_ids, p.bias_values)
-    if p.penalized and generated:
-        ids = torch.tensor(generated, dtype=torch.long, device=row.device)
-        counts = torch.bincount(ids, minlength=row.numel())[: row.numel()].to(row.dtype)
-        row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
-    return row
+def _adjusted(rows: torch.Tensor, states: Sequence[SamplingState],
+              generated: Sequence[Sequence[int]]) -> torch.Tensor:
+    """fp32 copy of ``rows [R, V]`` with each state's logit_bias added and its penalties
+    taken off (OpenAI: ``mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty``,
+    c[j] the count of token j among that sequence's generated tokens). The arithmetic runs
+    once for all rows; only the bias and the counting are per row."""
+    out = rows.float().clone()
+    vocab = out.shape[1]
+    freq = torch.zeros(len(states), 1, dtype=out.dtype, device=out.device)
+    pres = torch.zeros_like(freq)
+    counts = None
+    for r, (p, gen) in enumerate(zip(states, generated)):
+        if p.bias_ids is not None:
+            out[r].index_add_(0, p.bias_ids, p.bias_values)
+        if p.penalized and gen:
+            if counts is None:
+                counts = torch.zeros_like(out)
+            ids = torch.tensor(gen, dtype=torch.long, device=out.device)
+            counts[r] = torch.bincount(ids, minlength=vocab)[:vocab]
+            freq[r], pres[r] = p.frequency_penalty, p.presence_penalty
+    if counts is not None:
+        out -= counts * freq + (counts > 0).to(out.dtype) * pres
+    return out
+
+
+def _top(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of a 1-d ``probs`` and their ids, largest first, ties in id order
+    (what a stable descending sort gives), by topk rather than a sort of everything; k
+    grows past a tie that straddles the cut."""
+    n = probs.numel()
+    while k < n:
+        vals, ids = torch.topk(probs, k + 1)
+        if vals[k - 1] > vals[k]:
+            vals, ids = vals[:k], ids[:k]
+            by_id = torch.argsort(ids)
+            vals, ids = vals[by_id], ids[by_id]
+            vals, order = torch.sort(vals, descending=True, stable=True)
+            return vals, ids[order]
+        k *= 2
+    return torch.sort(probs, descending=True, stable=True)
+
+
+NUCLEUS_FIRST_TRY = 64      # candidates tried first for top-p; then 64 times as many
 
 
 def _sample_row(logits: torch.Tensor, p: _SamplingLike) -> int:
     probs = torch.softmax(logits.float() / p.temperature, dim=-1)
+    n = probs.numel()
     top_k = getattr(p, "top_k", 0)
-    if p.top_p < 1.0 or 0 < top_k < probs.numel():
-        # Stable sort keeps ties in id order, so top_p -> 0 or top_k = 1 gives the
-        # greedy token. Top-k first, then nucleus over what top-k kept (renormalized),
-        # as transformers' and vLLM's samplers do.
-        probs, ids = torch.sort(probs, descending=True, stable=True)
-        if 0 < top_k < probs.numel():
-            probs, ids = probs[:top_k], ids[:top_k]
-        if p.top_p < 1.0:
-            # Nucleus: the smallest highest-probability set whose mass reaches top_p.
-            cdf = probs.cumsum(0)
-            cut = torch.tensor([p.top_p], dtype=cdf.dtype) * cdf[-1]
-            keep = int(torch.searchsorted(cdf, cut).item()) + 1
-            probs, ids = probs[:keep], ids[:keep]
+    if 0 < top_k < n:
+        # Top-k first, then the nucleus over what top-k kept (renormalized), as
+        # transformers' and vLLM's samplers do.
+        probs, ids = _top(probs, top_k)
+    elif p.top_p < 1.0:
+        # Only the head of the distribution can be in the nucleus: grow a candidate set
+        # until it holds top_p of the mass, instead of sorting the whole vocabulary.
+        total, want = probs.sum(), NUCLEUS_FIRST_TRY
+        while True:
+            head, head_ids = _top(probs, min(want, n))
+            if want >= n or head.sum() >= p.top_p * total:
+                break
+            want *= 64
+        probs, ids = head, head_ids
+        cdf = probs.cumsum(0)
+        keep = int(torch.searchsorted(cdf, (p.top_p * total).reshape(1)).item()) + 1
+        probs, ids = probs[:keep], ids[:keep]
     else:
         ids = None
+    if ids is not None and 0 < top_k < n and p.top_p < 1.0:
+        # Nucleus: the smallest highest-probability set whose mass reaches top_p.
+        cdf = probs.cumsum(0)
+        cut = torch.tensor([p.top_p], dtype=cdf.dtype) * cdf[-1]
+        keep = int(torch.searchsorted(cdf, cut).item()) + 1
+        probs, ids = probs[:keep], ids[:keep]
     cdf = probs.cumsum(0)
     u = torch.rand(1, generator=p.generator, device=logits.device, dtype=cdf.dtype) * cdf[-1]
     idx = min(int(torch.searchsorted(cdf, u, right=True).item()), cdf.numel() - 1)
@@ -146,20 +188,20 @@ def sample(logits: torch.Tensor, params: Sequence[_SamplingLike],
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} sampling params")
     out: list[int] = [0] * len(params)
-    plain = [i for i, p in enumerate(params)
-             if p.temperature == 0.0 and not getattr(p, "adjusts", False)]
-    done = set(plain)
-    if plain:
-        rows = logits if len(plain) == len(params) else logits[plain]
-        for i, tok in zip(plain, rows.argmax(dim=-1).tolist()):
+    adjust = [i for i, p in enumerate(params) if getattr(p, "adjusts", False)]
+    if adjust:
+        logits = logits.float().clone()     # the caller's logits stay as they are
+        logits[adjust] = _adjusted(logits[adjust], [params[i] for i in adjust],
+                                   [generated[i] if generated is not None else ()
+                                    for i in adjust])
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    if greedy:
+        rows = logits if len(greedy) == len(params) else logits[greedy]
+        for i, tok in zip(greedy, rows.argmax(dim=-1).tolist()):
             out[i] = tok
     for i, p in enumerate(params):
-        if i in done:
-            continue
-        row = logits[i]
-        if getattr(p, "adjusts", False):
-            row = _adjusted(row, p, generated[i] if generated is not None else ())
-        out[i] = int(row.argmax()) if p.temperature == 0.0 else _sample_row(row, p)
+        if p.temperature != 0.0:
+            out[i] = _sample_row(logits[i], p)
     return out
 
 
@@ -174,16 +216,22 @@ def top_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int
     """
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])
+    chosen_list = chosen[:, 0].tolist()
     k = min(k, lp.shape[1])
-    # topk, not a sort of the whole vocabulary (150k entries for some models); it leaves
-    # the order of ties open, so everything at or above the k-th value is re-sorted stably.
-    floor = lp.topk(k, dim=-1).values[:, -1:] if k > 0 else None
+    if k == 0:
+        return [(c, []) for c in chosen_list]
+    if k < lp.shape[1]:
+        vals, ids = lp.topk(k + 1, dim=-1)
+        if bool((vals[:, k - 1] > vals[:, k]).all()):    # no tie straddles the cut
+            vals, ids = vals[:, :k], ids[:, :k]
+            by_id = ids.argsort(dim=-1)                   # then ties inside in id order
+            vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+            vals, order = torch.sort(vals, dim=-1, descending=True, stable=True)
+            ids = ids.gather(1, order)
+            return [(c, list(zip(i, v))) for c, i, v in
+                    zip(chosen_list, ids.tolist(), vals.tolist())]
     out = []
-    for i, c in enumerate(chosen[:, 0].tolist()):
-        alts: list[tuple[int, float]] = []
-        if floor is not None:
-            ids = (lp[i] >= floor[i]).nonzero()[:, 0]           # ascending ids
-            vals, order = torch.sort(lp[i, ids], descending=True, stable=True)
-            alts = list(zip(ids[order][:k].tolist(), vals[:k].tolist()))
-        out.append((c, alts))
+    for r, c in enumerate(chosen_list):     # a tie at the cut: that row's _top grows past it
+        v, i = _top(lp[r], k)
+        out.append((c, list(zip(i[:k].tolist(), v[:k].tolist()))))
     return out
