@@ -177,13 +177,13 @@ class TorchEngine(BatchEngine):
         if not done:
             return out
         # Only finished prompts draw a token: a chunk must not use up the rng.
-        rows = logits if len(done) == len(batch.seqs) else logits[done]
+        last = logits if len(done) == len(batch.seqs) else logits[done]
         seqs = [batch.seqs[i] for i in done]
-        picked = sample(rows, [seq.sampler for seq in seqs],
+        picked = sample(last, [seq.sampler for seq in seqs],
                         [seq.generated if seq.sampler.penalized else () for seq in seqs])
         for i, token in zip(done, picked):
             out[i] = token
-        self._logprobs(rows, seqs, picked)
+        self._logprobs(last, seqs, picked)
         return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, scored: list, total: int) -> None:
