@@ -251,8 +251,9 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         raise bad(f"'n' must be at most {MAX_CHOICES}, got {n}", "n")
     for unsupported, off in _UNSUPPORTED_UNLESS.items():
         value = body.get(unsupported)
-        if value is not None and value != off and not (off is None and not value):
-            raise bad(f"'{unsupported}' is not supported", unsupported, "unsupported_parameter")
+        if value is None or value == off or (off is None and not value):   # [] or "" = none
+            continue
+        raise bad(f"'{unsupported}' is not supported", unsupported, "unsupported_parameter")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad("'response_format' other than {\"type\": \"text\"} is not supported",

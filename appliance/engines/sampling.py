@@ -99,11 +99,12 @@ class SamplingState:
 
 def _adjusted(rows: torch.Tensor, states: Sequence[SamplingState],
               generated: Sequence[Sequence[int]]) -> torch.Tensor:
-    """fp32 copy of ``rows [R, V]`` with each state's logit_bias added and its penalties
-    taken off (OpenAI: ``mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty``,
-    c[j] the count of token j among that sequence's generated tokens). The arithmetic runs
-    once for all rows; only the bias and the counting are per row."""
-    out = rows.float().clone()
+    """``rows [R, V]`` (a copy the caller owns, updated in place) with each state's
+    logit_bias added and its penalties taken off (OpenAI: ``mu[j] - c[j] *
+    frequency_penalty - (c[j] > 0) * presence_penalty``, c[j] the count of token j among
+    that sequence's generated tokens). The arithmetic runs once for all rows; only the
+    bias and the counting are per row."""
+    out = rows
     vocab = out.shape[1]
     freq = torch.zeros(len(states), 1, dtype=out.dtype, device=out.device)
     pres = torch.zeros_like(freq)
@@ -191,6 +192,7 @@ def sample(logits: torch.Tensor, params: Sequence[_SamplingLike],
     adjust = [i for i, p in enumerate(params) if getattr(p, "adjusts", False)]
     if adjust:
         logits = logits.float().clone()     # the caller's logits stay as they are
+        # (indexing with a list copies the rows, which _adjusted then updates in place)
         logits[adjust] = _adjusted(logits[adjust], [params[i] for i in adjust],
                                    [generated[i] if generated is not None else ()
                                     for i in adjust])
