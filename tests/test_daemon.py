@@ -53,6 +53,13 @@ def test_overload_is_503_with_retry_after(daemon_factory, tiny_model):
     assert code == 503 and body["error"]["code"] == "overloaded"
     assert headers["Retry-After"] == "1"
     stream.close()
+    # n choices are n generations: with room for one, n = 2 is refused even when idle
+    d.wait_for(lambda st: st["inflight"] == 0, what="the stream's slot back")
+    code, _, body = d.post("/v1/chat/completions", {"model": MODEL, "messages": MSG, "n": 2})
+    assert code == 503 and "adds 2" in body["error"]["message"]
+    code, _, body = d.post("/v1/chat/completions", {"model": MODEL, "messages": MSG,
+                                                    "max_tokens": 2})
+    assert code == 200, body
 
 
 def test_client_disconnect_frees_kv(daemon_factory, tiny_model):

@@ -131,12 +131,14 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
     if svc.draining:
         raise ApiError(503, "the appliance is shutting down", code="draining",
                        headers={"Retry-After": RETRY_AFTER_S, **headers})
-    if svc.inflight >= svc.max_inflight:
+    n = len(comp.choices)   # each choice is a generation of its own on the workers
+    if svc.inflight + n > svc.max_inflight:
         comp.status = "rejected"
         svc.metrics.rejected()
-        raise ApiError(503, f"overloaded: {svc.inflight} requests in flight", code="overloaded",
-                       headers={"Retry-After": RETRY_AFTER_S, **headers})
-    svc.inflight += 1
+        raise ApiError(503, f"overloaded: {svc.inflight} generations in flight, this request "
+                            f"adds {n} (server.max_inflight = {svc.max_inflight})",
+                       code="overloaded", headers={"Retry-After": RETRY_AFTER_S, **headers})
+    svc.inflight += n
     try:
         if req.stream:
             return await _stream(request, comp, headers)
@@ -146,7 +148,7 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
         comp.error = "client disconnected"
         raise
     finally:
-        svc.inflight -= 1
+        svc.inflight -= n
         svc.finished(comp)
 
 
