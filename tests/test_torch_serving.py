@@ -259,6 +259,11 @@ def test_n_choices_run_side_by_side_and_free_everything(disagg, tok, reference):
     greedy = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, n=3)
     assert [ch.text for ch in greedy.choices] == [tok.decode(reference(ids, 8))] * 3
     assert greedy.usage.completion_tokens == 24 and greedy.usage.prompt_tokens == len(ids)
+    # A prompt no other test sends: choices 1 and 2 start after choice 0's prefill and
+    # take its full blocks from the prefix cache instead of computing the prompt again.
+    fresh = tok.encode("# n choices share one prefill\n" + SHARED + "\nclass Cache:\n")
+    r = c.completions.create(model=MODEL, prompt=fresh, max_tokens=4, temperature=0, n=3)
+    assert r.usage.prompt_tokens_details.cached_tokens == (len(fresh) - 1) // 16 * 16 > 0
     seeded = c.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=1.0,
                                   seed=21, n=4)
     texts = [ch.text for ch in seeded.choices]

@@ -2,8 +2,8 @@
 shapes (whole, or as SSE chunks). No aiohttp here: http.py moves the bytes.
 
 Each of a request's `n` choices is an engine request of its own (ids `R`, `R.1`, `R.2`…;
-seeds `seed`, `seed + 1`… so choice 0 is what n = 1 gives), running concurrently; their
-shared prompt blocks come from the prefix cache once the first has been prefilled.
+seeds `seed`, `seed + 1`… so choice 0 is what n = 1 gives), running concurrently once
+choice 0's prompt is prefilled, so that the others take its blocks from the prefix cache.
 """
 from __future__ import annotations
 
@@ -144,7 +144,12 @@ class Completion:
 
     async def run(self) -> AsyncIterator[tuple[int, str, list]]:
         """Yield (choice index, text delta, logprob entries) from all choices as they
-        come. The first failure ends the request; leaving early aborts every choice."""
+        come. The first failure ends the request; leaving early aborts every choice.
+
+        The other choices start once choice 0 has sent something, that is once its
+        prompt is prefilled and its full blocks are in the prefix cache: they then
+        compute only the prompt's last partial block, not n copies of the prompt (on
+        the same prefill worker; the router does not yet route by prefix)."""
         if len(self.choices) == 1:
             async for text, lps in self.choices[0].run():
                 yield 0, text, lps
@@ -160,11 +165,13 @@ class Completion:
             else:
                 queue.put_nowait((choice.index, _END, None))
 
-        tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        tasks = [asyncio.create_task(pump(self.choices[0]))]
         try:
-            live = len(tasks)
+            live = len(self.choices)
             while live:
                 index, text, lps = await queue.get()
+                if len(tasks) == 1:
+                    tasks += [asyncio.create_task(pump(c)) for c in self.choices[1:]]
                 if text is _END:
                     live -= 1
                 elif isinstance(text, Exception):
