@@ -215,7 +215,7 @@ class BatchEngine:
             lps = plps = None
             if seq.logprob is not None:
                 lps, seq.logprob = [seq.logprob], None
-            if prefill and seq.prompt_lps is not None and seq.num_output == 1:
+            if seq.prompt_lps is not None:     # the prompt is done: its logprobs go out
                 plps, seq.prompt_lps = seq.prompt_lps, None
             reason = self._finish_reason(seq, token)
             cached = seq.prefix_hit if prefill else 0

@@ -63,9 +63,9 @@ class Sequence:
 
     @property
     def needs_prompt_logits(self) -> bool:
-        """Prompt logprobs asked for and not yet computed: every prompt position's logits
-        are needed, so none may come from the prefix cache."""
-        return self.prompt_lps is not None and self.num_output == 0
+        """Prompt logprobs asked for and not yet sent (they go out with the first token):
+        every prompt position's logits are needed, so none may come from the prefix cache."""
+        return self.prompt_lps is not None
 
     @property
     def generated(self) -> list[int]:
