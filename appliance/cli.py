@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from appliance import __version__
+from appliance.commands.client import AdminClient, AdminError, add_client_args
+
+# Subcommand modules under appliance/commands/ (see its __init__): one line per area.
+AREAS: tuple[str, ...] = ()
 
 
 def _serve_overrides(p: argparse.ArgumentParser) -> None:
@@ -56,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="ask a running daemon for its status",
                        description="Ask a running daemon for its status.")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    add_client_args(p)
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("config", help="configuration tools", description="Configuration tools.")
@@ -76,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Internal: started by the daemon, not by hand.")
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--spec", required=True)
+    for area in AREAS:
+        importlib.import_module(f"appliance.commands.{area}").add_parsers(sub)
     return parser
 
 
@@ -127,15 +132,7 @@ def cmd_model(args) -> int:
 
 
 def cmd_status(args) -> int:
-    url = args.url.rstrip("/") + "/admin/status"
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            data = json.load(resp)
-    except urllib.error.HTTPError as exc:
-        raise SystemExit(f"applianced: {url} answered HTTP {exc.code}")
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise SystemExit(f"applianced: no daemon at {args.url} ({reason})")
+    data = AdminClient.from_args(args).get("/admin/v1/status")
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -195,11 +192,12 @@ COMMANDS = {"serve": cmd_serve, "devices": cmd_devices, "model": cmd_model,
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        run = getattr(args, "run", None) or COMMANDS[args.command]
+        return run(args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:     # `applianced devices --json | head`
         return 0
-    except ValueError as exc:   # ConfigError, PlanError, bad device spec: all one line
+    except (ValueError, AdminError) as exc:   # ConfigError, PlanError, no daemon: one line
         print(f"applianced: {exc}", file=sys.stderr)
         return 1

@@ -72,6 +72,11 @@ class WorkersConfig:
 class AuthConfig:
     # SHA-256 hex digest of an API key -> tenant (the microservice that holds the key).
     keys: dict[str, str] = field(default_factory=dict)
+    # SHA-256 hex digests of admin keys (the /admin/ API). None configured: loopback only.
+    admin_keys: list[str] = field(default_factory=list)
+    # Who may scrape /metrics: "open" (anyone), "loopback" (loopback clients; others need
+    # an admin key), "admin" (an admin key, even on loopback).
+    metrics_access: str = "loopback"
 
 
 @dataclass
@@ -117,6 +122,10 @@ def _fill(obj, data: dict, prefix: str):
             if not isinstance(value, dict):
                 raise ConfigError(f"config: {path} must be a table")
             setattr(obj, key, dict(value))
+        elif isinstance(current, list):
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"config: {path} must be a list of strings")
+            setattr(obj, key, list(value))
         else:
             typ = {"int": int, "float": float, "str": str, "bool": bool}[hints[key]]
             setattr(obj, key, _check_value(path, value, typ))
@@ -129,6 +138,13 @@ def validate(cfg: Config) -> Config:
                               f"(make one with: applianced key digest KEY)")
         if not isinstance(tenant, str) or not tenant:
             raise ConfigError(f"config: auth.keys.{digest[:12]}… must name a tenant (a string)")
+    for digest in cfg.auth.admin_keys:
+        if not _DIGEST.match(digest):
+            raise ConfigError(f"config: auth.admin_keys: {digest!r} is not a lowercase SHA-256 hex "
+                              f"digest (make one with: applianced key digest KEY)")
+    if cfg.auth.metrics_access not in ("open", "loopback", "admin"):
+        raise ConfigError(f"config: auth.metrics_access must be open, loopback or admin, "
+                          f"got {cfg.auth.metrics_access!r}")
     if cfg.devices.mode not in ("disagg", "agg"):
         raise ConfigError(f"config: devices.mode must be disagg or agg, got {cfg.devices.mode!r}")
     if cfg.engine.kind not in ("auto", "sim", "torch", "trtllm"):

@@ -57,7 +57,7 @@ class Daemon:
                              timeout=kw.pop("timeout", 60), **kw)
 
     def status(self) -> dict:
-        code, _, body = http("GET", self.url + "/admin/status")
+        code, _, body = http("GET", self.url + "/admin/v1/status")
         assert code == 200, body
         return body
 

@@ -25,9 +25,10 @@ from appliance import __version__
 from appliance.accounting.records import LogSink, RecordSink
 from appliance.config import Config
 from appliance.daemon import systemd
-from appliance.daemon.http import build_app
+from appliance.daemon.auth import Auth
 from appliance.daemon.metrics import Metrics
 from appliance.daemon.router import Router
+from appliance.daemon.server import build_app
 from appliance.daemon.tokenizer import ServedTokenizer
 from appliance.daemon.workers import WorkerGone, WorkerPool, program_command
 from appliance.partitions import Inventory, PartitionPlan, discover, inventory_json, plan_partition
@@ -215,8 +216,7 @@ class Service:
                                start_timeout_s=cfg.workers.start_timeout_s)
         self.router = Router(self.pool, setup.plan.mode, cfg.engine.conditional_disagg_tokens)
         self.metrics = Metrics(self.pool, self.model_name, self.simulated)
-        from appliance.daemon.http import Auth
-        self.auth = Auth(cfg.auth.keys)
+        self.auth = Auth(cfg.auth.keys, cfg.auth.admin_keys, cfg.auth.metrics_access)
         self._tenants = set(cfg.auth.keys.values()) | {"default"}
         self.max_inflight = cfg.server.max_inflight
         self.inflight = 0
@@ -270,6 +270,23 @@ class Service:
         }
 
 
+def warn_if_exposed(cfg: Config) -> None:
+    """Bound beyond loopback without keys, anyone on the network may use the API."""
+    import ipaddress
+    try:
+        loopback = ipaddress.ip_address(cfg.server.host).is_loopback
+    except ValueError:
+        loopback = cfg.server.host == "localhost"
+    if loopback:
+        return
+    if not cfg.auth.keys:
+        log.warning("listening on %s with no [auth.keys]: anyone who can reach this address "
+                    "may use the API", cfg.server.host)
+    if not cfg.auth.admin_keys:
+        log.warning("listening on %s with no [auth] admin_keys: the admin API answers "
+                    "loopback clients only", cfg.server.host)
+
+
 def _progress_printer():
     if sys.stderr.isatty():
         return lambda line: print(f"applianced: {line}", file=sys.stderr, flush=True)
@@ -309,6 +326,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    warn_if_exposed(cfg)
     log.info("serving %s on http://%s:%s (%s, %s%s)", svc.model_name, cfg.server.host,
              cfg.server.port, setup.engine, setup.plan.mode, ", simulated" if svc.simulated else "")
     print(json.dumps({"event": "ready", "host": cfg.server.host, "port": cfg.server.port,

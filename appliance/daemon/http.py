@@ -1,4 +1,4 @@
-"""The HTTP face of the daemon (aiohttp): OpenAI API, health, admin status, metrics.
+"""The OpenAI face of the daemon (aiohttp): completions, chat, models, health, ready.
 
 Errors always leave as OpenAI-shaped JSON: bad input is 4xx with the parameter named,
 overload is 503 with Retry-After, and an internal fault is a 500 whose body says so
@@ -7,8 +7,6 @@ without a traceback (the traceback goes to the log).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 from typing import TYPE_CHECKING
 
@@ -17,6 +15,9 @@ from aiohttp import web
 
 from appliance.daemon.completion import Completion
 from appliance.daemon.openai_api import ApiError, bad, parse_request
+from appliance.daemon.responses import (
+    RETRY_AFTER_S, SERVICE, error_response, json_response,
+)
 from appliance.daemon.router import EngineError, NoWorker
 from appliance.daemon.workers import WorkerGone
 
@@ -25,75 +26,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("applianced.http")
 
-SERVICE = web.AppKey("service", object)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
-RETRY_AFTER_S = "1"
 DONE = b"data: [DONE]\n\n"
 # Engine refusals that are the request's fault (the daemon checks first; engines check again).
 CLIENT_ENGINE_ERRORS = {"kv_capacity", "invalid_request", "context_length_exceeded"}
-
-
-def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, headers=headers,
-                        content_type="application/json")
-
-
-def error_response(err: ApiError, request_id: str | None = None) -> web.Response:
-    headers = dict(err.headers)
-    if request_id:
-        headers["X-Request-Id"] = request_id
-    return json_response(err.body(), err.status, headers)
-
-
-@web.middleware
-async def errors_as_json(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except ApiError as err:
-        return error_response(err)
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[SERVICE].cfg.server.max_body_bytes
-        return error_response(ApiError(413, f"request body too large (limit {limit} bytes, "
-                                            f"server.max_body_bytes)", code="body_too_large"))
-    except web.HTTPNotFound:
-        return error_response(ApiError(404, f"no route {request.method} {request.path}",
-                                       code="unknown_route"))
-    except web.HTTPMethodNotAllowed as exc:
-        return error_response(ApiError(405, f"{request.method} not allowed on {request.path} "
-                                            f"(allowed: {', '.join(sorted(exc.allowed_methods))})",
-                                       code="method_not_allowed"))
-    except web.HTTPException:
-        raise
-    except (asyncio.CancelledError, ConnectionError):
-        raise
-    except Exception:
-        log.exception("internal error on %s %s", request.method, request.path)
-        return error_response(ApiError(500, "internal error (see the daemon log)",
-                                       code="internal_error"))
-
-
-class Auth:
-    """API keys by SHA-256 digest -> tenant; every digest is compared, in constant time."""
-
-    def __init__(self, keys: dict[str, str]):
-        self.keys = [(bytes.fromhex(d), t) for d, t in keys.items()]
-
-    def tenant(self, request: web.Request) -> str:
-        if not self.keys:
-            return "default"
-        header = request.headers.get("Authorization", "")
-        if not header.startswith("Bearer ") or not header[7:].strip():
-            raise ApiError(401, "missing API key (send 'Authorization: Bearer KEY')",
-                           code="invalid_api_key")
-        digest = hashlib.sha256(header[7:].strip().encode()).digest()
-        found = None
-        for known, tenant in self.keys:
-            if hmac.compare_digest(digest, known):
-                found = tenant
-        if found is None:
-            raise ApiError(401, "invalid API key", code="invalid_api_key")
-        return found
 
 
 async def _read_json(request: web.Request):
@@ -248,25 +185,9 @@ async def ready(request: web.Request):
     return json_response({"status": "ready", "simulated": svc.simulated})
 
 
-async def admin_status(request: web.Request):
-    svc: Service = request.app[SERVICE]
-    return json_response(svc.status())
-
-
-async def metrics(request: web.Request):
-    svc: Service = request.app[SERVICE]
-    body, content_type = svc.metrics.render()
-    return web.Response(body=body, headers={"Content-Type": content_type})
-
-
-def build_app(svc: "Service", max_body_bytes: int) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_as_json])
-    app[SERVICE] = svc
+def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
-    app.router.add_get("/admin/status", admin_status)
-    app.router.add_get("/metrics", metrics)
-    return app

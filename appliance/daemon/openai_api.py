@@ -38,7 +38,7 @@ class ApiError(Exception):
 
 
 def _default_type(status: int) -> str:
-    return {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
             429: "rate_limit_error", 503: "service_unavailable_error"}.get(
         status, "invalid_request_error" if status < 500 else "server_error")
 

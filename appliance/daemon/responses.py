@@ -1,0 +1,55 @@
+"""What every route shares: the service key, JSON responses, and the middleware that
+turns every failure into OpenAI-shaped JSON (the traceback goes to the log, never out)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import orjson
+from aiohttp import web
+
+from appliance.daemon.openai_api import ApiError
+
+log = logging.getLogger("applianced.http")
+
+SERVICE = web.AppKey("service", object)
+RETRY_AFTER_S = "1"
+
+
+def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, headers=headers,
+                        content_type="application/json")
+
+
+def error_response(err: ApiError, request_id: str | None = None) -> web.Response:
+    headers = dict(err.headers)
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return json_response(err.body(), err.status, headers)
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[SERVICE].cfg.server.max_body_bytes
+        return error_response(ApiError(413, f"request body too large (limit {limit} bytes, "
+                                            f"server.max_body_bytes)", code="body_too_large"))
+    except web.HTTPNotFound:
+        return error_response(ApiError(404, f"no route {request.method} {request.path}",
+                                       code="unknown_route"))
+    except web.HTTPMethodNotAllowed as exc:
+        return error_response(ApiError(405, f"{request.method} not allowed on {request.path} "
+                                            f"(allowed: {', '.join(sorted(exc.allowed_methods))})",
+                                       code="method_not_allowed"))
+    except web.HTTPException:
+        raise
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return error_response(ApiError(500, "internal error (see the daemon log)",
+                                       code="internal_error"))

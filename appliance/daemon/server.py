@@ -1,0 +1,28 @@
+"""Builds the aiohttp application: middlewares, then each surface's routes.
+
+Each surface (OpenAI API, admin) lives in its own module and adds its own routes, so a
+new admin area is one module and one line here.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from appliance.daemon import admin, http
+from appliance.daemon.auth import guard
+from appliance.daemon.responses import SERVICE, errors_as_json
+
+if TYPE_CHECKING:
+    from appliance.daemon.app import Service
+
+SURFACES = (http, admin)
+
+
+def build_app(svc: Service, max_body_bytes: int) -> web.Application:
+    app = web.Application(client_max_size=max_body_bytes,
+                          middlewares=[errors_as_json, guard(svc.auth)])
+    app[SERVICE] = svc
+    for surface in SURFACES:
+        surface.add_routes(app)
+    return app
