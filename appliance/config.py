@@ -80,12 +80,21 @@ class AuthConfig:
 
 
 @dataclass
+class SiteConfig:
+    # Where this appliance stands: every Prometheus series, ledger row and carbon figure
+    # carries these, so a fleet can be read by site.
+    name: str = "local"
+    appliance: str = ""               # this appliance's name; "" = the host name
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    site: SiteConfig = field(default_factory=SiteConfig)
     state_dir: str = ""
 
 
