@@ -88,6 +88,29 @@ class SiteConfig:
 
 
 @dataclass
+class PlannerConfig:
+    # The SLOs the capacity planner sizes the prefill and decode pools for.
+    ttft_slo_s: float = 2.0           # time to first token (mean, M/D/1)
+    itl_slo_s: float = 0.05           # inter-token latency of a decode step
+    quantile: float = 0.9             # plan on this upper quantile of the forecast
+    horizon: str = "24h"              # default forecast horizon (e.g. 90m, 24h, 7d)
+    auto_apply: bool = False          # start the repartition workflow on its own
+    auto_apply_after_s: float = 900.0  # ...once the recommendation has differed this long
+
+
+def parse_duration(text: str) -> float:
+    """'90m', '24h', '7d', '2w', '3600s' or '3600' -> seconds (ValueError: one line)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"malformed duration {text!r}: expected e.g. 90m, 24h, 7d, 2w")
+    value = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400,
+                                 "w": 604800}[m.group(2)]
+    if value <= 0:
+        raise ValueError(f"duration {text!r} must be positive")
+    return value
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
@@ -95,6 +118,7 @@ class Config:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     site: SiteConfig = field(default_factory=SiteConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     state_dir: str = ""
 
 
@@ -178,6 +202,18 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config: engine.reserve_ratio must be within 0..1, got {cfg.engine.reserve_ratio}")
     if not 0.0 < cfg.engine.gpu_mem_fraction <= 1.0:
         raise ConfigError(f"config: engine.gpu_mem_fraction must be within (0, 1], got {cfg.engine.gpu_mem_fraction}")
+    pl = cfg.planner
+    for key, value in (("planner.ttft_slo_s", pl.ttft_slo_s), ("planner.itl_slo_s", pl.itl_slo_s),
+                       ("planner.auto_apply_after_s", pl.auto_apply_after_s)):
+        if value <= 0:
+            raise ConfigError(f"config: {key} must be positive, got {value}")
+    if not 0.5 <= pl.quantile < 1.0:
+        raise ConfigError(f"config: planner.quantile must be within [0.5, 1), got {pl.quantile}")
+    try:
+        if parse_duration(pl.horizon) > 8 * 604800:
+            raise ValueError("longer than 8 weeks")
+    except ValueError as exc:
+        raise ConfigError(f"config: planner.horizon: {exc}") from None
     return cfg
 
 

@@ -253,6 +253,7 @@ class Service:
         rec = comp.record()
         tenant_label = rec.tenant if rec.tenant in self._tenants else "other"
         self.metrics.request(rec, tenant_label)
+        if (planner := getattr(self, "planner", None)) is not None: planner.observe(rec)  # noqa: E701
         try:
             self.sink.request(rec)
         except Exception:   # a broken sink must not break serving
@@ -304,6 +305,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         log.warning("%s", setup.inventory.note)
     log.info("plan: %s", setup.plan.reason)
     svc = Service(cfg, setup, sink)
+    svc.state_dir = state_dir
     systemd.notify(f"STATUS=starting {len(setup.specs)} workers")
     try:
         await svc.pool.start()

@@ -1,7 +1,7 @@
 """Forecasts of a bucketed series (requests/s, mean prompt, mean output ...) with
 prediction intervals.
 
-Additive Holt-Winters (level + trend + one season): the season is a week (168 hourly
+Additive Holt-Winters (level + damped trend + one season): the season is a week (168 hourly
 buckets) when there are two weeks of history, a day (24) with two days, none below.
 statsmodels' ETS (an optional dependency: `pip install 'applianced[planner]'`) fits it
 by maximum likelihood and gives its own intervals; without statsmodels, or for short
@@ -48,9 +48,9 @@ def season_for(n: int, bucket_s: float) -> int:
     return 0
 
 
-def _hw_run(y: np.ndarray, m: int, alpha: float, beta: float, gamma: float):
-    """One pass of additive Holt-Winters: (sum of squared one-step errors, errors,
-    final level, trend, seasonals)."""
+def _hw_run(y: np.ndarray, m: int, alpha: float, beta: float, gamma: float, phi: float = 1.0):
+    """One pass of additive Holt-Winters with a damped trend (phi): (sum of squared
+    one-step errors, errors, final level, trend, seasonals)."""
     if m:
         level = float(y[:m].mean())
         trend = float((y[m:2 * m].mean() - y[:m].mean()) / m) if len(y) >= 2 * m else 0.0
@@ -60,11 +60,11 @@ def _hw_run(y: np.ndarray, m: int, alpha: float, beta: float, gamma: float):
     errors = []
     for t in range(len(y)):
         s = season[t % m] if m else 0.0
-        pred = level + trend + s
+        pred = level + phi * trend + s
         err = y[t] - pred
         errors.append(err)
-        new_level = level + trend + alpha * err
-        trend = trend + beta * (new_level - level - trend)
+        new_level = level + phi * trend + alpha * err
+        trend = phi * trend + beta * (new_level - level - phi * trend)
         if m:
             season[t % m] = s + gamma * err
         level = new_level
@@ -84,18 +84,24 @@ def holt_winters(y, horizon: int, season: int, level: float = 0.8) -> Forecast:
     alphas = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8)
     betas = (0.0, 0.01, 0.05)
     gammas = (0.05, 0.1, 0.2, 0.4) if m else (0.0,)
+    # Damped trends only: a trend fitted on a few hours must not run on for a week.
+    phis = (0.8, 0.9, 0.98)
     best = None
-    for a, b, g in itertools.product(alphas, betas, gammas):
-        sse, e, lv, tr, se = _hw_run(y, m, a, b, g)
+    for a, b, g, phi in itertools.product(alphas, betas, gammas, phis):
+        if b == 0.0 and phi != phis[0]:
+            continue                      # no trend: phi changes nothing
+        sse, e, lv, tr, se = _hw_run(y, m, a, b, g, phi)
         if best is None or sse < best[0]:
-            best = (sse, e, lv, tr, se, a)
-    _, e, lv, tr, se, a = best
+            best = (sse, e, lv, tr, se, a, phi)
+    _, e, lv, tr, se, a, phi = best
     sigma = float(np.std(e)) if len(e) > 1 else 0.0
     z = NormalDist().inv_cdf(0.5 + level / 2)
     n = len(y)
     mean, lower, upper = [], [], []
+    damp = 0.0
     for h in range(1, horizon + 1):
-        f = lv + h * tr + (se[(n + h - 1) % m] if m else 0.0)
+        damp += phi ** h
+        f = lv + damp * tr + (se[(n + h - 1) % m] if m else 0.0)
         width = z * sigma * math.sqrt(1 + (h - 1) * a * a)
         mean.append(f)
         lower.append(f - width)

@@ -443,3 +443,75 @@ def replay_trace(trace: list[TraceRequest], model, devices: str, split: str, tp:
     sim = TraceReplay(workers, "disagg", trace, max_prompt, seed)
     end = sim.run_loop()
     return sim.result(split, end, ttft_slo, itl_slo)
+
+
+# ---- what the planner would have said over a trace ------------------------------------
+
+def trace_workload(trace: list[TraceRequest], t0: float, t1: float, quantile: float):
+    """(mean Workload, Workload at the q-quantile of per-minute rates) over [t0, t1)."""
+    from appliance.planner.sizing import Workload
+    rows = [r for r in trace if t0 <= r.t < t1]
+    width = max(1e-9, t1 - t0)
+    if not rows:
+        return Workload(0.0, 0.0, 0.0), Workload(0.0, 0.0, 0.0)
+    minutes = max(1, int(round(width / 60)))
+    counts = [0] * minutes
+    for r in rows:
+        counts[min(minutes - 1, int((r.t - t0) // 60))] += 1
+    pt = statistics.fmean(r.prompt for r in rows)
+    ot = statistics.fmean(max(1, r.output) for r in rows)
+    per_min = sorted(c / 60.0 for c in counts)
+    upper = per_min[min(len(per_min) - 1, int(quantile * len(per_min)))]
+    return Workload(len(rows) / width, pt, ot), Workload(max(upper, len(rows) / width), pt, ot)
+
+
+def plan_replay(trace: list[TraceRequest], model, devices: str, split: str, tp: int, slo,
+                quantile: float = 0.9, window_s: float = 300.0,
+                engine: EngineConfig | None = None, progress=None) -> dict:
+    """Replays `trace` on the current split and on the planner's recommendation for it,
+    and says what the planner would have recommended window by window."""
+    from appliance.planner.profiles import simulated_profile
+    from appliance.planner.sizing import size
+    engine = engine or EngineConfig()
+    shapes = box_workers(devices, split, tp)
+    pre = next(s for s in shapes if s.role == "prefill")
+    dec = next(s for s in shapes if s.role == "decode")
+    pp = simulated_profile(model, pre.gpu, tp, engine.gpu_mem_fraction)
+    dp = pp if dec.gpu is pre.gpu else simulated_profile(model, dec.gpu, tp, engine.gpu_mem_fraction)
+    current = (sum(s.role == "prefill" for s in shapes), sum(s.role == "decode" for s in shapes))
+    split = f"{current[0]}+{current[1]}"
+    from appliance.partitions import discover
+    total = len([d for d in discover(devices).devices if d.is_gpu]) // tp
+    end = trace[-1].t + 1e-6
+    windows = []
+    t = 0.0
+    while t < end:
+        mean_w, upper_w = trace_workload(trace, t, min(end, t + window_s), quantile)
+        sz = size(upper_w, slo, pp, dp, current, total, engine.max_seqs)
+        windows.append({"t": round(t, 3), "requests": sum(1 for r in trace if t <= r.t < t + window_s),
+                        "rate": round(mean_w.rate, 4), "rate_upper": round(upper_w.rate, 4),
+                        "prompt_tokens": round(mean_w.prompt_tokens, 1),
+                        "output_tokens": round(mean_w.output_tokens, 1), "rho": sz.rho,
+                        "recommended": f"{sz.recommended[0]}+{sz.recommended[1]}",
+                        "bottleneck": sz.bottleneck})
+        t += window_s
+    mean_all, upper_all = trace_workload(trace, 0.0, end, quantile)
+    overall = size(upper_all, slo, pp, dp, current, total, engine.max_seqs)
+    rec = f"{overall.recommended[0]}+{overall.recommended[1]}"
+    results = {}
+    for s in dict.fromkeys([split, rec]):
+        if progress:
+            progress(f"replaying {len(trace)} requests on {devices} split {s} (virtual clock)")
+        results[s] = replay_trace(trace, model, devices, s, tp, engine, slo.ttft_s, slo.itl_s).to_json()
+    return {
+        "simulated": True, "devices": devices, "model": model.name, "tp": tp,
+        "requests": len(trace), "duration_s": round(end, 3),
+        "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s, "checked_at": "p90 TTFT and p90 ITL"},
+        "quantile": quantile,
+        "workload": {"mean": mean_all.__dict__, "upper": upper_all.__dict__},
+        "rho": overall.rho, "rho_source": "estimated from the simulated (roofline) profile",
+        "current": split, "recommended": rec, "bottleneck": overall.bottleneck,
+        "why": overall.why, "sizing": overall.to_json(),
+        "prefill_token_budget": pp.prefill_knee_tokens(),
+        "windows": windows, "window_s": window_s, "replay": results,
+    }

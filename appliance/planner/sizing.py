@@ -148,6 +148,11 @@ def best_split(total: int, need_p: float, need_d: float, current: tuple[int, int
         return (min(hp, hd), -abs(p - current[0]))
 
     p = max(range(1, total), key=score)
+    # Hysteresis: a repartition drains workers, so keep the current split when it is
+    # within 10% of the best one's smallest headroom.
+    if 1 <= current[0] < total and sum(current) == total and \
+            score(current[0])[0] >= 0.9 * score(p)[0]:
+        return current
     return p, total - p
 
 
