@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -19,7 +19,7 @@ import numpy as np
 from appliance.config import EngineConfig, PlannerConfig, parse_duration
 from appliance.planner import forecast as fc
 from appliance.planner.profiles import Profile, load_profile, simulated_profile
-from appliance.planner.sizing import Slo, Workload, best_split, decode_batch, headroom, size
+from appliance.planner.sizing import Slo, Workload, decode_batch, headroom, size
 from appliance.planner.trends import TrendStore, series
 
 log = logging.getLogger("applianced.planner")

@@ -268,19 +268,21 @@ class VirtualCluster:
             return
         rec = next(e for e in events if isinstance(e, IterationRecord))
         w.steps.append((now, now + d, rec.phase))
-        # Decoding sequences of a step: all of a decode step, those past their prompt
-        # in a mixed one (chunked prefill).
-        if rec.phase == "decode":
-            w.decode_steps += 1
-            w.decode_seqs += len(rec.entries)
-        elif rec.phase == "mixed":
-            decoding = [e for e in rec.entries if e[1] == 1 and e[0] in self.reqs
-                        and self.reqs[e[0]].first is not None]
+        if rec.phase in ("decode", "mixed"):
+            decoding = self.decoding_entries(rec)
             if decoding:
                 w.decode_steps += 1
                 w.decode_seqs += len(decoding)
         w.free_at = now + d
         heapq.heappush(self.heap, (now + d, next(self.seq), w, events))
+
+    def decoding_entries(self, rec: IterationRecord) -> list:
+        """Decoding sequences of a step: all of a decode step; in a mixed one (chunked
+        prefill), those past their prompt."""
+        if rec.phase == "decode":
+            return rec.entries
+        return [e for e in rec.entries if e[0] in self.reqs
+                and e[2] > self.reqs[e[0]].prompt_len]
 
     def arrive(self, payload, t: float) -> None:
         """An arrival scheduled on the heap with worker None."""
@@ -291,7 +293,7 @@ class VirtualCluster:
 
     def run_loop(self) -> float:
         """Run until `done()`; returns the virtual time it ended."""
-        now = 0.0
+        now = self.now = 0.0
         while True:
             while self.heap and self.heap[0][0] <= now:
                 t, _, w, payload = heapq.heappop(self.heap)
@@ -299,6 +301,7 @@ class VirtualCluster:
                     self.arrive(payload, t)
                 else:
                     self.handle(w, payload, t)
+            self.now = now
             if self.done():
                 return now
             for w in self.workers:
