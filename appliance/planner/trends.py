@@ -153,6 +153,8 @@ class TrendStore:
         self.flush_interval_s = flush_interval_s
         self._queue: collections.deque = collections.deque()
         self._db_lock = threading.Lock()
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
