@@ -206,7 +206,8 @@ class Planner:
             s = size(w if w.rate > 0 else replace(w, rate=1.0), slo, pp, dp, current,
                      box.total_workers, self.engine.max_seqs)
             rho_series.append(s.rho)
-        self.last_recommended = sz_now.recommended
+        if not whatif.applied():        # a what-if is a question, not the box's plan
+            self.last_recommended = sz_now.recommended
         times = [next_t + i * bucket_s for i in range(steps)]
 
         def fseries(f: fc.Forecast, k: float = 1.0) -> list[dict]:
