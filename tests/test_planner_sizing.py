@@ -222,3 +222,21 @@ def test_auto_apply_after_the_configured_time(tmp_path):
     assert calls == [late["split"]]                          # off by default: never called
     pl.close()
     off.close()
+
+
+def test_planner_config_section():
+    from appliance import config
+    cfg = config.parse('[planner]\nttft_slo_s = 0.5\nitl_slo_s = 0.02\nhorizon = "7d"\n'
+                       'auto_apply = true\nauto_apply_after_s = 60\n')
+    assert (cfg.planner.ttft_slo_s, cfg.planner.horizon, cfg.planner.auto_apply) == (0.5, "7d", True)
+    assert config.parse_duration("90m") == 5400 and config.parse_duration("2w") == 1209600
+    for text, message in [
+        ("[planner]\nttft_slo_s = 0", "planner.ttft_slo_s must be positive"),
+        ("[planner]\nquantile = 1.5", "planner.quantile must be within"),
+        ('[planner]\nhorizon = "soon"', "planner.horizon: malformed duration"),
+        ('[planner]\nhorizon = "10w"', "planner.horizon: longer than 8 weeks"),
+        ("[planner]\nauto_apply = 1", "planner.auto_apply must be true or false"),
+        ("[planner]\nslo = 1", "unknown key planner.slo"),
+    ]:
+        with pytest.raises(config.ConfigError, match=message):
+            config.parse(text)
