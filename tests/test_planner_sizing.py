@@ -240,3 +240,27 @@ def test_planner_config_section():
     ]:
         with pytest.raises(config.ConfigError, match=message):
             config.parse(text)
+
+
+def test_mixed_box_placement_is_explained(tmp_path):
+    """sim:4xH100+4xL40S: the partition plan puts prefill on the L40S (most FLOP/s per $)
+    and decode on the H100 (most bandwidth per $); the planner sizes each phase on its
+    own GPU type and says why."""
+    from types import SimpleNamespace
+
+    from appliance.config import EngineConfig
+    from appliance.partitions import discover, plan_partition
+    from appliance.planner.planner import box_from_setup
+    inv = discover("sim:4xH100+4xL40S")
+    plan = plan_partition(inv)
+    setup = SimpleNamespace(inventory=inv, plan=plan, simulated=True, model_dir=tmp_path)
+    box = box_from_setup(setup, EngineConfig(model_spec="llama-3.1-8b"))
+    assert (box.prefill_gpu.name, box.decode_gpu.name) == ("L40S", "H100-SXM")
+    assert box.current == (4, 4) and box.total_gpus == 8
+    pl = Planner(PlannerConfig(), box, tmp_path / "ledger.db")
+    out = pl.plan(now=1_700_000_000.0, use_statsmodels=False)
+    assert out["profile_source"]["prefill"]["device"] == "L40S"
+    assert out["profile_source"]["decode"]["device"] == "H100-SXM"
+    assert out["placement"]["prefill"] == "L40S" and "Splitwise" in out["placement"]["why"]
+    assert out["cost"]["usd_per_day"] == pytest.approx((4 * 0.86 + 4 * 3.00) * 24)
+    pl.close()
