@@ -155,6 +155,7 @@ def test_mix_moves_from_prefill_to_decode(tmp_path):
     assert ra["prefill"]["workers"] > rb["prefill"]["workers"]
     assert ra["decode"]["workers"] < rb["decode"]["workers"]
     assert ra["prefill"]["workers"] + ra["decode"]["workers"] == 8
+    assert ra["fits"] is True and a["current"]["fits"] in (True, False)
     assert rb["decode"]["gpus"] > rb["prefill"]["gpus"]
     assert a["bottleneck"]["phase"] in ("prefill", "decode") and a["bottleneck"]["why"]
     assert a["profile_source"]["prefill"]["source"] == "simulated"

@@ -100,7 +100,8 @@ def format_plan(d: dict) -> str:
         for ph in ("prefill", "decode"):
             x = s[ph]
             cells.append(f"{x['workers']} wk/{x['gpus']} GPU (need {_num(x['gpus_needed'])})")
-        lines.append(f"{label:<18}{cells[0]:>22}{cells[1]:>22}   {s['split']}")
+        short = "" if s.get("fits", True) else "  (the box is short of what this needs)"
+        lines.append(f"{label:<18}{cells[0]:>22}{cells[1]:>22}   {s['split']}{short}")
     h = d["headroom"]["recommended"]
     lines.append(f"headroom at the recommended split: prefill {_num(h['prefill'])}x, decode "
                  f"{_num(h['decode'])}x")

@@ -291,9 +291,12 @@ class Planner:
                     "workers_needed": need.workers_needed if need.workers_needed >= 0 else None,
                     "gpus_needed": need.gpus_needed if need.workers_needed >= 0 else None,
                     "headroom": headroom(n, need.workers)}
-        return {"split": f"{split[0]}+{split[1]}",
-                "prefill": phase(split[0], sz.prefill, box.prefill_gpu),
-                "decode": phase(split[1], sz.decode, box.decode_gpu)}
+        out = {"split": f"{split[0]}+{split[1]}",
+               "prefill": phase(split[0], sz.prefill, box.prefill_gpu),
+               "decode": phase(split[1], sz.decode, box.decode_gpu)}
+        out["fits"] = all(out[ph]["headroom"] is None or out[ph]["headroom"] >= 1.0
+                          for ph in ("prefill", "decode"))
+        return out
 
     def _cost_per_day(self, box: BoxShape, pp: Profile, dp: Profile, split, day, slo) -> dict:
         """All the box's GPUs are paid for (allocation basis); energy = idle power plus the
