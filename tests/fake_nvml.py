@@ -215,6 +215,25 @@ class FakeGpmMetric:  # c_nvmlGpmMetric_t
     value: float = 0.0
 
 
+class _MetricArray:
+    """c_nvmlGpmMetric_t * NVML_GPM_METRIC_MAX, zeroed; entries made when first touched
+    (the real array is one C buffer, cheap to make; 477 Python objects are not)."""
+
+    def __init__(self):
+        self._items: dict[int, FakeGpmMetric] = {}
+
+    def __len__(self):
+        return NVML_GPM_METRIC_MAX
+
+    def __getitem__(self, i: int) -> FakeGpmMetric:
+        if not 0 <= i < NVML_GPM_METRIC_MAX:
+            raise IndexError("invalid index")
+        item = self._items.get(i)
+        if item is None:
+            item = self._items[i] = FakeGpmMetric()
+        return item
+
+
 class c_nvmlGpmMetricsGet_t:
     """Same fields as pynvml's struct: version, numMetrics, sample1, sample2, metrics[]."""
 
@@ -223,7 +242,7 @@ class c_nvmlGpmMetricsGet_t:
         self.numMetrics = 0
         self.sample1 = None
         self.sample2 = None
-        self.metrics = [FakeGpmMetric() for _ in range(NVML_GPM_METRIC_MAX)]
+        self.metrics = _MetricArray()
 
 
 @dataclass
@@ -437,7 +456,8 @@ class FakeNvml:
                 or s1 is None or s2 is None or s1.freed or s2.freed or s1.index is None
                 or s1.index != s2.index):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-        for metric in m.metrics[:m.numMetrics]:
+        for i in range(m.numMetrics):
+            metric = m.metrics[i]
             if metric.metricId in s2.values:
                 metric.value = float(s2.values[metric.metricId])
                 metric.nvmlReturn = NVML_SUCCESS

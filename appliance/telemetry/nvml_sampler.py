@@ -51,6 +51,7 @@ class NvmlSampler:
         self.init_error = self.nvml.init()
         self.clock = clock
         self._gpus = [_Gpu(d, i) for d, i in devices]
+        self._request = None        # one c_nvmlGpmMetricsGet_t, reused for every device
         self.devices = tuple(d for d, _ in devices)
 
     def read(self) -> list[DeviceSample]:
@@ -148,10 +149,13 @@ class NvmlSampler:
 
     def _metrics(self, first, second) -> dict[str, float]:
         nv = self.nvml
-        struct = nv.const("c_nvmlGpmMetricsGet_t")
-        if struct is None:
-            return {}
-        req = struct()
+        req = self._request
+        if req is None:
+            struct = nv.const("c_nvmlGpmMetricsGet_t")
+            if struct is None:
+                return {}
+            req = self._request = struct()
+        # Every field set on each use: NVML writes the results into the same struct.
         req.version = nv.const("NVML_GPM_METRICS_GET_VERSION")
         req.numMetrics = len(GPM_METRICS)
         req.sample1, req.sample2 = first, second
