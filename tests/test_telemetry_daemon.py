@@ -159,3 +159,18 @@ def test_cpu_daemon_reports_the_cpu_energy_source(daemon_factory, tiny_model):
     assert cpu["energy_j"] > 0 and 0 <= cpu["util"] <= 1
     code, _, text = http("GET", d.url + "/metrics")
     assert 'simulated="false"' in text.decode() and "applianced_device_power_watts{" in text.decode()
+
+
+def test_status_cli_shows_groups_and_ratio(sim_daemon):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    out = subprocess.run([sys.executable, "-m", "appliance", "status", "--url", sim_daemon.url],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("prefill ") and "%" in line for line in lines), out.stdout
+    assert any(line.startswith("decode ") for line in lines)
+    assert any(line.startswith("prefill:decode (10s): GPU-s ") for line in lines)
+    assert "(energy simulated)" in out.stdout

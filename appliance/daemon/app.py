@@ -264,14 +264,20 @@ class Service:
 
     def _on_iteration(self, rec) -> None:
         self.metrics.iteration(rec)
-        self.telemetry.observe_iteration(rec)
+        try:
+            self.telemetry.observe_iteration(rec)
+        except Exception:   # runs in a worker's reader task: telemetry must not end it
+            log.exception("telemetry: iteration record from %s not taken", rec.worker)
         self.sink.iteration(rec)
 
     def finished(self, comp) -> None:
         rec = comp.record()
         tenant_label = rec.tenant if rec.tenant in self._tenants else "other"
         self.metrics.request(rec, tenant_label)
-        self.telemetry.observe_request(rec)
+        try:
+            self.telemetry.observe_request(rec)
+        except Exception:
+            log.exception("telemetry: request record not taken")
         try:
             self.sink.request(rec)
         except Exception:   # a broken sink must not break serving
@@ -282,7 +288,11 @@ class Service:
         row gets its live readings merged in."""
         s = self.setup
         workers = [w.status() for w in self.pool.workers.values()]
-        live = self.telemetry.status_fields(workers)
+        try:
+            live = self.telemetry.status_fields(workers)
+        except Exception:   # the inventory and workers are still worth showing
+            log.exception("telemetry: live status failed")
+            live = {"devices": []}
         live_devices = {d["id"]: d for d in live.pop("devices")}
         inv = inventory_json(s.inventory, s.plan)
         inv["devices"] = [{**d, **live_devices.get(d["id"], {})} for d in inv["devices"]]
