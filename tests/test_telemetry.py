@@ -498,6 +498,7 @@ def test_shared_cpu_energy_splits_by_worker_cpu_seconds():
     assert st["ratio"]["energy"] == pytest.approx(3.0, rel=0.02)
     # Busy time weighted by each worker's share of the CPU: 1 s per s on half of it.
     assert st["groups"]["prefill"]["busy_fraction"]["10s"] == pytest.approx(1.0, abs=0.02)
+    assert st["groups"]["prefill"]["cpu_seconds"]["10s"] == pytest.approx(7.5, rel=0.05)
     row = next(d for d in st["devices"] if d["id"] == "cpu0")
     assert row["group"] == "decode+prefill" and row["source"] == ESTIMATED
     assert row["busy_fraction"]["10s"] == pytest.approx(0.5, abs=0.02)

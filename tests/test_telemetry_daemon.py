@@ -147,11 +147,13 @@ def test_stream_delivers_snapshots(sim_daemon):
 
 def test_cpu_daemon_reports_the_cpu_energy_source(daemon_factory, tiny_model):
     d = daemon_factory("--devices", "cpu", model=tiny_model)
+    d.wait_for(lambda s: s["devices"][0].get("power_w") is not None, timeout=20,
+               what="two CPU readings")
     client = d.client()
     client.chat.completions.create(model="tiny-llama", max_tokens=8,
                                    messages=[{"role": "user", "content": "Hello"}])
-    st = d.wait_for(lambda s: s["devices"][0].get("power_w") is not None, timeout=20,
-                    what="two CPU readings")
+    st = d.wait_for(lambda s: (s["groups"]["prefill"].get("cpu_seconds") or {}).get("60s"),
+                    timeout=20, what="the prefill worker's CPU time")
     cpu = st["devices"][0]
     assert cpu["id"] == "cpu0" and cpu["source"] in ("estimated", "measured")
     assert cpu["simulated"] is False and cpu["group"] == "decode+prefill"
@@ -159,6 +161,7 @@ def test_cpu_daemon_reports_the_cpu_energy_source(daemon_factory, tiny_model):
     assert st["groups"]["prefill"]["gpu_seconds"]["60s"] > 0
     assert st["groups"]["decode"]["gpu_seconds"]["60s"] > 0
     assert cpu["energy_j"] > 0 and 0 <= cpu["util"] <= 1
+    assert st["groups"]["decode"]["energy_joules"]["60s"] > 0
     code, _, text = http("GET", d.url + "/metrics")
     assert 'simulated="false"' in text.decode() and "applianced_device_power_watts{" in text.decode()
 

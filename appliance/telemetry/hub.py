@@ -458,7 +458,10 @@ class Telemetry:
         sources = set()
         for d in self.group_devices[group]:
             share = self._group_shares(d, t0, t1).get(group, 0.0)
-            joules, _ = self.energy_j(d, t0, t1)
+            # A window reaching back before the first reading shows the energy since it.
+            series = self._energy[d]
+            start = max(t0, series.t[0]) if series.t and t1 > series.t[0] else t0
+            joules, _ = self.energy_j(d, start, t1)
             if joules is None:
                 energy = None
             elif energy is not None:
@@ -475,8 +478,10 @@ class Telemetry:
                 sources.add(win["activity_source"])
             if win["util"] is not None:
                 utils.append(win["util"])
+        cpu = [self._cpu_seconds(w, t0, t1) for w in self.groups[group]]
         return {
             "busy_s": busy, "capacity": capacity,
+            "cpu_s": sum(c for c in cpu if c is not None) if any(c is not None for c in cpu) else None,
             "busy_fraction": busy / (capacity * width) if capacity and width > 0 else 0.0,
             "energy_j": energy, "activity_s": activity_s,
             "activity_source": sources.pop() if len(sources) == 1 else ("mixed" if sources else None),
@@ -509,6 +514,9 @@ class Telemetry:
                                  for n in span},
                 "queue": self._queue(g, workers or []),
             }
+            if gw["10s"]["cpu_s"] is not None:
+                # CPU workers: their processes' CPU seconds (psutil), measured.
+                groups[g]["cpu_seconds"] = {n: _round(gw[n]["cpu_s"], 4) for n in span}
         phase_tps = {p: {n: _round(sum(windows[n][g][f"{p}_tokens"] for g in self.groups) / s, 3)
                          for n, s in WINDOWS} for p in ("prefill", "decode")}
         ratio = self._ratio(windows[RATIO_WINDOW])
