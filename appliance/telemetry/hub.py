@@ -68,6 +68,15 @@ class TelemetryWorker:
     def share(self, i: int) -> float:
         return self.shares[i] if self.shares else 1.0
 
+    @property
+    def share_sum(self) -> float:
+        return sum(self.share(i) for i in range(len(self.devices)))
+
+    def sim_models(self, devices: dict) -> list:
+        """(device id, SimPowerModel) for this worker's simulated devices."""
+        return [(d, devices[d].power_model) for d in self.devices
+                if d in devices and devices[d].power_model is not None]
+
 
 @dataclass
 class _Series:
@@ -157,6 +166,8 @@ class Telemetry:
                                         key=list(self.devices).index)
                               for g, ws in self.groups.items()}
         self._bins = {w: Bins(bin_s, self.retain_s, _COLUMNS) for w in self.workers}
+        self._share_sum = {w.id: w.share_sum for w in workers}
+        self._sim_models = {w.id: w.sim_models(self.devices) for w in workers}
         self._latest: dict[str, DeviceSample | None] = {d: None for d in self.devices}
         keep = int(self.retain_s / max(sample_interval_s, 0.01)) + 2
         self._samples: dict[str, deque[DeviceSample]] = {
@@ -179,27 +190,30 @@ class Telemetry:
         if w is None:
             return
         wall = rec.wall_s
+        phase = rec.phase
         prefill = decode = 0
-        if rec.phase == "prefill":
-            prefill = sum(e[1] for e in rec.entries)
-        elif rec.phase == "decode":
-            decode = sum(e[1] for e in rec.entries)
-        elif rec.phase == "mixed":
-            # Chunked prefill: prompt chunks and one-token decodes in one pass.
-            for e in rec.entries:
-                if e[1] == 1:
-                    decode += 1
-                else:
-                    prefill += e[1]
-        busy = wall * sum(w.share(i) for i in range(len(w.devices)))
+        if phase == "prefill":
+            prefill = tokens = sum(e[1] for e in rec.entries)
+        elif phase == "decode":
+            decode = tokens = sum(e[1] for e in rec.entries)
+        else:
+            tokens = 0
+            if phase == "mixed":
+                # Chunked prefill: prompt chunks and one-token decodes in one pass.
+                for e in rec.entries:
+                    if e[1] == 1:
+                        decode += 1
+                    else:
+                        prefill += e[1]
+                tokens = prefill + decode
+        busy = wall * self._share_sum[w.id]
         active_j = tensor_s = 0.0
-        for d in w.devices:
-            model = self.devices[d].power_model if d in self.devices else None
-            if model is not None:
-                joules = (model.power_w(rec.phase, rec.entries) - model.idle_w) * wall
-                self.sim_active_total_j[d] += joules
-                active_j += joules
-                tensor_s += model.compute_share(rec.phase, rec.entries) * wall
+        for d, model in self._sim_models[w.id]:
+            u = model.share_for(phase, tokens)
+            joules = (model.power_at(u) - model.idle_w) * wall
+            self.sim_active_total_j[d] += joules
+            active_j += joules
+            tensor_s += u * wall
         self._bins[w.id].add(rec.start, rec.start + wall, (busy, prefill, decode, active_j, tensor_s))
         self.group_busy_total[w.role] += busy
         self.phase_tokens_total["prefill"] += prefill

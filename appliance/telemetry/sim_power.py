@@ -44,13 +44,17 @@ class SimPowerModel:
         flops = spec.flops_fp8 if weight_bytes <= 1.0 and spec.flops_fp8 else spec.flops_bf16
         return cls(spec.idle_w, spec.tdp_w, ridge_tokens(flops, spec.mem_bw, weight_bytes))
 
-    def compute_share(self, phase: str, entries) -> float:
-        """u in [0, 1): how compute-bound the iteration was."""
-        if phase == "kv_import":
+    def share_for(self, phase: str, tokens: int) -> float:
+        """u in [0, 1): how compute-bound an iteration over `tokens` tokens was."""
+        if phase == "kv_import" or tokens <= 0:
             return 0.0
-        tokens = sum(e[1] for e in entries)
-        return tokens / (tokens + self.ridge) if tokens > 0 else 0.0
+        return tokens / (tokens + self.ridge)
+
+    def power_at(self, u: float) -> float:
+        return self.idle_w + (self.tdp_w - self.idle_w) * (FLOOR + (CEIL - FLOOR) * u)
+
+    def compute_share(self, phase: str, entries) -> float:
+        return self.share_for(phase, sum(e[1] for e in entries))
 
     def power_w(self, phase: str, entries) -> float:
-        u = self.compute_share(phase, entries)
-        return self.idle_w + (self.tdp_w - self.idle_w) * (FLOOR + (CEIL - FLOOR) * u)
+        return self.power_at(self.compute_share(phase, entries))
