@@ -152,7 +152,34 @@ def cmd_status(args) -> int:
         print(f"{w['worker']:<10} {w['role']:<8} {w['state']:<11} {w['pid'] or '-':>7} "
               f"{devices:<20} {kv:>15} {w['running'] if w['running'] is not None else '-':>4} "
               f"{w['waiting'] if w['waiting'] is not None else '-':>5} {w['restarts']:>8}")
+    for line in live_lines(data):
+        print(line)
     return 0
+
+
+def live_lines(data: dict) -> list[str]:
+    """The telemetry part of `applianced status`: per group over the last 10 s, the ratio."""
+    groups = data.get("groups") or {}
+    if not groups:
+        return []
+    src = data.get("sources") or {}
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+    lines = [f"{'group':<8} {'busy 10s':>8} {'GPU-s 10s':>9} {'J 10s':>10} {'power W':>9} "
+             f"{'tok/s 10s':>10}   (energy {src.get('energy') or '-'})"]
+    for name, g in groups.items():
+        lines.append(f"{name:<8} {num(g['busy_fraction']['10s'], '.0%'):>8} "
+                     f"{num(g['gpu_seconds']['10s'], '.2f'):>9} {num(g['energy_joules']['10s'], '.0f'):>10} "
+                     f"{num(g['power_w'], '.0f'):>9} {num(g['tokens_per_s']['10s'], '.0f'):>10}")
+    r = data.get("ratio") or {}
+    if r:
+        lat = data.get("latency") or {}
+        lines.append(f"prefill:decode ({r.get('window')}): GPU-s {num(r.get('gpu_seconds'), '.2f')}, "
+                     f"energy {num(r.get('energy'), '.2f')}, activity {num(r.get('activity'), '.2f')}; "
+                     f"TTFT p50 {num(lat.get('ttft_p50_s'), '.3f')} s, ITL p50 "
+                     f"{num(lat.get('itl_p50_s'), '.4f')} s, {num(data.get('requests_per_s'), '.1f')} req/s")
+    return lines
 
 
 def core_ranges(cores: list[int]) -> str:

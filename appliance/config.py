@@ -111,6 +111,15 @@ def parse_duration(text: str) -> float:
 
 
 @dataclass
+class TelemetryConfig:
+    sample_interval_s: float = 1.0    # device readings (NVML, RAPL/CPU model, simulated power)
+    retain_s: float = 600.0           # readings and iteration bins kept for energy queries
+    rapl_dir: str = "/sys/class/powercap"   # RAPL package counters (usually root-only)
+    cpu_idle_w_per_core: float = 1.5  # CPU power model when RAPL is unreadable
+    cpu_busy_w_per_core: float = 3.5
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
@@ -119,6 +128,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     site: SiteConfig = field(default_factory=SiteConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     state_dir: str = ""
 
 
@@ -191,6 +201,14 @@ def validate(cfg: Config) -> Config:
     for key, value in positive:
         if value <= 0:
             raise ConfigError(f"config: {key} must be positive, got {value}")
+    t = cfg.telemetry
+    if not 0.05 <= t.sample_interval_s <= 60:
+        raise ConfigError(f"config: telemetry.sample_interval_s must be within 0.05..60, got {t.sample_interval_s}")
+    if t.retain_s < 70:
+        raise ConfigError(f"config: telemetry.retain_s must be at least 70 (the 60-s window and its history), got {t.retain_s}")
+    for key in ("cpu_idle_w_per_core", "cpu_busy_w_per_core"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"config: telemetry.{key} must be 0 or more, got {getattr(t, key)}")
     if not 0 < cfg.server.port < 65536:
         raise ConfigError(f"config: server.port must be 1-65535, got {cfg.server.port}")
     if cfg.engine.prefill_chunk_tokens < 0:

@@ -64,12 +64,12 @@ async def plan(request: web.Request):
 
 
 class PlannerCollector:
-    """applianced_planner_recommended_workers{group} and applianced_group_workers{group}."""
+    """applianced_planner_recommended_workers{group}; the current count per group,
+    `applianced_group_workers`, comes with the live telemetry series."""
 
-    def __init__(self, planner, labels: dict[str, str], include_group_workers: bool):
+    def __init__(self, planner, labels: dict[str, str]):
         self.planner = planner
         self.labels = labels
-        self.include_group_workers = include_group_workers
 
     def collect(self):
         names = ["group", *self.labels]
@@ -79,25 +79,14 @@ class PlannerCollector:
         if self.planner.last_recommended is not None:
             for group, n in zip(("prefill", "decode"), self.planner.last_recommended):
                 rec.add_metric([group, *self.labels.values()], float(n))
-        out = [rec]
-        if self.include_group_workers:
-            cur = GaugeMetricFamily("applianced_group_workers", "Workers per group",
-                                    labels=names)
-            for group, n in zip(("prefill", "decode"), self.planner.box.current):
-                cur.add_metric([group, *self.labels.values()], float(n))
-            out.append(cur)
-        return out
+        return [rec]
 
 
 def _register_gauges(svc, planner) -> None:
     site = svc.cfg.site
     labels = {"site": site.name, "appliance": site.appliance or socket.gethostname(),
               "simulated": "true" if svc.simulated else "false"}
-    registry = svc.metrics.registry
-    try:
-        registry.register(PlannerCollector(planner, labels, True))
-    except ValueError:      # another surface exports applianced_group_workers already
-        registry.register(PlannerCollector(planner, labels, False))
+    svc.metrics.registry.register(PlannerCollector(planner, labels))
 
 
 def _repartition_starter(svc):
