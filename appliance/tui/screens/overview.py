@@ -1,0 +1,109 @@
+"""Screen 1, the first thing on screen: the prefill:decode ratio, then every device
+under its group, then rates, latencies and workers."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Sparkline, Static
+
+from appliance.tui.model import (DeviceView, GroupView, Overview, device_line, fmt_ratio,
+                                 group_line, rates_line, workers_line)
+from appliance.tui.screens.base import ConsoleScreen
+
+
+class DeviceRow(Horizontal):
+    """One device: its figures as text, then its utilization history."""
+
+    def __init__(self, dev_id: str):
+        super().__init__(classes="device")
+        self.dev_id = dev_id
+
+    def compose(self) -> ComposeResult:
+        yield Static(classes="device-text")
+        yield Sparkline([], classes="device-spark")
+
+    def show(self, d: DeviceView, history: list[float]) -> None:
+        self.query_one(".device-text", Static).update(device_line(d))
+        spark = self.query_one(".device-spark", Sparkline)
+        if list(spark.data or []) != history:
+            spark.data = history
+
+
+class OverviewScreen(ConsoleScreen):
+    TITLE = "Overview"
+    CSS_PATH = "overview.tcss"
+
+    def __init__(self):
+        super().__init__()
+        self._layout: tuple = ()
+
+    def compose_body(self) -> ComposeResult:
+        with VerticalScroll(id="body"):
+            with Vertical(id="ratio-box"):
+                yield Static(id="ratio")
+                yield Sparkline([], id="ratio-spark")
+            yield Static(id="rates")
+            yield Vertical(id="groups")
+            yield Static(id="workers")
+
+    def update_view(self) -> None:
+        state = self.app.current
+        ov = state.overview
+        if ov is None:
+            self.query_one("#ratio", Static).update("waiting for the first snapshot ...")
+            return
+        self.query_one("#ratio", Static).update(ratio_text(ov, state.history.ratio))
+        spark = self.query_one("#ratio-spark", Sparkline)
+        hist = [v for v in ov.ratio_history if v is not None][-60:]
+        if list(spark.data or []) != hist:
+            spark.data = hist
+        self.query_one("#rates", Static).update(rates_line(ov))
+        self.query_one("#workers", Static).update(workers_line(ov))
+        self._show_groups(ov.groups, state.history)
+
+    def _show_groups(self, groups: tuple[GroupView, ...], history) -> None:
+        box = self.query_one("#groups", Vertical)
+        layout = tuple((g.name, tuple(d.id for d in g.devices)) for g in groups)
+        if layout != self._layout:             # devices came or went: rebuild the rows
+            self._layout = layout
+            box.remove_children()
+            widgets = []
+            for g in groups:
+                widgets.append(Static(classes="group", id=f"group-{g.name}"))
+                widgets += [DeviceRow(d.id) for d in g.devices]
+            box.mount_all(widgets)
+            self.call_after_refresh(self._fill_groups, groups, history)
+            return
+        self._fill_groups(groups, history)
+
+    def _fill_groups(self, groups: tuple[GroupView, ...], history) -> None:
+        rows = {r.dev_id: r for r in self.query(DeviceRow)}
+        for g in groups:
+            for header in self.query(f"#group-{g.name}"):
+                header.update(Text(group_line(g), style="bold"))
+            for d in g.devices:
+                row = rows.get(d.id)
+                if row is not None and row.is_mounted:
+                    row.show(d, history.device(d.id))
+
+
+def ratio_text(ov: Overview, seen) -> Text:
+    """The ratio, big: GPU-seconds first; when idle, the last one seen, marked so."""
+    t = Text()
+    t.append("PREFILL:DECODE ", style="bold")
+    if ov.ratio_gpu is not None:
+        t.append(fmt_ratio(ov.ratio_gpu), style="bold reverse")
+        t.append(" GPU-s")
+    else:
+        last = next((v for v in reversed(list(seen)) if v is not None), None)
+        if ov.mode == "agg":
+            t.append("n/a (agg mode)")
+        elif last is not None:
+            t.append(fmt_ratio(last), style="bold")
+            t.append(" GPU-s (last; idle now)")
+        else:
+            t.append("n/a (idle)")
+    t.append(f"  energy {fmt_ratio(ov.ratio_energy)}  activity {fmt_ratio(ov.ratio_activity)}"
+             f"  [{ov.ratio_window}]")
+    return t
