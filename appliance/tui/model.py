@@ -159,6 +159,30 @@ class WorkerView:
     state: str                        # up | restarting | down (or the daemon's own word)
     restarts: int | None
     pid: int | None
+    devices: str = ""                 # "sim0" or "cpu0 cores 0-3"
+    kv_free: int | None = None
+    kv_total: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+
+
+def core_ranges(cores: list[int]) -> str:
+    """[0, 1, 2, 3, 8] -> '0-3,8' (how taskset and cpusets write them)."""
+    runs: list[list[int]] = []
+    for c in sorted(cores):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _worker_devices(w: dict) -> str:
+    devices = ",".join(str(d) for d in as_list(w.get("devices")))
+    cores = [c for c in as_list(w.get("cpu_cores")) if isinstance(c, int)]
+    if cores:
+        devices += f" cores {core_ranges(cores)}"
+    return devices
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +316,9 @@ def overview_from_status(status: dict, history: "History | None" = None) -> Over
     workers = tuple(WorkerView(
         worker=text(w.get("worker"), "?"), role=text(w.get("role"), "?"),
         state=WORKER_STATES.get(str(w.get("state")), text(w.get("state"))),
-        restarts=_int(w.get("restarts")), pid=_int(w.get("pid"))) for w in workers_json)
+        restarts=_int(w.get("restarts")), pid=_int(w.get("pid")), devices=_worker_devices(w),
+        kv_free=_int(w.get("kv_blocks_free")), kv_total=_int(w.get("kv_blocks_total")),
+        running=_int(w.get("running")), waiting=_int(w.get("waiting"))) for w in workers_json)
     return Overview(
         version=text(status.get("version")), site=text(status.get("site"), "local"),
         appliance=text(status.get("appliance"), ""), model=text(status.get("model")),
@@ -439,10 +465,21 @@ def render_overview_text(ov: Overview, history: History | None = None) -> str:
             spark = sparkline(history.device(d.id), 12) if history else ""
             lines.append(device_line(d, spark))
     lines.append(workers_line(ov))
-    for w in ov.workers:
-        lines.append(f"  {w.worker:<10} {w.role:<8} {w.state:<10} pid {text(w.pid, '-'):>7} "
-                     f"restarts {text(w.restarts)}")
+    lines += worker_table(ov)
     return "\n".join(lines)
+
+
+def worker_table(ov: Overview) -> list[str]:
+    """One line per worker, starting with its name (scripts grep for it)."""
+    width = max([len(w.devices) for w in ov.workers] + [7])
+    lines = [f"{'worker':<10} {'role':<8} {'state':<10} {'pid':>7} {'devices':<{width}} "
+             f"{'KV free/total':>15} {'run':>4} {'wait':>5} {'restarts':>8}"]
+    for w in ov.workers:
+        kv = f"{w.kv_free}/{w.kv_total}" if w.kv_total is not None else "-"
+        lines.append(f"{w.worker:<10} {w.role:<8} {w.state:<10} {text(w.pid, '-'):>7} "
+                     f"{w.devices:<{width}} {kv:>15} {text(w.running, '-'):>4} "
+                     f"{text(w.waiting, '-'):>5} {text(w.restarts, '-'):>8}")
+    return lines
 
 
 # ---------------------------------------------------------------- tenants (usage)
