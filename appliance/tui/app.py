@@ -162,5 +162,6 @@ class ApplianceConsole(App):
 
 
 def run(urls: list[str], admin_key: str | None = None) -> int:
-    ApplianceConsole(urls, admin_key).run()
-    return 0
+    app = ApplianceConsole(urls, admin_key)
+    app.run()
+    return app.return_code or 0
