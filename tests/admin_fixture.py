@@ -142,6 +142,11 @@ class FixtureAdmin:
                                    content_type="application/json")
         return web.json_response(data)
 
+    def _handler(self, name: str):
+        async def handle(request: web.Request):
+            return await self._json(request, name)
+        return handle
+
     async def _stream(self, request: web.Request):
         self.requests.append(request.path_qs)
         if not self.stream:
@@ -159,11 +164,8 @@ class FixtureAdmin:
 
     def _app(self) -> web.Application:
         app = web.Application()
-        app.router.add_get("/admin/v1/status", lambda r: self._json(r, "status"))
-        app.router.add_get("/admin/v1/usage", lambda r: self._json(r, "usage"))
-        app.router.add_get("/admin/v1/carbon", lambda r: self._json(r, "carbon"))
-        app.router.add_get("/admin/v1/plan", lambda r: self._json(r, "plan"))
-        app.router.add_get("/admin/v1/workflows", lambda r: self._json(r, "workflows"))
+        for name in ("status", "usage", "carbon", "plan", "workflows"):
+            app.router.add_get(f"/admin/v1/{name}", self._handler(name))
         app.router.add_get("/admin/v1/stream", self._stream)
         return app
 

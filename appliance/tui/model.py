@@ -111,15 +111,17 @@ def bar(frac: float | None, width: int = 10) -> str:
     return "[" + "#" * full + "." * (width - full) + "]"
 
 
-def sparkline(values: Iterable[float | None], width: int = 20) -> str:
-    """Block characters over the last `width` values, scaled to their own max (0 at the floor)."""
-    vals = [v for v in values][-width:]
+def sparkline(values: Iterable[float | None], width: int = 20, top: float | None = None) -> str:
+    """Block characters for the last `width` values, scaled to `top` (e.g. 1.0 for a
+    utilization, so 90% always looks like 90%) or, without it, to their own max."""
+    vals = list(values)[-width:]
     nums = [v for v in vals if v is not None]
     if not nums:
         return ""
-    top = max(nums) or 1.0
-    return "".join(" " if v is None else SPARK[min(int(v / top * (len(SPARK) - 1) + 0.5),
-                                                    len(SPARK) - 1)] for v in vals)
+    scale = top if top is not None else (max(nums) or 1.0)
+    return "".join(" " if v is None else
+                   SPARK[min(max(int(v / scale * (len(SPARK) - 1) + 0.5), 0), len(SPARK) - 1)]
+                   for v in vals)
 
 
 # ---------------------------------------------------------------- the overview
@@ -422,9 +424,9 @@ def rates_line(ov: Overview) -> str:
 
 
 def group_line(g: GroupView) -> str:
-    line = (f"{g.name.upper():<8} {len(g.devices)} dev {g.workers} wkr  busy {fmt_pct(g.busy)}  "
-            f"{fmt_num(g.tokens_per_s, digits=0)} tok/s  queue {text(g.waiting)} waiting "
-            f"{text(g.running)} running")
+    line = (f"{g.name.upper():<8} {len(g.devices)} dev  busy {fmt_pct(g.busy)}  "
+            f"{fmt_num(g.tokens_per_s, digits=0)} tok/s  queue {text(g.waiting)} wait "
+            f"{text(g.running)} run")
     if g.name in ("prefill", "agg") and g.queued_prefill_tokens:
         line += f" {g.queued_prefill_tokens} tok"
     if g.power_w is not None:
@@ -462,7 +464,7 @@ def render_overview_text(ov: Overview, history: History | None = None) -> str:
     for g in ov.groups:
         lines.append(group_line(g))
         for d in g.devices:
-            spark = sparkline(history.device(d.id), 12) if history else ""
+            spark = sparkline(history.device(d.id), 12, top=1.0) if history else ""
             lines.append(device_line(d, spark))
     lines.append(workers_line(ov))
     lines += worker_table(ov)

@@ -67,23 +67,27 @@ class ConsoleScreen(Screen):
         app = self.app
         state = app.current
         ov = state.overview
-        bar = Text()
-        bar.append(f" applianced · {self.TITLE} ", style="bold")
-        if ov is not None:
-            where = ov.site + (f"/{ov.appliance}" if ov.appliance else "")
-            bar.append(f"· {where} · {ov.model} ")
-        if len(app.urls) > 1:
-            bar.append(f"· box {app.urls.index(state.url) + 1}/{len(app.urls)} ")
-        bar.append(f"· {state.link.state} ")
         tags = badges(ov) if ov is not None else []
         if len(app.urls) > 1 or self.TITLE == "Fleet":
             tags = sorted({t for s in app.appliances.values() if s.overview
                            for t in badges(s.overview)} | set(tags))
+        bar = Text()
         for tag in tags + [t for t in self.extra_badges() if t not in tags]:
-            bar.append(f" {tag} ", style="reverse bold")
+            bar.append(f" {tag} ", style="reverse bold")     # first: never cut off
             bar.append(" ")
         if app.paused:
             bar.append(" PAUSED ", style="reverse")
+            bar.append(" ")
+        bar.append(self.TITLE, style="bold")
+        if ov is not None:
+            where = ov.site + (f"/{ov.appliance}" if ov.appliance else "")
+            bar.append(f" · {where} · {ov.model}")
+        bar.append(f" · {state.link.state}")
+        if len(app.urls) > 1:
+            bar.append(f" · box {app.urls.index(state.url) + 1}/{len(app.urls)} (a)")
+        bar.append(" · applianced")
+        bar.no_wrap = True
+        bar.overflow = "ellipsis"
         self.query_one("#bar", Static).update(bar)
 
         lines = []

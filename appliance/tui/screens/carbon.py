@@ -13,11 +13,12 @@ from appliance.tui.screens.fetching import FetchingScreen
 
 def carbon_table(rows: list[CarbonView]) -> Table:
     table = Table(box=None, pad_edge=False, expand=True, header_style="bold")
-    for label, justify, ratio in [("site", "left", 1), ("tenant", "left", 2),
-                                  ("gCO2e/kWh", "right", 1), ("provenance", "left", 2),
-                                  ("kWh", "right", 1), ("kgCO2e", "right", 1),
-                                  ("SCI g/1k tok", "right", 1)]:
-        table.add_column(label, justify=justify, no_wrap=True, overflow="ellipsis", ratio=ratio)
+    for label, justify, ratio in [("site", "left", 1), ("tenant", "left", 1),
+                                  ("gCO2e/kWh", "right", 0), ("provenance", "left", 2),
+                                  ("kWh", "right", 0), ("kgCO2e", "right", 0),
+                                  ("SCI g/1k tok", "right", 0)]:
+        table.add_column(label, justify=justify, no_wrap=True, overflow="ellipsis",
+                         min_width=len(label) if ratio == 0 else None, ratio=ratio or None)
     for r in rows:
         table.add_row(r.site, r.tenant, fmt_num(r.intensity, digits=0), r.provenance,
                       fmt_num(r.kwh, digits=3), fmt_num(r.kg_co2e, digits=3),

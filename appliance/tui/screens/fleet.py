@@ -44,14 +44,17 @@ class FleetScreen(FetchingScreen):
         self.query_one("#fleet-ratio", Static).update(ratio)
 
         table = Table(box=None, pad_edge=False, expand=True, header_style="bold")
-        for label, justify in [("site", "left"), ("appliance", "left"), ("url", "left"),
-                               ("link", "left"), ("P:D", "right"), ("devices", "right"),
-                               ("req/s", "right"), ("tok/s", "right")]:
-            table.add_column(label, justify=justify, no_wrap=True, overflow="ellipsis")
+        for label, justify, ratio in [("site", "left", 1), ("appliance", "left", 1),
+                                      ("url", "left", 2), ("link", "left", 0),
+                                      ("P:D", "right", 0), ("dev", "right", 0),
+                                      ("req/s", "right", 0), ("tok/s", "right", 0)]:
+            table.add_column(label, justify=justify, no_wrap=True, overflow="ellipsis",
+                             min_width=None if ratio else max(len(label), 7),
+                             ratio=ratio or None)
         rows = sorted((site_row(s.url, s.link.state, s.overview) for s in states),
                       key=lambda r: (r.site, r.appliance, r.url))
         for r in rows:
-            table.add_row(r.site + (" (sim)" if r.simulated else ""), r.appliance or "-",
+            table.add_row(r.site, r.appliance or "-",
                           r.url, r.state, fmt_ratio(r.ratio_gpu), str(r.devices),
                           fmt_num(r.requests_per_s), fmt_num(r.tokens_per_s, digits=0))
         self.query_one("#fleet-sites", Static).update(table)

@@ -4,30 +4,28 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Sparkline, Static
 
 from appliance.tui.model import (DeviceView, GroupView, Overview, device_line, fmt_ratio,
-                                 group_line, rates_line, workers_line)
+                                 group_line, rates_line, sparkline, workers_line)
 from appliance.tui.screens.base import ConsoleScreen
 
 
-class DeviceRow(Horizontal):
-    """One device: its figures as text, then its utilization history."""
+DEVICE_TEXT_WIDTH = 61             # device_line() without its sparkline
+
+
+class DeviceRow(Static):
+    """One device: its figures, then its utilization history on a fixed 0-100% scale
+    (Textual's Sparkline scales to its own min and max, which would draw a steady 90%
+    as flat as a steady 5%)."""
 
     def __init__(self, dev_id: str):
         super().__init__(classes="device")
         self.dev_id = dev_id
 
-    def compose(self) -> ComposeResult:
-        yield Static(classes="device-text")
-        yield Sparkline([], classes="device-spark")
-
-    def show(self, d: DeviceView, history: list[float]) -> None:
-        self.query_one(".device-text", Static).update(device_line(d))
-        spark = self.query_one(".device-spark", Sparkline)
-        if list(spark.data or []) != history:
-            spark.data = history
+    def show(self, d: DeviceView, history: list[float], spark_width: int) -> None:
+        self.update(device_line(d, sparkline(history, spark_width, top=1.0)))
 
 
 class OverviewScreen(ConsoleScreen):
@@ -79,13 +77,14 @@ class OverviewScreen(ConsoleScreen):
 
     def _fill_groups(self, groups: tuple[GroupView, ...], history) -> None:
         rows = {r.dev_id: r for r in self.query(DeviceRow)}
+        spark_width = max(4, min(60, self.size.width - DEVICE_TEXT_WIDTH - 2))
         for g in groups:
             for header in self.query(f"#group-{g.name}"):
                 header.update(Text(group_line(g), style="bold"))
             for d in g.devices:
                 row = rows.get(d.id)
                 if row is not None and row.is_mounted:
-                    row.show(d, history.device(d.id))
+                    row.show(d, history.device(d.id), spark_width)
 
 
 def ratio_text(ov: Overview, seen) -> Text:

@@ -21,7 +21,7 @@ def money(x: float | None) -> str:
 
 
 def tenant_table(rows: list[TenantView], sort_key: str, descending: bool) -> Table:
-    arrow = "v" if descending else "^"
+    arrow = "↓" if descending else "↑"
     table = Table(box=None, pad_edge=False, expand=True, header_style="bold")
     heads = [("tenant", "left"), ("gpu_seconds", "right"), ("split", "right"),
              ("share", "right"), ("cost_usage", "right"), ("cost_allocation", "right"),
@@ -31,7 +31,8 @@ def tenant_table(rows: list[TenantView], sort_key: str, descending: bool) -> Tab
         if key == sort_key:
             label += arrow
         table.add_column(label, justify=justify, no_wrap=True, overflow="ellipsis",
-                         ratio=2 if key == "tenant" else 1)
+                         min_width=None if key == "tenant" else len(label),
+                         ratio=1 if key == "tenant" else None)
     for r in rows:
         split = (f"{r.prefill_gpu_seconds / r.gpu_seconds * 100:.0f}/"
                  f"{r.decode_gpu_seconds / r.gpu_seconds * 100:.0f}") if r.gpu_seconds else NA
