@@ -13,7 +13,7 @@ from appliance.tui.screens.fetching import FetchingScreen
 
 def carbon_table(rows: list[CarbonView]) -> Table:
     table = Table(box=None, pad_edge=False, expand=True, header_style="bold")
-    for label, justify, ratio in [("site", "left", 1), ("tenant", "left", 1),
+    for label, justify, ratio in [("site", "left", 1), ("tenant", "left", 2),
                                   ("gCO2e/kWh", "right", 0), ("provenance", "left", 2),
                                   ("kWh", "right", 0), ("kgCO2e", "right", 0),
                                   ("SCI g/1k tok", "right", 0)]:

@@ -28,6 +28,12 @@ class DeviceRow(Static):
         self.update(device_line(d, sparkline(history, spark_width, top=1.0)))
 
 
+class GroupHeader(Static):
+    def __init__(self, group: str):
+        super().__init__(classes="group")
+        self.group = group
+
+
 class OverviewScreen(ConsoleScreen):
     TITLE = "Overview"
     CSS_PATH = "overview.tcss"
@@ -35,6 +41,7 @@ class OverviewScreen(ConsoleScreen):
     def __init__(self):
         super().__init__()
         self._layout: tuple = ()
+        self._rebuilding = False
 
     def compose_body(self) -> ComposeResult:
         with VerticalScroll(id="body"):
@@ -61,29 +68,39 @@ class OverviewScreen(ConsoleScreen):
         self._show_groups(ov.groups, state.history)
 
     def _show_groups(self, groups: tuple[GroupView, ...], history) -> None:
-        box = self.query_one("#groups", Vertical)
         layout = tuple((g.name, tuple(d.id for d in g.devices)) for g in groups)
         if layout != self._layout:             # devices came or went: rebuild the rows
-            self._layout = layout
-            box.remove_children()
-            widgets = []
-            for g in groups:
-                widgets.append(Static(classes="group", id=f"group-{g.name}"))
-                widgets += [DeviceRow(d.id) for d in g.devices]
-            box.mount_all(widgets)
-            self.call_after_refresh(self._fill_groups, groups, history)
+            if not self._rebuilding:
+                self._rebuilding = True
+                self.run_worker(self._rebuild(layout, groups, history), group="rows",
+                                exit_on_error=False)
             return
         self._fill_groups(groups, history)
 
+    async def _rebuild(self, layout: tuple, groups: tuple[GroupView, ...], history) -> None:
+        try:
+            box = self.query_one("#groups", Vertical)
+            await box.remove_children()
+            widgets = []
+            for g in groups:
+                widgets.append(GroupHeader(g.name))
+                widgets += [DeviceRow(d.id) for d in g.devices]
+            await box.mount_all(widgets)
+            self._layout = layout
+        finally:
+            self._rebuilding = False
+        self.update_all()                     # the newest snapshot, not the one we started with
+
     def _fill_groups(self, groups: tuple[GroupView, ...], history) -> None:
         rows = {r.dev_id: r for r in self.query(DeviceRow)}
+        headers = {h.group: h for h in self.query(GroupHeader)}
         spark_width = max(4, min(60, self.size.width - DEVICE_TEXT_WIDTH - 2))
         for g in groups:
-            for header in self.query(f"#group-{g.name}"):
-                header.update(Text(group_line(g), style="bold"))
+            if g.name in headers:
+                headers[g.name].update(Text(group_line(g), style="bold"))
             for d in g.devices:
                 row = rows.get(d.id)
-                if row is not None and row.is_mounted:
+                if row is not None:
                     row.show(d, history.device(d.id), spark_width)
 
 
