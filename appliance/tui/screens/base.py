@@ -14,14 +14,15 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from appliance.tui.model import badges, fmt_duration
+from appliance.tui.widgets import Field
 
 
 class ConsoleScreen(Screen):
     TITLE = ""
 
     def compose(self) -> ComposeResult:
-        yield Static(id="bar", classes="bar")
-        yield Static(id="banner", classes="banner")
+        yield Field(id="bar", classes="bar")
+        yield Field(id="banner", classes="banner")
         yield from self.compose_body()
         yield Footer()
 
@@ -43,8 +44,8 @@ class ConsoleScreen(Screen):
 
     def update_all(self) -> None:
         try:
+            self.update_view()               # first: it decides the screen's own badges
             self.update_header()
-            self.update_view()
         except Exception as exc:       # noqa: BLE001 - shown, never raised
             self.query_one("#banner", Static).update(f"display error: {type(exc).__name__}: {exc}")
             self.query_one("#banner", Static).display = True

@@ -8,6 +8,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from appliance.tui.model import CarbonView, carbon_from_json, fmt_num
+from appliance.tui.widgets import Field
 from appliance.tui.screens.fetching import FetchingScreen
 
 
@@ -35,9 +36,9 @@ class CarbonScreen(FetchingScreen):
         self.rows: list[CarbonView] = []
 
     def compose_body(self) -> ComposeResult:
-        yield Static(id="carbon-head")
+        yield Field(id="carbon-head")
         with VerticalScroll(id="carbon-body"):
-            yield Static(id="carbon-table")
+            yield Field(id="carbon-table")
 
     def request(self):
         return "/admin/v1/carbon", {"group_by": "site,tenant"}
@@ -64,4 +65,7 @@ class CarbonScreen(FetchingScreen):
             body.update("Carbon: not available yet (this daemon has no /admin/v1/carbon).")
             return
         self.rows = carbon_from_json(answer or {})
-        body.update(carbon_table(self.rows) if self.rows else "no carbon figures yet")
+        if self.rows:
+            body.update(carbon_table(self.rows), key=tuple(self.rows))
+        else:
+            body.update("no carbon figures yet")

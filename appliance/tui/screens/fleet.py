@@ -10,6 +10,7 @@ from textual.widgets import Static
 
 from appliance.tui.model import (fleet_ratio, fmt_num, fmt_pct, fmt_ratio, merge_tenants,
                                  site_row, tenants_from_usage)
+from appliance.tui.widgets import Field
 from appliance.tui.screens.fetching import FetchingScreen
 from appliance.tui.screens.tenants import money
 
@@ -22,10 +23,10 @@ class FleetScreen(FetchingScreen):
 
     def compose_body(self) -> ComposeResult:
         with VerticalScroll(id="fleet-body"):
-            yield Static(id="fleet-ratio")
-            yield Static(id="fleet-sites")
-            yield Static("top tenants, last 24h", classes="section")
-            yield Static(id="fleet-tenants")
+            yield Field(id="fleet-ratio")
+            yield Field(id="fleet-sites")
+            yield Field("top tenants, last 24h", classes="section")
+            yield Field(id="fleet-tenants")
 
     def urls(self) -> list[str]:
         return [u for u, s in self.app.appliances.items() if s.link.up]
@@ -57,7 +58,7 @@ class FleetScreen(FetchingScreen):
             table.add_row(r.site, r.appliance or "-",
                           r.url, r.state, fmt_ratio(r.ratio_gpu), str(r.devices),
                           fmt_num(r.requests_per_s), fmt_num(r.tokens_per_s, digits=0))
-        self.query_one("#fleet-sites", Static).update(table)
+        self.query_one("#fleet-sites", Static).update(table, key=tuple(rows))
 
         tenants_box = self.query_one("#fleet-tenants", Static)
         answers = [a for a in self.data.values() if a is not None]
@@ -74,4 +75,4 @@ class FleetScreen(FetchingScreen):
         for r in merged:
             t.add_row(r.tenant, fmt_num(r.gpu_seconds), fmt_pct(r.share), money(r.cost_usage),
                       fmt_num(r.kg_co2e, digits=3))
-        tenants_box.update(t)
+        tenants_box.update(t, key=tuple(merged))

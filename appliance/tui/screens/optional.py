@@ -3,11 +3,14 @@ Until their APIs exist they say "not available yet"; when the daemon answers, th
 what it returns as a plain table, so an operator sees the data the day it lands."""
 from __future__ import annotations
 
+import json
+
 from rich.table import Table
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from appliance.tui.widgets import Field
 from appliance.tui.screens.fetching import FetchingScreen
 
 
@@ -54,7 +57,7 @@ class OptionalApiScreen(FetchingScreen):
 
     def compose_body(self) -> ComposeResult:
         with VerticalScroll(classes="optional-body"):
-            yield Static(classes="optional-content note")
+            yield Field(classes="optional-content note")
 
     def request(self):
         return self.PATH, None
@@ -69,7 +72,8 @@ class OptionalApiScreen(FetchingScreen):
         elif self.data.get(url) is None:
             body.update(f"{self.TITLE}: not available yet (this daemon has no {self.PATH}).")
         else:
-            body.update(generic_table(self.data[url]))
+            body.update(generic_table(self.data[url]),
+                        key=json.dumps(self.data[url], sort_keys=True, default=str))
 
 
 class CapacityScreen(OptionalApiScreen):

@@ -9,13 +9,14 @@ from textual.widgets import Sparkline, Static
 
 from appliance.tui.model import (DeviceView, GroupView, Overview, device_line, fmt_ratio,
                                  group_line, rates_line, sparkline, workers_line)
+from appliance.tui.widgets import Field
 from appliance.tui.screens.base import ConsoleScreen
 
 
 DEVICE_TEXT_WIDTH = 61             # device_line() without its sparkline
 
 
-class DeviceRow(Static):
+class DeviceRow(Field):
     """One device: its figures, then its utilization history on a fixed 0-100% scale
     (Textual's Sparkline scales to its own min and max, which would draw a steady 90%
     as flat as a steady 5%)."""
@@ -28,7 +29,7 @@ class DeviceRow(Static):
         self.update(device_line(d, sparkline(history, spark_width, top=1.0)))
 
 
-class GroupHeader(Static):
+class GroupHeader(Field):
     def __init__(self, group: str):
         super().__init__(classes="group")
         self.group = group
@@ -46,11 +47,11 @@ class OverviewScreen(ConsoleScreen):
     def compose_body(self) -> ComposeResult:
         with VerticalScroll(id="body"):
             with Vertical(id="ratio-box"):
-                yield Static(id="ratio")
+                yield Field(id="ratio")
                 yield Sparkline([], id="ratio-spark")
-            yield Static(id="rates")
+            yield Field(id="rates")
             yield Vertical(id="groups")
-            yield Static(id="workers")
+            yield Field(id="workers")
 
     def update_view(self) -> None:
         state = self.app.current

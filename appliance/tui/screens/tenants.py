@@ -10,6 +10,7 @@ from textual.widgets import Input, Static
 
 from appliance.tui.model import (NA, PERIODS, TENANT_SORTS, TenantView, filter_tenants, fmt_num,
                                  fmt_pct, sort_tenants, tenants_from_usage)
+from appliance.tui.widgets import Field
 from appliance.tui.screens.fetching import FetchingScreen
 
 SORT_LABELS = {"gpu_seconds": "GPU-s", "cost_usage": "$ usage", "cost_allocation": "$ alloc",
@@ -67,9 +68,9 @@ class TenantsScreen(FetchingScreen):
         self.rows: list[TenantView] = []
 
     def compose_body(self) -> ComposeResult:
-        yield Static(id="tenants-head")
+        yield Field(id="tenants-head")
         with VerticalScroll(id="tenants-body"):
-            yield Static(id="tenants-table")
+            yield Field(id="tenants-table")
         yield Input(placeholder="filter tenants (Enter applies, Esc clears)", id="tenants-filter")
 
     def request(self):
@@ -106,7 +107,8 @@ class TenantsScreen(FetchingScreen):
         if not rows:
             body.update("no usage in this period" + (" matching the filter" if self.needle else ""))
             return
-        body.update(tenant_table(rows, self.sort_key, self.descending))
+        body.update(tenant_table(rows, self.sort_key, self.descending),
+                    key=(tuple(rows), self.sort_key, self.descending))
 
     # ------------------------------------------------------------ keys
 
