@@ -4,6 +4,7 @@ check and the console's idle CPU.
     .venv/bin/python bench/bench_tui.py                 # ~1 min: starts a sim:8xH100 daemon
     .venv/bin/python bench/bench_tui.py --url URL       # against a running daemon
     .venv/bin/python bench/bench_tui.py --size 200x60 --seconds 30
+    .venv/bin/python bench/bench_tui.py --capture docs/tui-overview.txt   # the README's capture
 
 1. Starts the console at the given size and waits for its first screen to show PREFILL,
    DECODE, the eight devices, SIMULATED and a ratio `N:1` (a few seconds of mixed load
@@ -115,6 +116,7 @@ def main() -> int:
     ap.add_argument("--size", default="80x24")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--load-seconds", type=float, default=6.0)
+    ap.add_argument("--capture", help="write the first screen (under load) to this file")
     args = ap.parse_args()
 
     from conftest import start_daemon            # the test suite's own daemon launcher
@@ -142,6 +144,9 @@ def main() -> int:
                    "fixture_sse_4_per_s": {k: streamed[k] for k in ("cpu_percent_of_one_core",
                                                                      "exit_status")}}
         print(first["screen"])
+        if args.capture:
+            Path(args.capture).write_text("\n".join(ln.rstrip() for ln in
+                                                    first["screen"].rstrip().splitlines()) + "\n")
         print(json.dumps(results, indent=2))
     finally:
         if daemon is not None:

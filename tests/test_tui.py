@@ -312,7 +312,10 @@ def test_overview_layout_snapshot(size):
         async def scenario():
             app = ApplianceConsole([srv.url])
             async with app.run_test(size=size) as pilot:
-                return await wait_screen(app, pilot, lambda t: "sim7" in t, what="overview")
+                await wait_screen(app, pilot, lambda t: "decode3 up" in t and "q Quit" in t,
+                                  what="the whole overview")
+                await pilot.pause(0.3)             # settled: nothing more is coming
+                return app.screen_text()
         text = run(scenario)
     text = text.replace(srv.url, "http://127.0.0.1:PORT")
     path = SNAPSHOTS / f"overview_{size[0]}x{size[1]}.txt"

@@ -454,6 +454,17 @@ def workers_line(ov: Overview) -> str:
     return line
 
 
+def workers_grid(ov: Overview, width: int) -> str:
+    """Every worker as `name state r=restarts`, as many to a line as fit."""
+    cells = [f"{w.worker} {w.state} r={text(w.restarts, '?')}" for w in ov.workers]
+    if not cells:
+        return ""
+    cell = max(len(c) for c in cells) + 2
+    per_line = max(1, (width - 2) // cell)
+    return "\n".join("  " + "".join(c.ljust(cell) for c in cells[i:i + per_line]).rstrip()
+                     for i in range(0, len(cells), per_line))
+
+
 def render_overview_text(ov: Overview, history: History | None = None) -> str:
     """The overview once, as plain text: what `applianced status` prints."""
     tags = " ".join(f"[{b}]" for b in badges(ov))

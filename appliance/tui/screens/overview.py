@@ -8,7 +8,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Sparkline, Static
 
 from appliance.tui.model import (DeviceView, GroupView, Overview, device_line, fmt_ratio,
-                                 group_line, rates_line, sparkline, workers_line)
+                                 group_line, rates_line, sparkline, workers_grid,
+                                 workers_line)
 from appliance.tui.widgets import Field
 from appliance.tui.screens.base import ConsoleScreen
 
@@ -52,6 +53,7 @@ class OverviewScreen(ConsoleScreen):
             yield Field(id="rates")
             yield Vertical(id="groups")
             yield Field(id="workers")
+            yield Field(id="worker-grid")
 
     def update_view(self) -> None:
         state = self.app.current
@@ -66,6 +68,7 @@ class OverviewScreen(ConsoleScreen):
             spark.data = hist
         self.query_one("#rates", Static).update(rates_line(ov))
         self.query_one("#workers", Static).update(workers_line(ov))
+        self.query_one("#worker-grid", Static).update(workers_grid(ov, self.size.width))
         self._show_groups(ov.groups, state.history)
 
     def _show_groups(self, groups: tuple[GroupView, ...], history) -> None:
