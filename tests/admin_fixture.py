@@ -104,7 +104,8 @@ class FixtureAdmin:
     whatever the test last set. `stop()` and `start()` again keep the port."""
 
     def __init__(self, status: dict | None = None, *, stream: bool = True,
-                 sse_interval: float = 0.5):
+                 sse_interval: float = 0.5, admin_key: str | None = None):
+        self.admin_key = admin_key
         self.status = status if status is not None else contract_status(0.5, 0.5)
         self.usage: dict | None = None
         self.carbon: dict | None = None
@@ -163,7 +164,15 @@ class FixtureAdmin:
             await asyncio.sleep(self.sse_interval)
 
     def _app(self) -> web.Application:
-        app = web.Application()
+        @web.middleware
+        async def guard(request, handler):     # what the daemon's auth.guard answers
+            if self.admin_key and request.headers.get("Authorization") != f"Bearer {self.admin_key}":
+                return web.json_response({"error": {"message": "an admin key is required",
+                                                    "type": "permission_error", "param": None,
+                                                    "code": "forbidden"}}, status=403)
+            return await handler(request)
+
+        app = web.Application(middlewares=[guard])
         for name in ("status", "usage", "carbon", "plan", "workflows"):
             app.router.add_get(f"/admin/v1/{name}", self._handler(name))
         app.router.add_get("/admin/v1/stream", self._stream)

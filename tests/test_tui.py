@@ -225,6 +225,19 @@ def test_unreachable_at_start_then_reachable_on_the_same_port():
         srv.stop()
 
 
+def test_a_refused_key_is_a_banner_and_the_right_key_is_sent():
+    with FixtureAdmin(contract_status(0.9, 0.5), admin_key="sk-admin") as srv:
+        async def scenario(key):
+            app = ApplianceConsole([srv.url], key, backoff=(0.1, 0.5))
+            async with app.run_test(size=(80, 24)) as pilot:
+                return await wait_screen(app, pilot, lambda t: "refused" in t or "sim7" in t,
+                                         what="an answer")
+        text = run(lambda: scenario("wrong"))
+        assert "refused the console: HTTP 403: an admin key is required" in text
+        text = run(lambda: scenario("sk-admin"))
+        assert "refused" not in text and "1.80:1" in text
+
+
 def test_screens_keys_and_not_available_yet():
     with FixtureAdmin(contract_status(0.9, 0.5)) as srv:
         srv.set(carbon={"rows": [{"site": "local", "tenant": "batch-etl",
@@ -297,6 +310,9 @@ def test_fleet_sums_the_ratio_lists_sites_and_merges_tenants():
                 text = await wait_screen(app, pilot, lambda t: "unreachable" in t,
                                          what="box 2 down")
                 assert "1/2 appliances reachable" in text and b.url in text
+                await pilot.press("1", "a")                       # the second box's overview
+                await wait_screen(app, pilot, lambda t: "paris/box2" in t.splitlines()[0],
+                                  what="box 2 selected")
         run(scenario)
 
 
