@@ -95,7 +95,11 @@ class ApplianceFeed:
                         if time.monotonic() - started > self.backoff[1]:
                             delay = self.backoff[0]
                             continue                  # a long stream broke: again at once
-                        raise _Unreachable("the stream keeps closing")
+                        # a stream that keeps ending at once: retry it, but not in a spin
+                        # (the next attempt says "unreachable" if the daemon is gone)
+                        await self._sleep(delay)
+                        delay = min(delay * 2, self.backoff[1])
+                        continue
                     await self._poll_forever()
                 except _Unreachable as exc:
                     self._set_link("unreachable", str(exc), retry_in=delay)
