@@ -5,7 +5,7 @@ It stands in for the parts of the daemon that other streams are still building (
 live keys of `/admin/v1/status`, `/admin/v1/stream`, `/admin/v1/usage`,
 `/admin/v1/carbon`). Tests that use it reach it through the `live_admin` fixture and
 assert only what they can also read from the API, so switching them to the real daemon
-is a change of that one fixture (see `DaemonAdmin` in test_tui_live.py).
+is a change of that one fixture (`LIVE_DEFAULT` and `DaemonLive` in test_tui_live.py).
 """
 from __future__ import annotations
 
