@@ -339,3 +339,24 @@ def test_overview_layout_snapshot(size):
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
     assert text == path.read_text()
+
+
+# ---------------------------------------------------------------- command line
+
+def test_urls_from_the_flag_then_the_config_then_the_local_daemon(tmp_path, capsys):
+    from appliance.cli import main
+    from appliance.commands.tui import resolve_urls
+    from appliance.config import ConfigError
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[tui]\nurls = ["http://gpu-a:8000/", "http://gpu-b:8000"]\n')
+    assert resolve_urls(None, str(cfg)) == ["http://gpu-a:8000", "http://gpu-b:8000"]
+    assert resolve_urls(["http://x:1", "http://x:1/"], str(cfg)) == ["http://x:1"]
+    empty = tmp_path / "e.toml"
+    empty.write_text("")
+    assert resolve_urls(None, str(empty)) == ["http://127.0.0.1:8000"]
+    cfg.write_text('[tui]\nurls = ["gpu-a:8000"]\n')
+    with pytest.raises(ConfigError, match="tui.urls: 'gpu-a:8000' is not an http"):
+        resolve_urls(None, str(cfg))
+    assert main(["tui", "--url", "gpu-a"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected http://host:port" in err
