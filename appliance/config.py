@@ -120,6 +120,13 @@ class TelemetryConfig:
 
 
 @dataclass
+class TuiConfig:
+    # Appliances `applianced tui` watches when no --url is given; several make a fleet.
+    # Empty: the local daemon (http://127.0.0.1:8000).
+    urls: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
@@ -129,6 +136,7 @@ class Config:
     site: SiteConfig = field(default_factory=SiteConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    tui: TuiConfig = field(default_factory=TuiConfig)
     state_dir: str = ""
 
 
@@ -188,6 +196,9 @@ def validate(cfg: Config) -> Config:
     if cfg.auth.metrics_access not in ("open", "loopback", "admin"):
         raise ConfigError(f"config: auth.metrics_access must be open, loopback or admin, "
                           f"got {cfg.auth.metrics_access!r}")
+    for url in cfg.tui.urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"config: tui.urls: {url!r} is not an http:// or https:// URL")
     if cfg.devices.mode not in ("disagg", "agg"):
         raise ConfigError(f"config: devices.mode must be disagg or agg, got {cfg.devices.mode!r}")
     if cfg.engine.kind not in ("auto", "sim", "torch", "trtllm"):

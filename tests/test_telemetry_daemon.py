@@ -175,7 +175,9 @@ def test_status_cli_shows_groups_and_ratio(sim_daemon):
                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert any(line.startswith("prefill ") and "%" in line for line in lines), out.stdout
-    assert any(line.startswith("decode ") for line in lines)
-    assert any(line.startswith("prefill:decode (10s): GPU-s ") for line in lines)
-    assert "(energy simulated)" in out.stdout
+    assert any(line.startswith("PREFILL ") and "busy" in line and "%" in line
+               for line in lines), out.stdout
+    assert any(line.startswith("DECODE ") for line in lines)
+    assert any(line.startswith("prefill:decode ") and "GPU-s" in line and "energy" in line
+               for line in lines)
+    assert "[SIMULATED]" in out.stdout
