@@ -294,19 +294,23 @@ def _progress_printer():
 
 
 async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = None) -> int:
+    # First, before any child starts: inherited listening sockets and their variables.
+    inherited = systemd.listen_sockets()
     state_dir.mkdir(parents=True, exist_ok=True)
     systemd.notify("STATUS=preparing the model")
     try:
-        setup = plan_setup(cfg, state_dir, progress=_progress_printer())
+        with systemd.KeepExtending():   # may generate the default model (seconds to minutes)
+            setup = plan_setup(cfg, state_dir, progress=_progress_printer())
     except ValueError as exc:   # bad device spec, impossible split, unknown model spec
         raise StartupError(str(exc)) from None
     if setup.inventory.note:
         log.warning("%s", setup.inventory.note)
     log.info("plan: %s", setup.plan.reason)
     svc = Service(cfg, setup, sink)
-    systemd.notify(f"STATUS=starting {len(setup.specs)} workers")
+    systemd.notify(f"STATUS=starting {len(setup.specs)} workers (loading {setup.model_name})")
     try:
-        await svc.pool.start()
+        with systemd.KeepExtending():   # workers load weights and warm up before Hello
+            await svc.pool.start()
     except (WorkerGone, OSError) as exc:
         await svc.pool.stop(2)
         raise StartupError(str(exc)) from None
@@ -314,22 +318,29 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     app = build_app(svc, cfg.server.max_body_bytes)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)
+    if inherited:   # socket activation (systemd/applianced.socket): systemd chose the address
+        sites = [web.SockSite(runner, sock) for sock in inherited]
+        where = ", ".join(_sock_name(sock) for sock in inherited)
+        log.info("listening on %s, passed by systemd (server.host/port not used)", where)
+    else:
+        sites = [web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)]
+        where = f"{cfg.server.host}:{cfg.server.port}"
     try:
-        await site.start()
+        for site in sites:
+            await site.start()
     except OSError as exc:
         await svc.pool.stop(2)
         await runner.cleanup()
-        raise StartupError(f"cannot listen on {cfg.server.host}:{cfg.server.port}: "
-                           f"{exc.strerror}") from None
+        raise StartupError(f"cannot listen on {where}: {exc.strerror}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     warn_if_exposed(cfg)
-    log.info("serving %s on http://%s:%s (%s, %s%s)", svc.model_name, cfg.server.host,
-             cfg.server.port, setup.engine, setup.plan.mode, ", simulated" if svc.simulated else "")
-    print(json.dumps({"event": "ready", "host": cfg.server.host, "port": cfg.server.port,
+    log.info("serving %s on %s (%s, %s%s)", svc.model_name, where, setup.engine,
+             setup.plan.mode, ", simulated" if svc.simulated else "")
+    host, port = (cfg.server.host, cfg.server.port) if not inherited else _host_port(inherited[0])
+    print(json.dumps({"event": "ready", "host": host, "port": port,
                       "model": svc.model_name, "engine": setup.engine,
                       "simulated": svc.simulated}), file=sys.stderr, flush=True)
     systemd.notify("READY=1", f"STATUS=serving {svc.model_name}")
@@ -344,15 +355,28 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     if svc.inflight:
         log.warning("drain timeout: %d requests still in flight are cut off", svc.inflight)
     watchdog.cancel()
-    await site.stop()
+    for site in sites:
+        await site.stop()
     await svc.pool.stop()
     await runner.cleanup()
     return 0
 
 
+def _host_port(sock) -> tuple[str, int | None]:
+    name = sock.getsockname()
+    return (name[0], name[1]) if isinstance(name, tuple) else (str(name), None)
+
+
+def _sock_name(sock) -> str:
+    host, port = _host_port(sock)
+    return f"{host}:{port}" if port is not None else host
+
+
 def serve(cfg: Config, state_dir: Path) -> int:
+    # Under systemd, records go to the journal with their fields (systemd.JournalHandler).
     logging.basicConfig(level=os.environ.get("APPLIANCED_LOG", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        handlers=[systemd.log_handler()])
     try:
         import uvloop
         runner = uvloop.run
