@@ -184,19 +184,19 @@ def test_recorded_fleet_ratio_equals_the_appliances_own_counters(fleet):
     with ThreadPoolExecutor(2) as pool:
         assert all(n > 0 for n in pool.map(load, daemons.values()))
 
-    # Idle again: wait until the appliances' counters stop moving (the last iteration
-    # records reach the daemon just after the last tokens).
+    # Idle again: wait until the appliances' busy counters stop moving (the last
+    # iteration records reach the daemon just after the last tokens). Energy keeps
+    # growing at idle power, so it is read at the same moment but never settles.
     def settled(d):
         last = None
         for _ in range(60):
             text = metrics(d.url)
-            now = (counters(text, "applianced_group_busy_seconds_total"),
-                   counters(text, "applianced_group_energy_joules_total"))
-            if now == last:
-                return {"busy": now[0], "energy": now[1]}
-            last = now
+            busy = counters(text, "applianced_group_busy_seconds_total")
+            if busy == last:
+                return {"busy": busy, "energy": counters(text, "applianced_group_energy_joules_total")}
+            last = busy
             time.sleep(1)
-        raise AssertionError(f"counters of {d.url} still moving")
+        raise AssertionError(f"busy counters of {d.url} still moving")
     own = {site: settled(d) for site, d in daemons.items()}
     for site in daemons:
         assert own[site]["busy"].get("prefill", 0) > 0 and own[site]["busy"].get("decode", 0) > 0
@@ -224,13 +224,16 @@ def test_recorded_fleet_ratio_equals_the_appliances_own_counters(fleet):
         assert recorded == pytest.approx(
             sum(v for (_, g), v in rates.items() if g == "prefill")
             / sum(v for (_, g), v in rates.items() if g == "decode"), rel=1e-9)
-        # Each site's ratio is its own appliance's counters' ratio: both group series come
-        # from the same scrapes, so rate()'s extrapolation cancels.
+        # Each site's busy ratio is its own appliance's counters' ratio: both group series
+        # come from the same scrapes, so rate()'s extrapolation cancels, and the counters
+        # stood still before and after the load. Energy grows at idle power all along, and
+        # Prometheus's window is not exactly ours: within 15%.
+        tolerance = 1e-6 if kind == "busy" else 0.15
         for site in daemons:
             site_ratio = prom.query(f'site:applianced_group_{metric}:prefill_decode_ratio_rate5m{{site="{site}"}}', at)
             delta = {g: own[site][kind][g] - before[site][kind].get(g, 0.0) for g in ("prefill", "decode")}
             assert float(site_ratio[0]["value"][1]) == pytest.approx(
-                delta["prefill"] / delta["decode"], rel=1e-6), (
+                delta["prefill"] / delta["decode"], rel=tolerance), (
                 f"{site}: (the group counters must exist from start-up, at 0, for rate() "
                 f"to see every increment)")
         # The fleet ratio against the two appliances' own counters: equal up to rate()'s
@@ -238,8 +241,8 @@ def test_recorded_fleet_ratio_equals_the_appliances_own_counters(fleet):
         # at most one 1 s interval over the ~20 s the counters moved).
         moved = {g: sum(own[s][kind][g] - before[s][kind].get(g, 0.0) for s in daemons)
                  for g in ("prefill", "decode")}
-        expected = moved["prefill"] / moved["decode"]
-        assert recorded == pytest.approx(expected, rel=0.05)
+        assert recorded == pytest.approx(moved["prefill"] / moved["decode"],
+                                         rel=0.05 if kind == "busy" else 0.15)
     tokens = {s["metric"]["phase"]: float(s["value"][1])
               for s in prom.query("phase:applianced_phase_tokens:rate5m", at)}
     assert tokens.get("prefill", 0) > 0 and tokens.get("decode", 0) > 0

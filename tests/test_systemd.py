@@ -76,15 +76,24 @@ def test_daemon_notifies_ready_status_and_stopping(daemon_factory, tiny_model, t
     sock.bind(str(path))
     sock.settimeout(10)
     d = daemon_factory("--devices", "cpu", "--engine", "sim", model=tiny_model,
+                       config="[workers]\nrestart_backoff_s = 2.0\n",
                        env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "2000000"})
     messages = recv_until(sock, "READY=1", [])
-    assert any(m.startswith("STATUS=") for m in messages)
+    assert messages[0] == "STATUS=preparing the model"
     ready = next(i for i, m in enumerate(messages) if "READY=1" in m)
-    # The start-up timeout was extended while the workers loaded, before READY=1.
+    # The start-up timeout was extended while the workers loaded, before READY=1, and
+    # STATUS= counted them.
     assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in messages[:ready])
-    assert any("STATUS=starting 2 workers" in m for m in messages[:ready])
-    assert "STATUS=serving tiny-llama" in messages[ready]
+    assert any(re.fullmatch(r"STATUS=loading tiny-llama: [01]/2 workers ready", m)
+               for m in messages[:ready])
+    assert messages[ready] == "READY=1\nSTATUS=serving tiny-llama: 2/2 workers ready"
     recv_until(sock, "WATCHDOG=1", messages)
+    # A worker dies: STATUS= says which, until it is back.
+    os.kill(d.worker("decode0")["pid"], signal.SIGKILL)
+    recv_until(sock, "decode0 restarting", messages)
+    assert any("STATUS=serving tiny-llama: 1/2 workers ready; decode0 restarting" in m
+               for m in messages)
+    recv_until(sock, "STATUS=serving tiny-llama: 2/2 workers ready", [])   # back
     d.proc.send_signal(signal.SIGTERM)
     recv_until(sock, "STOPPING=1", messages)
     assert d.proc.wait(30) == 0

@@ -287,6 +287,29 @@ def warn_if_exposed(cfg: Config) -> None:
                     "loopback clients only", cfg.server.host)
 
 
+def status_line(svc: "Service", phase: str) -> str:
+    """What `systemctl status` shows (STATUS=): workers ready out of all, and any that are
+    not, by name and state."""
+    workers = list(svc.pool.workers.values())
+    ready = sum(w.ready for w in workers)
+    line = f"{phase} {svc.model_name}: {ready}/{len(workers)} workers ready"
+    others = [f"{w.id} {w.state}" for w in workers if not w.ready]
+    if others and phase == "serving":
+        line += "; " + ", ".join(others[:4]) + (" ..." if len(others) > 4 else "")
+    return line
+
+
+async def status_loop(svc: "Service", phase: list[str], every: float = 0.5) -> None:
+    """Send STATUS= whenever the line changes (workers becoming ready, dying, restarting)."""
+    last = None
+    while True:
+        line = status_line(svc, phase[0])
+        if line != last:
+            systemd.notify(f"STATUS={line}")
+            last = line
+        await asyncio.sleep(every)
+
+
 def _progress_printer():
     if sys.stderr.isatty():
         return lambda line: print(f"applianced: {line}", file=sys.stderr, flush=True)
@@ -307,11 +330,14 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         log.warning("%s", setup.inventory.note)
     log.info("plan: %s", setup.plan.reason)
     svc = Service(cfg, setup, sink)
-    systemd.notify(f"STATUS=starting {len(setup.specs)} workers (loading {setup.model_name})")
+    phase = ["loading"]
+    status = asyncio.create_task(status_loop(svc, phase)) if os.environ.get("NOTIFY_SOCKET") else None
     try:
         with systemd.KeepExtending():   # workers load weights and warm up before Hello
             await svc.pool.start()
     except (WorkerGone, OSError) as exc:
+        if status:
+            status.cancel()
         await svc.pool.stop(2)
         raise StartupError(str(exc)) from None
     svc.fit_context_to_pools()
@@ -329,6 +355,8 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         for site in sites:
             await site.start()
     except OSError as exc:
+        if status:
+            status.cancel()
         await svc.pool.stop(2)
         await runner.cleanup()
         raise StartupError(f"cannot listen on {where}: {exc.strerror}") from None
@@ -343,11 +371,14 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     print(json.dumps({"event": "ready", "host": host, "port": port,
                       "model": svc.model_name, "engine": setup.engine,
                       "simulated": svc.simulated}), file=sys.stderr, flush=True)
-    systemd.notify("READY=1", f"STATUS=serving {svc.model_name}")
+    phase[0] = "serving"
+    systemd.notify("READY=1", f"STATUS={status_line(svc, 'serving')}")
     watchdog = asyncio.create_task(systemd.watchdog_loop())
     await stop.wait()
     # Drain: refuse new work, let in-flight requests finish, then stop workers.
-    systemd.notify("STOPPING=1", "STATUS=draining")
+    if status:
+        status.cancel()
+    systemd.notify("STOPPING=1", f"STATUS=draining {svc.inflight} requests")
     svc.draining = True
     deadline = time.monotonic() + cfg.server.drain_timeout_s
     while svc.inflight and time.monotonic() < deadline:
