@@ -6,6 +6,7 @@ from __future__ import annotations
 import filecmp
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,13 @@ def run_make(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(not BINARY.exists(), reason="no dist/applianced: run make binary")
 def test_make_install_into_a_destdir(tmp_path, tiny_model):
     dest = tmp_path / "root"
+    try:
+        check_install(dest, tiny_model)
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)     # ~700 MB per staged tree
+
+
+def check_install(dest: Path, tiny_model: Path) -> None:
     out = run_make("install", f"DESTDIR={dest}")
     assert out.returncode == 0, out.stdout + out.stderr
     binary = dest / "opt/applianced/applianced"
