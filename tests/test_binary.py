@@ -13,6 +13,8 @@ import pytest
 
 from conftest import ROOT, free_port, http, pid_alive
 
+from appliance.cli import AREAS
+
 DIST = ROOT / "dist" / "applianced"
 BINARY = DIST / "applianced"
 DRIVER_LIBS = re.compile(r"^lib(cuda|nvidia-ml)\.so")
@@ -94,3 +96,51 @@ def test_binary_serves_the_cpu_default_and_stops_on_sigterm(tmp_path, tiny_model
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif("tui" not in AREAS, reason="this checkout has no `tui` command yet")
+def test_binary_runs_the_tui_in_a_terminal(tmp_path, tiny_model):
+    """The Textual console from the binary (widgets and stylesheets collected), in a real
+    pseudo-terminal against a running appliance: it draws, and `q` quits it."""
+    import pty
+    import select
+
+    from conftest import start_daemon
+    d = start_daemon(tmp_path / "d", tiny_model, "--devices", "sim:2xH100", "--engine", "sim")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(TERM="xterm-256color", COLUMNS="120", LINES="40")
+    pid, fd = pty.fork()
+    if pid == 0:     # the child: the binary's TUI on the pty
+        os.execve(str(BINARY), [str(BINARY), "tui", "--url", d.url], env)
+    try:
+        screen = b""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and b"tiny-llama" not in screen:
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    screen += os.read(fd, 65536)
+                except OSError:
+                    break
+        assert b"tiny-llama" in screen, screen[-2000:]
+        assert b"Traceback" not in screen
+        os.write(fd, b"q")
+        deadline = time.monotonic() + 20
+        status = None
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    os.read(fd, 65536)
+                except OSError:
+                    pass
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+        assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(fd)
+        d.stop()
