@@ -4,8 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 DEPS   := $(VENV)/.deps-installed
 ARGS   ?=
+# `make install DESTDIR=/tmp/root` stages an install; without DESTDIR it installs here.
+DESTDIR ?=
+BINARY := dist/applianced/applianced
+SOURCES := $(shell find appliance packaging -name '*.py' -o -name '*.tcss' -o -name '*.spec')
 
-.PHONY: serve test bench bench-serving clean
+.PHONY: serve test bench bench-serving binary install promtool clean
 
 # The CPU build of torch first: a bare `torch` from an index is a multi-GB CUDA build.
 $(DEPS): pyproject.toml
@@ -17,8 +21,53 @@ $(DEPS): pyproject.toml
 serve: $(DEPS)
 	$(BIN)/applianced serve $(ARGS)
 
-test: $(DEPS)
+# The binary's smoke tests run when dist/ holds a build (.ci/run builds one first); a
+# build older than the sources is rebuilt first so they never test stale code.
+test: $(DEPS) promtool $(if $(wildcard $(BINARY)),binary)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# promtool checks and unit-tests deploy/prometheus/ (and the fleet test runs a real
+# Prometheus): Debian's `prometheus` package, installed here when missing and root.
+promtool:
+	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && echo "installing Debian's prometheus package (promtool)" \
+	  && (apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
+	      || (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null)); } \
+	  || { echo "make: promtool is missing: as root, apt-get install prometheus (Debian/Ubuntu)" >&2; exit 1; }
+
+# The single binary (PyInstaller onedir, packaging/applianced.spec): dist/applianced/.
+binary: $(BINARY)
+
+$(BINARY): $(DEPS) $(SOURCES)
+	$(BIN)/python -m pip install -q 'pyinstaller>=6.10'   # as in pyproject's [binary] extra
+	PYTHONPATH=$(CURDIR) $(BIN)/pyinstaller --noconfirm --clean --log-level WARN \
+	  --distpath dist --workpath build/pyinstaller packaging/applianced.spec
+	touch $@
+
+# FHS places: the binary tree in /opt, units and the sysusers file for systemd, a
+# commented default config in /etc (kept if present), the default model in /var/lib.
+install: $(BINARY)
+	rm -rf $(DESTDIR)/opt/applianced.new
+	mkdir -p $(DESTDIR)/opt
+	cp -a dist/applianced $(DESTDIR)/opt/applianced.new
+	install -m 644 README.md $(DESTDIR)/opt/applianced.new/README.md
+	rm -rf $(DESTDIR)/opt/applianced.old
+	if [ -e $(DESTDIR)/opt/applianced ]; then mv $(DESTDIR)/opt/applianced $(DESTDIR)/opt/applianced.old; fi
+	mv $(DESTDIR)/opt/applianced.new $(DESTDIR)/opt/applianced
+	rm -rf $(DESTDIR)/opt/applianced.old
+	install -d $(DESTDIR)/usr/local/bin
+	ln -sfn /opt/applianced/applianced $(DESTDIR)/usr/local/bin/applianced
+	install -D -m 644 systemd/applianced.service $(DESTDIR)/etc/systemd/system/applianced.service
+	install -D -m 644 systemd/applianced.socket $(DESTDIR)/etc/systemd/system/applianced.socket
+	install -D -m 644 systemd/applianced.sysusers $(DESTDIR)/usr/lib/sysusers.d/applianced.conf
+	install -d -m 755 $(DESTDIR)/etc/applianced
+	test -e $(DESTDIR)/etc/applianced/config.toml || \
+	  $(BIN)/python packaging/default_config.py README.md > $(DESTDIR)/etc/applianced/config.toml
+	install -d -m 750 $(DESTDIR)/var/lib/applianced
+	$(DESTDIR)/opt/applianced/applianced model ensure-default $(DESTDIR)/var/lib/applianced
+	if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then \
+	  systemd-sysusers /usr/lib/sysusers.d/applianced.conf && systemctl daemon-reload; fi
+	@echo "installed; start it: systemctl enable --now applianced"
 
 bench: bench-serving
 
@@ -26,4 +75,4 @@ bench-serving: $(DEPS)
 	$(BIN)/python bench/bench_serving.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache build dist

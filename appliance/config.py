@@ -277,11 +277,15 @@ def load(path: str | Path | None) -> Config:
 
 
 def state_dir(cfg: Config, override: str | None = None) -> Path:
-    """--state-dir, then the config, then /var/lib/applianced (root) or XDG state."""
+    """--state-dir, then the config, then $STATE_DIRECTORY (systemd's StateDirectory=),
+    then /var/lib/applianced (root) or XDG state."""
     if override:
         return Path(override)
     if cfg.state_dir:
         return Path(cfg.state_dir)
+    systemd_dir = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    if systemd_dir:
+        return Path(systemd_dir)
     if os.geteuid() == 0:
         return Path("/var/lib/applianced")
     xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")

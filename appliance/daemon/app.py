@@ -336,6 +336,29 @@ def warn_if_exposed(cfg: Config) -> None:
                     "loopback clients only", cfg.server.host)
 
 
+def status_line(svc: "Service", phase: str) -> str:
+    """What `systemctl status` shows (STATUS=): workers ready out of all, and any that are
+    not, by name and state."""
+    workers = list(svc.pool.workers.values())
+    ready = sum(w.ready for w in workers)
+    line = f"{phase} {svc.model_name}: {ready}/{len(workers)} workers ready"
+    others = [f"{w.id} {w.state}" for w in workers if not w.ready]
+    if others and phase == "serving":
+        line += "; " + ", ".join(others[:4]) + (" ..." if len(others) > 4 else "")
+    return line
+
+
+async def status_loop(svc: "Service", phase: list[str], every: float = 0.5) -> None:
+    """Send STATUS= whenever the line changes (workers becoming ready, dying, restarting)."""
+    last = None
+    while True:
+        line = status_line(svc, phase[0])
+        if line != last:
+            systemd.notify(f"STATUS={line}")
+            last = line
+        await asyncio.sleep(every)
+
+
 def _progress_printer():
     if sys.stderr.isatty():
         return lambda line: print(f"applianced: {line}", file=sys.stderr, flush=True)
@@ -343,10 +366,13 @@ def _progress_printer():
 
 
 async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = None) -> int:
+    # First, before any child starts: inherited listening sockets and their variables.
+    inherited = systemd.listen_sockets()
     state_dir.mkdir(parents=True, exist_ok=True)
     systemd.notify("STATUS=preparing the model")
     try:
-        setup = plan_setup(cfg, state_dir, progress=_progress_printer())
+        with systemd.KeepExtending():   # may generate the default model (seconds to minutes)
+            setup = plan_setup(cfg, state_dir, progress=_progress_printer())
     except ValueError as exc:   # bad device spec, impossible split, unknown model spec
         raise StartupError(str(exc)) from None
     if setup.inventory.note:
@@ -354,40 +380,56 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     log.info("plan: %s", setup.plan.reason)
     svc = Service(cfg, setup, sink)
     svc.state_dir = state_dir
-    systemd.notify(f"STATUS=starting {len(setup.specs)} workers")
+    phase = ["loading"]
+    status = asyncio.create_task(status_loop(svc, phase)) if os.environ.get("NOTIFY_SOCKET") else None
     try:
-        await svc.pool.start()
+        with systemd.KeepExtending():   # workers load weights and warm up before Hello
+            await svc.pool.start()
     except (WorkerGone, OSError) as exc:
+        if status:
+            status.cancel()
         await svc.pool.stop(2)
         raise StartupError(str(exc)) from None
     svc.fit_context_to_pools()
     app = build_app(svc, cfg.server.max_body_bytes)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)
+    if inherited:   # socket activation (systemd/applianced.socket): systemd chose the address
+        sites = [web.SockSite(runner, sock) for sock in inherited]
+        where = ", ".join(_sock_name(sock) for sock in inherited)
+        log.info("listening on %s, passed by systemd (server.host/port not used)", where)
+    else:
+        sites = [web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)]
+        where = f"{cfg.server.host}:{cfg.server.port}"
     try:
-        await site.start()
+        for site in sites:
+            await site.start()
     except OSError as exc:
+        if status:
+            status.cancel()
         await svc.pool.stop(2)
         await runner.cleanup()
-        raise StartupError(f"cannot listen on {cfg.server.host}:{cfg.server.port}: "
-                           f"{exc.strerror}") from None
+        raise StartupError(f"cannot listen on {where}: {exc.strerror}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     warn_if_exposed(cfg)
-    log.info("serving %s on http://%s:%s (%s, %s%s)", svc.model_name, cfg.server.host,
-             cfg.server.port, setup.engine, setup.plan.mode, ", simulated" if svc.simulated else "")
-    print(json.dumps({"event": "ready", "host": cfg.server.host, "port": cfg.server.port,
+    log.info("serving %s on %s (%s, %s%s)", svc.model_name, where, setup.engine,
+             setup.plan.mode, ", simulated" if svc.simulated else "")
+    host, port = (cfg.server.host, cfg.server.port) if not inherited else _host_port(inherited[0])
+    print(json.dumps({"event": "ready", "host": host, "port": port,
                       "model": svc.model_name, "engine": setup.engine,
                       "simulated": svc.simulated}), file=sys.stderr, flush=True)
-    systemd.notify("READY=1", f"STATUS=serving {svc.model_name}")
+    phase[0] = "serving"
+    systemd.notify("READY=1", f"STATUS={status_line(svc, 'serving')}")
     watchdog = asyncio.create_task(systemd.watchdog_loop())
     sampler = asyncio.create_task(svc.telemetry.run(), name="telemetry")
     await stop.wait()
     # Drain: refuse new work, let in-flight requests finish, then stop workers.
-    systemd.notify("STOPPING=1", "STATUS=draining")
+    if status:
+        status.cancel()
+    systemd.notify("STOPPING=1", f"STATUS=draining {svc.inflight} requests")
     svc.draining = True
     deadline = time.monotonic() + cfg.server.drain_timeout_s
     while svc.inflight and time.monotonic() < deadline:
@@ -396,15 +438,28 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         log.warning("drain timeout: %d requests still in flight are cut off", svc.inflight)
     watchdog.cancel()
     sampler.cancel()
-    await site.stop()
+    for site in sites:
+        await site.stop()
     await svc.pool.stop()
     await runner.cleanup()
     return 0
 
 
+def _host_port(sock) -> tuple[str, int | None]:
+    name = sock.getsockname()
+    return (name[0], name[1]) if isinstance(name, tuple) else (str(name), None)
+
+
+def _sock_name(sock) -> str:
+    host, port = _host_port(sock)
+    return f"{host}:{port}" if port is not None else host
+
+
 def serve(cfg: Config, state_dir: Path) -> int:
+    # Under systemd, records go to the journal with their fields (systemd.JournalHandler).
     logging.basicConfig(level=os.environ.get("APPLIANCED_LOG", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        handlers=[systemd.log_handler()])
     try:
         import uvloop
         runner = uvloop.run

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import sysconfig
 import tempfile
 from collections.abc import Callable, Iterator
@@ -167,28 +168,46 @@ def file_sha256(path: Path) -> str:
 
 # --- tokenizer ---------------------------------------------------------------------
 
-def _corpus(limit_bytes: int = TOKENIZER_CORPUS_BYTES) -> Iterator[str]:
-    """The stdlib's .py files in sorted path order, up to about limit_bytes."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+# Where a frozen binary (packaging/applianced.spec) keeps its copy of the corpus files:
+# it has no stdlib sources of its own, and the same files must give the same tokenizer.
+FROZEN_CORPUS_DIR = "stdlib_corpus"
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+
+
+def corpus_root() -> Path:
+    if getattr(sys, "frozen", False):
+        return Path(getattr(sys, "_MEIPASS", Path(sys.executable).parent)) / FROZEN_CORPUS_DIR
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_paths(root: Path | None = None, limit_bytes: int = TOKENIZER_CORPUS_BYTES) -> list[Path]:
+    """The stdlib's .py files in sorted path order, up to about limit_bytes (the file that
+    crosses the limit included). Files that do not decode as UTF-8 are skipped."""
+    root = root or corpus_root()
     paths = sorted(
         (p for p in root.rglob("*.py")
-         if not skip.intersection(p.relative_to(root).parts[:-1])),
+         if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])),
         key=lambda p: p.relative_to(root).as_posix(),
     )
-    total = 0
+    chosen, total = [], 0
     for path in paths:
         try:
             data = path.read_bytes()
-            text = data.decode("utf-8")
+            data.decode("utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        yield text
+        chosen.append(path)
         total += len(data)
         if total >= limit_bytes:
-            return
-    if total == 0:
+            break
+    if not chosen:
         raise RuntimeError(f"no Python sources found under {root} to train a tokenizer")
+    return chosen
+
+
+def _corpus(limit_bytes: int = TOKENIZER_CORPUS_BYTES) -> Iterator[str]:
+    for path in corpus_paths(limit_bytes=limit_bytes):
+        yield path.read_bytes().decode("utf-8")
 
 
 def _train_tokenizer(vocab_size: int):
