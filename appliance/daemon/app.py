@@ -27,6 +27,7 @@ from appliance.config import Config
 from appliance.daemon import systemd
 from appliance.daemon.auth import Auth
 from appliance.daemon.metrics import Metrics
+from appliance.daemon.protocol import ApplianceRunner
 from appliance.daemon.router import Router
 from appliance.daemon.server import build_app
 from appliance.daemon.tokenizer import ServedTokenizer
@@ -312,7 +313,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         raise StartupError(str(exc)) from None
     svc.fit_context_to_pools()
     app = build_app(svc, cfg.server.max_body_bytes)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = ApplianceRunner(app, svc.next_request_id, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)
     try:

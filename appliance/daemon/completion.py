@@ -97,11 +97,12 @@ class Choice:
 class Completion:
     """One generation request in flight: tokens in, text and usage out."""
 
-    def __init__(self, svc: "Service", req: GenerationRequest, tenant: str):
+    def __init__(self, svc: "Service", req: GenerationRequest, tenant: str,
+                 request_id: str | None = None):
         self.svc = svc
         self.req = req
         self.tenant = tenant
-        self.request_id = svc.next_request_id()
+        self.request_id = request_id or svc.next_request_id()
         self.arrival = time.time()
         self.created = int(self.arrival)
         self.prompt: list[int] = []

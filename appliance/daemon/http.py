@@ -16,7 +16,7 @@ from aiohttp import web
 from appliance.daemon.completion import Completion
 from appliance.daemon.openai_api import ApiError, bad, parse_request
 from appliance.daemon.responses import (
-    RETRY_AFTER_S, SERVICE, error_response, json_response,
+    RETRY_AFTER_S, SERVICE, error_response, json_response, request_id,
 )
 from appliance.daemon.router import EngineError, NoWorker
 from appliance.daemon.workers import WorkerGone
@@ -58,7 +58,7 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
     svc: Service = request.app[SERVICE]
     tenant = svc.auth.tenant(request)
     req = parse_request(await _read_json(request), endpoint)
-    comp = Completion(svc, req, tenant)
+    comp = Completion(svc, req, tenant, request_id(request))
     headers = {"X-Request-Id": comp.request_id}
     try:
         comp.prepare()
