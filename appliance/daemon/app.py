@@ -27,6 +27,7 @@ from appliance.config import Config
 from appliance.daemon import systemd
 from appliance.daemon.auth import Auth
 from appliance.daemon.metrics import Metrics
+from appliance.daemon.prepare import PreparePool
 from appliance.daemon.protocol import ApplianceRunner
 from appliance.daemon.router import Router
 from appliance.daemon.server import build_app
@@ -210,6 +211,7 @@ class Service:
         self.simulated = setup.simulated
         self.fingerprint = f"applianced-{__version__}-{setup.engine}"
         self.tokenizer = ServedTokenizer(setup.model_dir)
+        self.prepare_pool = PreparePool(setup.model_dir)
         self.sink = sink or LogSink(enabled=cfg.server.log_requests)
         self.pool = WorkerPool(setup.specs, self._on_iteration,
                                backoff_s=cfg.workers.restart_backoff_s,
@@ -221,6 +223,7 @@ class Service:
         self._tenants = set(cfg.auth.keys.values()) | {"default"}
         self.max_inflight = cfg.server.max_inflight
         self.inflight = 0
+        self.preparing = 0                # requests being parsed and tokenized right now
         self.draining = False
         self.started_at = time.time()
         self._prefix = secrets.token_hex(4)
@@ -266,6 +269,7 @@ class Service:
             "model": self.model_name, "model_dir": str(s.model_dir), "max_context": self.max_context,
             "mode": s.plan.mode, "uptime_s": round(time.time() - self.started_at, 3),
             "ready": self.router.ready(), "draining": self.draining, "inflight": self.inflight,
+            "preparing": self.preparing,
             **inventory_json(s.inventory, s.plan),
             "workers": [w.status() for w in self.pool.workers.values()],
         }
@@ -307,9 +311,10 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     svc = Service(cfg, setup, sink)
     systemd.notify(f"STATUS=starting {len(setup.specs)} workers")
     try:
-        await svc.pool.start()
+        await asyncio.gather(svc.pool.start(), svc.prepare_pool.start())
     except (WorkerGone, OSError) as exc:
         await svc.pool.stop(2)
+        svc.prepare_pool.close()
         raise StartupError(str(exc)) from None
     svc.fit_context_to_pools()
     app = build_app(svc, cfg.server.max_body_bytes)
@@ -321,6 +326,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     except OSError as exc:
         await svc.pool.stop(2)
         await runner.cleanup()
+        svc.prepare_pool.close()
         raise StartupError(f"cannot listen on {cfg.server.host}:{cfg.server.port}: "
                            f"{exc.strerror}") from None
     stop = asyncio.Event()
@@ -348,6 +354,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     await site.stop()
     await svc.pool.stop()
     await runner.cleanup()
+    svc.prepare_pool.close()
     return 0
 
 
