@@ -27,6 +27,18 @@ _END = object()
 NORMALIZED_SHRINK = 2
 
 
+def check_token_ids(req: GenerationRequest, vocab_size: int) -> None:
+    """Every token id a request names must be in the served vocabulary. Checked here,
+    once, for every engine (the simulator has no vocabulary of its own to check against);
+    engines check only what they themselves cannot do."""
+    if req.prompt_ids is not None and any(t < 0 or t >= vocab_size for t in req.prompt_ids):
+        raise bad(f"token ids must be within [0, {vocab_size})", "prompt")
+    outside = [t for t, _ in req.logit_bias if not 0 <= t < vocab_size]
+    if outside:
+        raise bad(f"logit_bias names token id {outside[0]}, outside the vocabulary "
+                  f"[0, {vocab_size})", "logit_bias")
+
+
 def prompt_cost_bound(req: GenerationRequest, max_token_chars: int, max_context: int) -> None:
     """Refuse, before templating or tokenizing, a prompt that cannot fit the context:
     every message of a chat becomes at least one token, and no token stands for more
@@ -58,6 +70,7 @@ def prepare_prompt(tok: ServedTokenizer, req: GenerationRequest, model_name: str
         raise ApiError(404, f"model '{req.model}' does not exist (this appliance serves "
                             f"'{model_name}')", "model", "model_not_found")
     param = "messages" if req.endpoint == "chat" else "prompt"
+    check_token_ids(req, tok.vocab_size)
     prompt_cost_bound(req, tok.max_token_chars, max_context)
     try:
         if req.endpoint == "chat":
@@ -68,8 +81,6 @@ def prepare_prompt(tok: ServedTokenizer, req: GenerationRequest, model_name: str
             except ValueError as exc:       # ChatTemplateError and the like
                 raise bad(f"cannot apply the chat template: {exc}", "messages") from None
         elif req.prompt_ids is not None:
-            if any(t < 0 or t >= tok.vocab_size for t in req.prompt_ids):
-                raise bad(f"token ids must be within [0, {tok.vocab_size})", "prompt")
             prompt = list(req.prompt_ids)
         else:
             prompt = tok.encode(req.prompt_text, limit=max_context)

@@ -118,7 +118,7 @@ def _int(body: dict, key: str, lo: int | None = None) -> int | None:
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     """OpenAI's map of token id (a JSON string key) to a bias in [-100, 100]. Ids beyond
-    the vocabulary are refused by the engine, which knows it."""
+    the vocabulary are refused by `completion.check_token_ids`, which knows it."""
     value = body.get("logit_bias")
     if value is None:
         return ()
