@@ -32,18 +32,24 @@ Lifetime: the exporter must keep its pool alive for as long as it runs (the engi
 it). A peer drops a dead exporter's pool when the restarted worker attaches
 (`forget_pool`), and unlinks its name if that is still there.
 
-GPU (NOT RUN ON HARDWARE; written against torch's CUDA IPC API, untested): the handle
-carries the exporting GPU's UUID, because ordinals differ between processes with
-different ``CUDA_VISIBLE_DEVICES``; the importer maps the UUID to its own ordinal and
-rebuilds the tensor there. CUDA IPC can only open memory on a device the importer can see,
-so the daemon must start every worker with ``CUDA_VISIBLE_DEVICES=<own uuids>,<peer
-uuids>``: its own devices first (the engine runs on ``cuda:0``), then the GPUs of every
-worker it exchanges KV with. Pools must come from plain cudaMalloc (no
-``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF``: IPC handles of expandable segments
-are not supported). The exporter must have finished writing the KV before it reports the
-handle: ``sample()`` reads the logits back to the host, which synchronizes the stream
-that wrote the KV. `copy_from_peer` copies on a side stream and synchronizes before it
-returns, i.e. before the decode worker acknowledges (``KvImported``) and the source frees.
+GPU (NOT RUN ON HARDWARE; written against torch's CUDA IPC API, tested only with device
+queries faked): the handle carries the exporting GPU's UUID, because ordinals differ
+between processes with different ``CUDA_VISIBLE_DEVICES``. CUDA IPC can only open memory
+on a device the importer can see, so the daemon starts every worker with
+``CUDA_VISIBLE_DEVICES=<own uuids>,<peer uuids>``: its own devices first (the engine
+runs on ``cuda:0``), then the GPUs of every worker it exchanges KV with. With peer access
+between the two GPUs the importer opens the handle in its *own* device's context (CUDA
+maps the peer's memory there), so it never makes the peer's GPU current and creates no
+context on it; without peer access it must open it on the peer's ordinal, which creates
+a context (and its memory) on the prefill worker's GPU in the decode worker: that
+remains, for GPUs without P2P. Pools must come from plain cudaMalloc (no
+``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF``: IPC handles of expandable
+segments are not supported). The exporter must have finished writing the KV before it
+reports the handle: ``sample()`` reads the logits back to the host, which synchronizes
+the stream that wrote the KV. `copy_from_peer` copies on a side stream (on the source
+device when the copy crosses devices: that is where PyTorch runs it) and synchronizes
+before it returns, i.e. before the decode worker acknowledges (``KvImported``) and the
+source frees.
 """
 from __future__ import annotations
 
@@ -56,6 +62,8 @@ import torch
 import torch.multiprocessing as torch_mp
 from multiprocessing.reduction import ForkingPickler
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from appliance.kv.blocks import copy_blocks
 
 HANDLE_VERSION = 2
 
@@ -184,10 +192,21 @@ def _map_shm(meta: dict) -> torch.Tensor:
 
 
 def _import_cuda(meta: dict, fn, args) -> torch.Tensor:  # NOT RUN ON HARDWARE
-    """Open the peer's CUDA IPC handle on the ordinal its GPU has *here*: the exporter's
-    ordinal, which torch put in the handle, means another device under another
-    CUDA_VISIBLE_DEVICES. The argument is found by name in ``rebuild_cuda_tensor``'s
-    signature (tests/test_kv_handoff.py checks it against the torch installed)."""
+    """Open the peer's CUDA IPC handle without making the peer's GPU current here where
+    CUDA allows it.
+
+    torch opens the handle (cudaIpcOpenMemHandle, with cudaIpcMemLazyEnablePeerAccess)
+    under a device guard for the handle's ``storage_device``, which torch set to the
+    exporter's ordinal: another device under another CUDA_VISIBLE_DEVICES, and the peer's
+    GPU, whose primary context (hundreds of MB on that GPU) this process would create.
+    With peer access between our GPU and the peer's, CUDA maps the peer's memory into
+    *our* device's context instead: we pass our own ordinal, and the pool is a tensor
+    that torch sees on our device, read by our kernels through peer access. Without peer
+    access that is not possible: the handle is opened on the peer's ordinal here (found
+    by UUID), which does create a context on the peer's GPU; the copies then go through
+    `copy_from_peer`'s cross-device path. The argument is found by name in
+    ``rebuild_cuda_tensor``'s signature (tests/test_kv_handoff.py checks it against the
+    torch installed)."""
     want = meta["uuid"]
     local = {_device_uuid(i): i for i in range(torch.cuda.device_count())}
     if want not in local:
@@ -199,24 +218,33 @@ def _import_cuda(meta: dict, fn, args) -> torch.Tensor:  # NOT RUN ON HARDWARE
     if "storage_device" not in params or len(args) != len(params):
         raise RuntimeError("this torch's CUDA IPC handles differ from what applianced knows "
                            f"(rebuild_cuda_tensor{tuple(params)}); cannot remap the device")
+    own, peer = OWN_DEVICE, local[want]
+    on = own if own == peer or torch.cuda.can_device_access_peer(own, peer) else peer
     args = list(args)
-    args[params.index("storage_device")] = local[want]
+    args[params.index("storage_device")] = on
     return fn(*args)
+
+
+# The engine of a GPU worker runs on cuda:0: its own GPUs come first in its
+# CUDA_VISIBLE_DEVICES, the peers' after (see the module docstring).
+OWN_DEVICE = 0
 
 
 def copy_from_peer(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor,
                    dst_ids: list[int]) -> None:
     """Copy whole blocks from a peer pool into ours; complete when this returns."""
-    from appliance.engines.torch_model import copy_blocks
-
     if dst.device.type != "cuda":
         copy_blocks(src, src_ids, dst, dst_ids)
         return
-    # NOT RUN ON HARDWARE. Side stream, ordered after our own pending work on dst, and
-    # synchronized before the caller acknowledges (the source frees the blocks then).
-    stream = torch.cuda.Stream(device=dst.device)
+    # NOT RUN ON HARDWARE. On a side stream, ordered after our own pending work on dst,
+    # and synchronized before the caller acknowledges (the source frees the blocks then).
+    # PyTorch runs a copy between two devices on the *source* device's current stream
+    # (ATen's copy_kernel_cuda), so the side stream must be current there; a pool mapped
+    # through peer access (`_import_cuda`) is on our device, and so is the stream.
+    on = src.device if src.device != dst.device else dst.device
+    stream = torch.cuda.Stream(device=on)
     stream.wait_stream(torch.cuda.current_stream(dst.device))
-    with torch.cuda.stream(stream):
+    with torch.cuda.device(on), torch.cuda.stream(stream):
         copy_blocks(src, src_ids, dst, dst_ids)
     stream.synchronize()
 
