@@ -751,7 +751,7 @@ def transceiver_config(api: SimpleNamespace, backend: str, extra: dict) -> Any:
 def build_trtllm_engine(spec, model_dir: Path) -> TrtllmEngine:
     """Called by the worker process (`appliance.worker.engine_factory`). The daemon has
     already set CUDA_VISIBLE_DEVICES to this worker's GPUs."""
-    from appliance.worker.engine_factory import read_eos_ids
+    from appliance.models.eos import read_eos_ids
 
     if spec.device_kind != "gpu":
         raise TrtllmUnavailable(f"TensorRT-LLM needs NVIDIA GPUs; worker {spec.worker} has "
