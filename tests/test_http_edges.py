@@ -103,3 +103,19 @@ def test_parser_rejections_are_json_without_echo(daemon, what, data, status, cod
 def test_a_long_but_allowed_header_still_works(daemon):
     status, _, body = http("GET", daemon.url + "/health", headers={"X-Token": "t" * 12000})
     assert status == 200 and body["status"] == "ok"
+
+
+def test_shutdown_says_in_one_line_what_it_drained(daemon_factory, tiny_model):
+    import signal
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", "--sim-speed", "0.5",
+                       model=tiny_model)
+    stream = d.client().completions.create(model="tiny-llama", prompt="Hi", max_tokens=60,
+                                           stream=True)
+    it = iter(stream)
+    next(it)
+    d.proc.send_signal(signal.SIGTERM)
+    assert len(list(it)) > 1                    # the request in flight finishes
+    assert d.proc.wait(30) == 0
+    lines = [ln for ln in d.log_text().splitlines() if "stopped:" in ln]
+    assert len(lines) == 1, lines
+    assert "drained 1 of 1 in-flight generations" in lines[0] and "exit 0" in lines[0]
