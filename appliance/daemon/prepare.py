@@ -75,8 +75,12 @@ class PreparePool:
     async def start(self) -> None:
         """Start the children now (they load the tokenizer), not on the first request."""
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(self._executor, os.getpid)
-                               for _ in range(self.processes)))
+        try:
+            await asyncio.gather(*(loop.run_in_executor(self._executor, os.getpid)
+                                   for _ in range(self.processes)))
+        except BrokenProcessPool as exc:
+            raise OSError(f"the request preparation processes did not start ({exc}); "
+                          "see the log above") from None
 
     def pids(self) -> list[int]:
         return [p.pid for p in (self._executor._processes or {}).values()]
