@@ -53,6 +53,17 @@ def test_health_answers_while_a_big_body_is_prepared(daemon_factory, tiny_model)
     assert "990001 tokens" in big["body"]["error"]["message"]
     assert order == ["health", "big"], "a /health sent after the big body waited for it"
 
+    # The pool's processes never outlive the daemon, even killed with -9.
+    workers = {w["pid"] for w in d.status()["workers"]}
+    children = [p.pid for p in psutil.Process(d.proc.pid).children() if p.pid not in workers]
+    assert children, "no prepare processes"
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in children)
+
 
 def test_prompts_that_cannot_fit_are_refused_before_tokenizing(tiny_model):
     tok = ServedTokenizer(tiny_model)
@@ -85,19 +96,3 @@ def test_prompts_that_cannot_fit_are_refused_before_tokenizing(tiny_model):
     prompt, max_tokens = prepare_prompt(ctok, fits, "m", 4096)
     assert CountingTokenizer.calls == 1 and prompt == tok.encode("hello " * 1000)
     assert max_tokens == 4096 - len(prompt)
-
-
-def test_prepare_processes_die_with_the_daemon(daemon_factory, tiny_model):
-    d = daemon_factory("--devices", "cpu", "--engine", "sim", model=tiny_model)
-    workers = {w["pid"] for w in d.status()["workers"]}
-    children = [p.pid for p in psutil.Process(d.proc.pid).children()
-                if p.pid not in workers]
-    assert children, "no prepare processes"
-    assert d.post("/v1/completions", {"model": "tiny-llama", "prompt": "hi",
-                                      "max_tokens": 2})[0] == 200
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait()
-    deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(pid_alive(p) for p in children)
