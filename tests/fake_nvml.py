@@ -8,6 +8,8 @@ pynvml so they cannot drift). Build one with `FakeNvml(...)` and pass it as the 
 
 from __future__ import annotations
 
+import ctypes
+
 import string
 import sys
 from collections import Counter
@@ -184,9 +186,15 @@ class FakeMemory:
     used: int
 
 
-@dataclass(eq=False)  # hashed by identity, like pynvml's ctypes handles
-class FakeHandle:
-    index: int
+class struct_c_nvmlDevice_t(ctypes.Structure):
+    """Like pynvml's: an opaque device struct; handles are pointers to it."""
+    _fields_ = [("index", ctypes.c_int)]
+
+
+# pynvml's handle type: `c_nvmlDevice_t = POINTER(struct_c_nvmlDevice_t)`. Its instances
+# are unhashable, and every nvmlDeviceGetHandleByIndex call returns a new one (equal to
+# none of the others) pointing at the same device struct.
+FakeHandle = c_nvmlDevice_t = ctypes.POINTER(struct_c_nvmlDevice_t)
 
 
 @dataclass
@@ -298,7 +306,8 @@ class FakeNvml:
     def __post_init__(self) -> None:
         if self.topology is None:
             self.topology = all_nvlink(len(self.gpus))
-        self._handles = [FakeHandle(i) for i in range(len(self.gpus))]
+        # NVML's device structs: fixed for the session; handles point at them.
+        self._devices = [struct_c_nvmlDevice_t(i) for i in range(len(self.gpus))]
 
     c_nvmlGpmMetricsGet_t = c_nvmlGpmMetricsGet_t
 
@@ -327,13 +336,13 @@ class FakeNvml:
         return gpu
 
     def _gpu(self, handle: FakeHandle) -> FakeGpu:
-        gpu = self.gpus[handle.index]
+        gpu = self.gpus[handle.contents.index]
         if gpu.lost_reads:
             raise NVMLError(NVML_ERROR_GPU_IS_LOST)
         return gpu
 
     def _link(self, a: FakeHandle, b: FakeHandle) -> Link:
-        i, j = sorted((a.index, b.index))
+        i, j = sorted((a.contents.index, b.contents.index))
         if i == j:
             return Link(nvlink=False, level=NVML_TOPOLOGY_INTERNAL)
         return self.topology[(i, j)]
@@ -361,7 +370,7 @@ class FakeNvml:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         if self.gpus[index].lost_handle:
             raise NVMLError(NVML_ERROR_GPU_IS_LOST)
-        return self._handles[index]
+        return ctypes.pointer(self._devices[index])
 
     def nvmlDeviceGetName(self, handle):
         self._enter("nvmlDeviceGetName")
@@ -370,7 +379,7 @@ class FakeNvml:
     def nvmlDeviceGetUUID(self, handle):
         self._enter("nvmlDeviceGetUUID")
         gpu = self._gpu(handle)
-        return gpu.uuid or f"GPU-{handle.index:08x}-0000-0000-0000-000000000000"
+        return gpu.uuid or f"GPU-{handle.contents.index:08x}-0000-0000-0000-000000000000"
 
     def nvmlDeviceGetMemoryInfo(self, handle, version=None):
         self._enter("nvmlDeviceGetMemoryInfo")
@@ -442,7 +451,7 @@ class FakeNvml:
         gpu = self._read("nvmlGpmSampleGet", device)
         if not gpu.gpm:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
-        gpmSample.index = device.index
+        gpmSample.index = device.contents.index
         gpmSample.values = dict(gpu.gpm_values)
         return gpmSample
 

@@ -88,6 +88,13 @@ class KvCacheConfig(_StrictConfig):
     }
 
 
+# The backend's spelling changed between releases: `Literal["default", "ucx", "nixl",
+# "mpi"]` in older llm_args.py, `Literal["DEFAULT", "UCX", "NIXL", "MOONCAKE", "MPI"]` in
+# current ones; pydantic rejects the other case. Tests switch this to emulate either.
+TRANSCEIVER_BACKENDS = ("DEFAULT", "UCX", "NIXL", "MOONCAKE", "MPI")
+OLD_TRANSCEIVER_BACKENDS = ("default", "ucx", "nixl", "mpi")
+
+
 class CacheTransceiverConfig(_StrictConfig):
     model_fields = {
         "backend": None, "transceiver_runtime": None, "max_tokens_in_buffer": None,
@@ -96,8 +103,11 @@ class CacheTransceiverConfig(_StrictConfig):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        if self.backend not in (None, "DEFAULT", "UCX", "NIXL", "MOONCAKE", "MPI"):
-            raise ValueError(f"CacheTransceiverConfig: bad backend {self.backend!r}")
+        if self.backend is not None and self.backend not in TRANSCEIVER_BACKENDS:
+            # pydantic's ValidationError is a ValueError
+            raise ValueError(f"1 validation error for CacheTransceiverConfig\nbackend\n  Input "
+                             f"should be {' or '.join(map(repr, TRANSCEIVER_BACKENDS))} "
+                             f"[type=literal_error, input_value={self.backend!r}]")
 
 
 class TorchLlmArgs:
@@ -383,6 +393,7 @@ class _EmptyAsyncIterable:
 # The "cache transceiver": context KV waiting to be pulled, by ctx_request_id. A pull
 # removes the entry, as the real transceiver frees context blocks once they are sent.
 PENDING_CONTEXTS: dict[int, dict] = {}
+MIN_GLOBAL_ID = 1 << 40
 _ctx_ids = itertools.count(1)
 
 
@@ -450,6 +461,16 @@ class LLM:
                                      or self.cache_transceiver_config.backend is None):
                 raise ValueError("disaggregated request on an LLM without a cache transceiver")
         if kind == "context_only":
+            # The KV transceiver keys its sessions by get_unique_rid(request), which is
+            # disaggregated_params.disagg_request_id whenever disaggregated params are set
+            # (_torch/disaggregation): without one it asserts. Global ids live in
+            # [2**40, 2**63), apart from local request ids.
+            rid = disaggregated_params.disagg_request_id
+            if not isinstance(rid, int) or not MIN_GLOBAL_ID <= rid < 1 << 63:
+                raise AssertionError(f"context_only request needs a disagg_request_id in "
+                                     f"[2**40, 2**63), got {rid!r}")
+            if any(c["disagg_request_id"] == rid for c in PENDING_CONTEXTS.values()):
+                raise AssertionError(f"disagg_request_id {rid} is already in flight")
             sp.max_tokens = 1       # what the PyTorch backend does for context-only requests
         limit = self.kwargs.get("max_num_tokens")
         if kind != "generation_only" and limit and len(inputs) > limit:
@@ -519,7 +540,8 @@ class LLM:
             a.started = True
             if a.kind == "generation_only":
                 ctx = PENDING_CONTEXTS.pop(a.disagg.ctx_request_id, None)
-                if ctx is None or ctx["opaque_state"] != a.disagg.opaque_state:
+                if ctx is None or ctx["opaque_state"] != a.disagg.opaque_state or \
+                        ctx["disagg_request_id"] != a.disagg.disagg_request_id:
                     q.put_nowait(_Response([], True, error="KV cache transfer failed: "
                                            f"unknown context {a.disagg.ctx_request_id}"))
                     return True
@@ -543,7 +565,8 @@ class LLM:
             reason = "not_finished"
             ctx_id = next(_ctx_ids)
             opaque = f"fake-kv:{self.model}:{ctx_id}".encode()
-            PENDING_CONTEXTS[ctx_id] = {"prompt": list(a.prompt), "opaque_state": opaque}
+            PENDING_CONTEXTS[ctx_id] = {"prompt": list(a.prompt), "opaque_state": opaque,
+                                        "disagg_request_id": a.disagg.disagg_request_id}
             ctx_params = DisaggregatedParams(request_type="context_only",
                                              first_gen_tokens=list(a.tokens),
                                              ctx_request_id=ctx_id, opaque_state=opaque,

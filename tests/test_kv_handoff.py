@@ -36,7 +36,7 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 torch.set_num_threads(1)
 from appliance.kv.handoff import import_pool, allocate_pool
-from appliance.engines.torch_model import copy_blocks
+from appliance.kv.blocks import copy_blocks
 from tests.test_kv_handoff import pattern, SHAPE
 handle = sys.stdin.buffer.read()
 peer = import_pool(handle)
@@ -68,7 +68,9 @@ def test_pool_is_shared_with_an_execd_process():
     assert torch.equal(pool[:, :, 50], pattern(17))       # the peer's write is visible here
     assert float(pool[:, :, 51:].abs().sum()) == 0.0
     # In-process import maps the same memory (two engines in one test process).
-    assert import_pool(handle).tensor.data_ptr() == pool.data_ptr()
+    again = import_pool(handle).tensor
+    again[:, :, 60] = 5.0
+    assert float(pool[:, :, 60].min()) == 5.0
 
 
 def test_default_fd_strategy_cannot_cross_exec():
@@ -111,7 +113,8 @@ class _FakeCUuuid:
         return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-def test_cuda_handle_opens_on_the_local_ordinal_of_its_gpu(monkeypatch):
+@pytest.mark.parametrize("peer_access,opened_on", [(True, 0), (False, 2)])
+def test_cuda_handle_opens_on_the_local_ordinal_of_its_gpu(monkeypatch, peer_access, opened_on):
     """The CUDA IPC import (not run on hardware) against the torch installed: the handle
     reduce_tensor makes is rebuild_cuda_tensor's arguments, where storage_device is the
     *exporter's* ordinal; we must open it on the ordinal the same GPU (by UUID) has here.
@@ -127,6 +130,9 @@ def test_cuda_handle_opens_on_the_local_ordinal_of_its_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(here))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: SimpleNamespace(uuid=_FakeCUuuid(here[i])))
+    asked = []
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer",
+                        lambda a, b: asked.append((a, b)) or peer_access)
     args = [f"arg-{p}" for p in params]
     args[params.index("storage_device")] = 0           # its ordinal in the exporter
     calls = []
@@ -136,7 +142,10 @@ def test_cuda_handle_opens_on_the_local_ordinal_of_its_gpu(monkeypatch):
     meta = {"kind": "cuda", "uuid": handoff.normalize_uuid(str(_FakeCUuuid("c" * 32)))}
     handoff._import_cuda(meta, lambda *a: calls.append(a) or "tensor", tuple(args))
     (got,) = calls
-    assert got[params.index("storage_device")] == 2
+    # With peer access the peer's memory is mapped into our own GPU's context (no context
+    # on the peer's GPU); without, it can only be opened on the peer's ordinal here.
+    assert asked == [(0, 2)]
+    assert got[params.index("storage_device")] == opened_on
     assert [a for i, a in enumerate(got) if params[i] != "storage_device"] == \
         [a for i, a in enumerate(args) if params[i] != "storage_device"]
 
@@ -148,6 +157,66 @@ def test_cuda_handle_opens_on_the_local_ordinal_of_its_gpu(monkeypatch):
         meta["uuid"] = str(_FakeCUuuid("c" * 32))
         handoff._import_cuda(meta, lambda *a: calls.append(a), tuple(args[:-1]))
     assert len(calls) == 1
+
+
+class _FakeStream:
+    def __init__(self, device):
+        self.device = device
+        self.waited = []
+        self.synced = False
+
+    def wait_stream(self, other):
+        self.waited.append(other)
+
+    def synchronize(self):
+        self.synced = True
+
+
+@pytest.mark.parametrize("src_dev,want_on", [("cuda:1", "cuda:1"), ("cuda:0", "cuda:0")])
+def test_gpu_copy_runs_on_the_side_stream_where_pytorch_runs_it(monkeypatch, src_dev, want_on):
+    """NOT RUN ON HARDWARE: PyTorch runs a copy between two GPUs on the source device's
+    current stream, so the side stream must be current on the source device (a pool mapped
+    through peer access is on our device: the side stream is ours). The copy must happen
+    with that stream current, after it waited for our pending work, and be synchronized
+    before copy_from_peer returns. Faked: torch.cuda's stream and device API."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from appliance.kv import handoff
+
+    state = {"device": "cuda:0", "stream": None}
+    made = []
+
+    def stream_ctor(device):
+        made.append(_FakeStream(str(device)))
+        return made[-1]
+
+    @contextmanager
+    def device_ctx(dev):
+        before, state["device"] = state["device"], str(dev)
+        yield
+        state["device"] = before
+
+    @contextmanager
+    def stream_ctx(stream):
+        before, state["stream"] = state["stream"], stream
+        yield
+        state["stream"] = before
+
+    monkeypatch.setattr(torch.cuda, "Stream", stream_ctor)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: f"current@{dev}")
+    monkeypatch.setattr(torch.cuda, "device", device_ctx)
+    monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
+    copies = []
+    monkeypatch.setattr(handoff, "copy_blocks", lambda *a: copies.append(
+        (state["device"], state["stream"], state["stream"].synced)))
+    src = SimpleNamespace(device=torch.device(src_dev))
+    dst = SimpleNamespace(device=torch.device("cuda:0"))
+    handoff.copy_from_peer(src, [1], dst, [2])
+    (stream,) = made
+    assert stream.device == want_on
+    assert copies == [(want_on, stream, False)]     # on the side stream, before the sync
+    assert stream.waited == ["current@cuda:0"] and stream.synced
 
 
 # --------------------------------------------------------------------------- real workers

@@ -622,3 +622,26 @@ def test_format_devices():
     text = format_devices(cpu, plan_partition(cpu))
     assert "note: NVML unavailable: NVML library not found" in text
     assert "cpu0" in text
+
+
+def test_fake_handles_are_unhashable_pointers_like_pynvmls():
+    """pynvml's device handles are ctypes pointers: unhashable, a new object per call.
+    The "not supported" memory must work with those (it keys by the device's address)."""
+    import ctypes
+
+    import pynvml
+    fake = FakeNvml(gpus=[FakeGpu(mig=None), FakeGpu(mig=None)])
+    nvml = Nvml(module=fake)
+    nvml.init()
+    a, b = fake.nvmlDeviceGetHandleByIndex(0), fake.nvmlDeviceGetHandleByIndex(0)
+    for handle in (a, pynvml.c_nvmlDevice_t()):
+        assert isinstance(handle, ctypes._Pointer)
+        with pytest.raises(TypeError):
+            hash(handle)
+    assert a is not b and a != b
+    for _ in range(3):      # a fresh handle each time, as callers get them
+        assert nvml.call("nvmlDeviceGetMigMode", nvml.call("nvmlDeviceGetHandleByIndex", 0),
+                         default="N/A") == "N/A"
+    assert fake.calls["nvmlDeviceGetMigMode"] == 1
+    nvml.call("nvmlDeviceGetMigMode", nvml.call("nvmlDeviceGetHandleByIndex", 1))
+    assert fake.calls["nvmlDeviceGetMigMode"] == 2      # the other GPU is still asked

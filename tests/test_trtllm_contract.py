@@ -115,6 +115,7 @@ def test_prefill_hands_off_a_picklable_handle_and_decode_continues(build):
     prompt_sent, sp, streaming, disagg = llm_pre.submitted[-1]
     assert prompt_sent == PROMPT and not streaming
     assert disagg.request_type == "context_only"
+    assert trtllm.MIN_GLOBAL_DISAGG_ID <= disagg.disagg_request_id < 1 << 63
     assert sp.max_tokens == 1 and sp.seed == 3 and sp.end_id == 2 and sp.detokenize is False
     assert done.first_token == want[0] and done.finish_reason is None
     handle = done.handle
@@ -136,6 +137,9 @@ def test_prefill_hands_off_a_picklable_handle_and_decode_continues(build):
     assert gen.request_type == "generation_only" and streaming and sp.max_tokens == 8
     assert (gen.ctx_request_id, gen.opaque_state) == (done.handle.payload["ctx_request_id"],
                                                       done.handle.payload["opaque_state"])
+    # The transceiver's session key travels with the handle to the generation side.
+    assert gen.disagg_request_id == done.handle.payload["disagg_request_id"] \
+        == disagg.disagg_request_id
     kinds = [type(e) for e in events if isinstance(e, (KvImported, Tokens))]
     assert kinds[0] is KvImported and of(events, KvImported)[0].source_worker == "prefill0"
     toks, reasons = streamed(events, "r1")
@@ -146,6 +150,30 @@ def test_prefill_hands_off_a_picklable_handle_and_decode_continues(build):
     time.sleep(0.02)                        # late iteration stats are all that may come
     assert all(isinstance(e, IterationRecord) for e in drive(pre, idle(pre)))
     assert not of(events, RequestFailed)
+
+
+def test_context_requests_get_distinct_disagg_request_ids(build):
+    pre = build("prefill")
+    for rid in ("a", "b", "c"):
+        pre.add(Prefill(rid, PROMPT, SamplingParams(max_tokens=4), handoff=True))
+    done = of(drive(pre, idle(pre)), PrefillDone)
+    ids = [d.disagg_request_id for _, _, _, d in fake.LLM.instances[0].submitted]
+    assert len(set(ids)) == 3 and all(i >= trtllm.MIN_GLOBAL_DISAGG_ID for i in ids)
+    assert sorted(d.handle.payload["disagg_request_id"] for d in done) == sorted(ids)
+
+
+def test_fake_refuses_a_context_request_without_disagg_request_id(fake_modules):
+    import asyncio
+
+    async def submit():
+        llm = fake.LLM(model="m", cache_transceiver_config=fake.CacheTransceiverConfig(
+            backend="DEFAULT"))
+        llm.generate_async(PROMPT, fake.SamplingParams(max_tokens=4),
+                           disaggregated_params=fake.DisaggregatedParams(
+                               request_type="context_only"))
+
+    with pytest.raises(AssertionError, match="disagg_request_id"):
+        asyncio.run(submit())
 
 
 def test_prefill_of_one_token_hands_nothing_off(build):
@@ -264,6 +292,25 @@ def test_constructor_arguments_per_role(build):
     for llm in (pre, dec, agg):
         assert llm.kwargs["enable_iter_perf_stats"] is True
         assert llm.kv_cache_config.free_gpu_memory_fraction == 0.9
+
+
+@pytest.mark.parametrize("accepted,want", [(fake.TRANSCEIVER_BACKENDS, "DEFAULT"),
+                                           (fake.OLD_TRANSCEIVER_BACKENDS, "default")])
+def test_transceiver_backend_is_spelled_as_the_release_wants(build, monkeypatch, accepted,
+                                                             want):
+    monkeypatch.setattr(fake, "TRANSCEIVER_BACKENDS", accepted)
+    with pytest.raises(ValueError):     # the fake refuses the other spelling, as pydantic does
+        fake.CacheTransceiverConfig(backend=want.swapcase())
+    build("prefill")
+    assert fake.LLM.instances[0].cache_transceiver_config.backend == want
+
+
+def test_unknown_transceiver_backend_is_one_clear_line(build, monkeypatch):
+    monkeypatch.setenv(trtllm.KV_BACKEND_ENV, "carrier-pigeon")
+    with pytest.raises(trtllm.TrtllmUnavailable) as info:
+        build("decode")
+    msg = str(info.value)
+    assert "\n" not in msg and "carrier-pigeon" in msg and trtllm.KV_BACKEND_ENV in msg
 
 
 def test_missing_library_is_one_clear_line(monkeypatch, model_dir):

@@ -27,6 +27,8 @@ from appliance.config import Config
 from appliance.daemon import systemd
 from appliance.daemon.auth import Auth
 from appliance.daemon.metrics import Metrics
+from appliance.daemon.prepare import PreparePool
+from appliance.daemon.protocol import ApplianceRunner
 from appliance.daemon.router import Router
 from appliance.daemon.server import build_app
 from appliance.daemon.tokenizer import ServedTokenizer
@@ -210,6 +212,7 @@ class Service:
         self.simulated = setup.simulated
         self.fingerprint = f"applianced-{__version__}-{setup.engine}"
         self.tokenizer = ServedTokenizer(setup.model_dir)
+        self.prepare_pool = PreparePool(setup.model_dir)
         self.sink = sink or LogSink(enabled=cfg.server.log_requests)
         self.pool = WorkerPool(setup.specs, self._on_iteration,
                                backoff_s=cfg.workers.restart_backoff_s,
@@ -232,6 +235,7 @@ class Service:
         self._tenants = set(cfg.auth.keys.values()) | {"default"}
         self.max_inflight = cfg.server.max_inflight
         self.inflight = 0
+        self.preparing = 0                # requests being parsed and tokenized right now
         self.draining = False
         self.started_at = time.time()
         self._prefix = secrets.token_hex(4)
@@ -302,6 +306,7 @@ class Service:
             "model": self.model_name, "model_dir": str(s.model_dir), "max_context": self.max_context,
             "mode": s.plan.mode, "uptime_s": round(time.time() - self.started_at, 3),
             "ready": self.router.ready(), "draining": self.draining, "inflight": self.inflight,
+            "preparing": self.preparing,
             **inv,
             "workers": workers,
             **live,
@@ -384,15 +389,16 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     status = asyncio.create_task(status_loop(svc, phase)) if os.environ.get("NOTIFY_SOCKET") else None
     try:
         with systemd.KeepExtending():   # workers load weights and warm up before Hello
-            await svc.pool.start()
+            await asyncio.gather(svc.pool.start(), svc.prepare_pool.start())
     except (WorkerGone, OSError) as exc:
         if status:
             status.cancel()
         await svc.pool.stop(2)
+        svc.prepare_pool.close()
         raise StartupError(str(exc)) from None
     svc.fit_context_to_pools()
     app = build_app(svc, cfg.server.max_body_bytes)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = ApplianceRunner(app, svc.next_request_id, handler_cancellation=True, access_log=None)
     await runner.setup()
     if inherited:   # socket activation (systemd/applianced.socket): systemd chose the address
         sites = [web.SockSite(runner, sock) for sock in inherited]
@@ -409,6 +415,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
             status.cancel()
         await svc.pool.stop(2)
         await runner.cleanup()
+        svc.prepare_pool.close()
         raise StartupError(f"cannot listen on {where}: {exc.strerror}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -431,17 +438,25 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         status.cancel()
     systemd.notify("STOPPING=1", f"STATUS=draining {svc.inflight} requests")
     svc.draining = True
-    deadline = time.monotonic() + cfg.server.drain_timeout_s
+    started = time.monotonic()
+    pending = svc.inflight
+    deadline = started + cfg.server.drain_timeout_s
     while svc.inflight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if svc.inflight:
-        log.warning("drain timeout: %d requests still in flight are cut off", svc.inflight)
+    cut = svc.inflight
+    drained_s = time.monotonic() - started
     watchdog.cancel()
     sampler.cancel()
     for site in sites:
         await site.stop()
     await svc.pool.stop()
     await runner.cleanup()
+    svc.prepare_pool.close()
+    # One line for the operator: what the drain did and how the daemon ends.
+    log.log(logging.WARNING if cut else logging.INFO,
+            "stopped: drained %d of %d in-flight generations in %.1f s%s; exit 0",
+            pending - cut, pending, drained_s,
+            f", {cut} cut off at server.drain_timeout_s" if cut else "")
     return 0
 
 

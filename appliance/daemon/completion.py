@@ -16,12 +16,86 @@ import orjson
 from appliance.accounting.records import RequestRecord
 from appliance.daemon.openai_api import ApiError, GenerationRequest, bad, usage
 from appliance.daemon.router import Trace
-from appliance.daemon.tokenizer import StopMatcher
+from appliance.daemon.tokenizer import PromptTooLong, ServedTokenizer, StopMatcher
 
 if TYPE_CHECKING:
     from appliance.daemon.app import Service
 
 _END = object()
+# Normalizers (NFC and the like) can shorten a text before it is tokenized; the cost bound
+# allows for text that shrinks to half its characters.
+NORMALIZED_SHRINK = 2
+
+
+def check_token_ids(req: GenerationRequest, vocab_size: int) -> None:
+    """Every token id a request names must be in the served vocabulary. Checked here,
+    once, for every engine (the simulator has no vocabulary of its own to check against);
+    engines check only what they themselves cannot do."""
+    if req.prompt_ids is not None and any(t < 0 or t >= vocab_size for t in req.prompt_ids):
+        raise bad(f"token ids must be within [0, {vocab_size})", "prompt")
+    outside = [t for t, _ in req.logit_bias if not 0 <= t < vocab_size]
+    if outside:
+        raise bad(f"logit_bias names token id {outside[0]}, outside the vocabulary "
+                  f"[0, {vocab_size})", "logit_bias")
+
+
+def prompt_cost_bound(req: GenerationRequest, max_token_chars: int, max_context: int) -> None:
+    """Refuse, before templating or tokenizing, a prompt that cannot fit the context:
+    every message of a chat becomes at least one token, and no token stands for more
+    than `max_token_chars` characters. Cheap (a sum of lengths), exact (never refuses a
+    prompt that would fit), and it keeps a 1 MB body from costing a second of CPU when
+    the model's context is small."""
+    param = "messages" if req.endpoint == "chat" else "prompt"
+    if req.endpoint == "chat":
+        if len(req.messages) > max_context:
+            raise bad(f"{len(req.messages)} messages cannot fit this model's context of "
+                      f"{max_context} tokens", param, "context_length_exceeded")
+        chars = sum(len(m.get("content") or "") for m in req.messages)
+    elif req.prompt_text is not None:
+        chars = len(req.prompt_text)
+    else:
+        return
+    at_least = chars // (max_token_chars * NORMALIZED_SHRINK)
+    if at_least > max_context:
+        raise bad(f"the prompt has {chars} characters, at least {at_least} tokens; this "
+                  f"model's context is {max_context}", param, "context_length_exceeded")
+
+
+def prepare_prompt(tok: ServedTokenizer, req: GenerationRequest, model_name: str,
+                   max_context: int) -> tuple[list[int], int]:
+    """(prompt token ids, max_tokens) of a request, or the ApiError that refuses it.
+    CPU-heavy for big prompts (~0.5-1 s for 1 MB of text); prompts that cannot fit the
+    context whatever they tokenize to are refused before any tokenizing."""
+    if req.model != model_name:
+        raise ApiError(404, f"model '{req.model}' does not exist (this appliance serves "
+                            f"'{model_name}')", "model", "model_not_found")
+    param = "messages" if req.endpoint == "chat" else "prompt"
+    check_token_ids(req, tok.vocab_size)
+    prompt_cost_bound(req, tok.max_token_chars, max_context)
+    try:
+        if req.endpoint == "chat":
+            try:
+                prompt = tok.encode_chat(req.messages, limit=max_context)
+            except PromptTooLong:
+                raise
+            except ValueError as exc:       # ChatTemplateError and the like
+                raise bad(f"cannot apply the chat template: {exc}", "messages") from None
+        elif req.prompt_ids is not None:
+            prompt = list(req.prompt_ids)
+        else:
+            prompt = tok.encode(req.prompt_text, limit=max_context)
+    except PromptTooLong as exc:
+        raise bad(f"the prompt has {exc.tokens} tokens; this model's context is "
+                  f"{max_context}", param, "context_length_exceeded") from None
+    room = max_context - len(prompt)
+    if room < 1:
+        raise bad(f"the prompt has {len(prompt)} tokens; this model's context is "
+                  f"{max_context}", param, "context_length_exceeded")
+    if req.max_tokens is not None and req.max_tokens > room:
+        raise bad(f"max_tokens {req.max_tokens} + prompt {len(prompt)} tokens exceed "
+                  f"this model's context of {max_context}", "max_tokens",
+                  "context_length_exceeded")
+    return prompt, req.max_tokens if req.max_tokens is not None else room
 
 
 class Choice:
@@ -97,12 +171,13 @@ class Choice:
 class Completion:
     """One generation request in flight: tokens in, text and usage out."""
 
-    def __init__(self, svc: "Service", req: GenerationRequest, tenant: str):
+    def __init__(self, svc: "Service", req: GenerationRequest, tenant: str,
+                 request_id: str | None = None, arrival: float | None = None):
         self.svc = svc
         self.req = req
         self.tenant = tenant
-        self.request_id = svc.next_request_id()
-        self.arrival = time.time()
+        self.request_id = request_id or svc.next_request_id()
+        self.arrival = arrival or time.time()
         self.created = int(self.arrival)
         self.prompt: list[int] = []
         self.max_tokens = 0
@@ -115,32 +190,10 @@ class Completion:
         return ("chatcmpl-" if self.req.endpoint == "chat" else "cmpl-") + self.request_id
 
     def prepare(self) -> None:
-        svc, req = self.svc, self.req
-        if req.model != svc.model_name:
-            raise ApiError(404, f"model '{req.model}' does not exist (this appliance serves "
-                                f"'{svc.model_name}')", "model", "model_not_found")
-        tok = svc.tokenizer
-        if req.endpoint == "chat":
-            try:
-                self.prompt = tok.encode_chat(req.messages)
-            except ValueError as exc:
-                raise bad(f"cannot apply the chat template: {exc}", "messages") from None
-        elif req.prompt_ids is not None:
-            if any(t < 0 or t >= tok.vocab_size for t in req.prompt_ids):
-                raise bad(f"token ids must be within [0, {tok.vocab_size})", "prompt")
-            self.prompt = list(req.prompt_ids)
-        else:
-            self.prompt = tok.encode(req.prompt_text)
-        room = svc.max_context - len(self.prompt)
-        if room < 1:
-            raise bad(f"the prompt has {len(self.prompt)} tokens; this model's context is "
-                      f"{svc.max_context}", "messages" if req.endpoint == "chat" else "prompt",
-                      "context_length_exceeded")
-        if req.max_tokens is not None and req.max_tokens > room:
-            raise bad(f"max_tokens {req.max_tokens} + prompt {len(self.prompt)} tokens exceed "
-                      f"this model's context of {svc.max_context}", "max_tokens",
-                      "context_length_exceeded")
-        self.max_tokens = req.max_tokens if req.max_tokens is not None else room
+        """Validate against the model and tokenize, here (the daemon does this in its
+        `PreparePool` instead, off the event loop, and sets `prompt` and `max_tokens`)."""
+        self.prompt, self.max_tokens = prepare_prompt(
+            self.svc.tokenizer, self.req, self.svc.model_name, self.svc.max_context)
 
     async def run(self) -> AsyncIterator[tuple[int, str, list]]:
         """Yield (choice index, text delta, logprob entries) from all choices as they

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
 
 from appliance.daemon.completion import Completion
-from appliance.daemon.openai_api import ApiError, bad, parse_request
+from appliance.daemon.openai_api import ApiError
 from appliance.daemon.responses import (
-    RETRY_AFTER_S, SERVICE, error_response, json_response,
+    RETRY_AFTER_S, SERVICE, error_response, json_response, request_id,
 )
 from appliance.daemon.router import EngineError, NoWorker
 from appliance.daemon.workers import WorkerGone
@@ -31,14 +32,6 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 DONE = b"data: [DONE]\n\n"
 # Engine refusals that are the request's fault (the daemon checks first; engines check again).
 CLIENT_ENGINE_ERRORS = {"kv_capacity", "invalid_request", "context_length_exceeded"}
-
-
-async def _read_json(request: web.Request):
-    raw = await request.read()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad(f"malformed JSON body: {exc}", None, "invalid_json") from None
 
 
 def _failure(exc: BaseException) -> ApiError:
@@ -57,14 +50,19 @@ def _failure(exc: BaseException) -> ApiError:
 async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
     svc: Service = request.app[SERVICE]
     tenant = svc.auth.tenant(request)
-    req = parse_request(await _read_json(request), endpoint)
-    comp = Completion(svc, req, tenant)
-    headers = {"X-Request-Id": comp.request_id}
+    rid = request_id(request)
+    headers = {"X-Request-Id": rid}
+    arrival = time.time()
+    raw = await request.read()
+    # Parse, validate and tokenize in the prepare pool's processes, off the event loop.
+    svc.preparing += 1
     try:
-        comp.prepare()
-    except ApiError as err:
-        err.headers.update(headers)
-        raise
+        req, prompt, max_tokens = await svc.prepare_pool.prepare(raw, endpoint, svc.model_name,
+                                                                 svc.max_context)
+    finally:
+        svc.preparing -= 1
+    comp = Completion(svc, req, tenant, rid, arrival)
+    comp.prompt, comp.max_tokens = prompt, max_tokens
     if svc.draining:
         raise ApiError(503, "the appliance is shutting down", code="draining",
                        headers={"Retry-After": RETRY_AFTER_S, **headers})

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import orjson
+
 from appliance.engines.messages import SamplingParams
 
 MAX_STOP_STRINGS = 4
@@ -31,6 +33,10 @@ class ApiError(Exception):
         self.code = code
         self.type = type_ or _default_type(status)
         self.headers = headers or {}
+
+    def __reduce__(self):       # crosses the prepare pool's process boundary whole
+        return (ApiError, (self.status, self.message, self.param, self.code, self.type,
+                           self.headers))
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -112,7 +118,7 @@ def _int(body: dict, key: str, lo: int | None = None) -> int | None:
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     """OpenAI's map of token id (a JSON string key) to a bias in [-100, 100]. Ids beyond
-    the vocabulary are refused by the engine, which knows it."""
+    the vocabulary are refused by `completion.check_token_ids`, which knows it."""
     value = body.get("logit_bias")
     if value is None:
         return ()
@@ -238,6 +244,15 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
         raise bad("only one prompt per request is supported", "prompt")
     raise bad("'prompt' must be a string, a list of one string, or a list of token ids",
               "prompt", "invalid_type")
+
+
+def parse_body(raw: bytes, endpoint: str) -> GenerationRequest:
+    """A request body as bytes -> the request (or the 400 that says what is wrong)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad(f"malformed JSON body: {exc}", None, "invalid_json") from None
+    return parse_request(body, endpoint)
 
 
 def parse_request(body, endpoint: str) -> GenerationRequest:

@@ -16,6 +16,23 @@ SERVICE = web.AppKey("service", object)
 RETRY_AFTER_S = "1"
 
 
+def request_id(request: web.Request) -> str:
+    """This request's id: made on first use, then the same in its response header, its
+    logs and its record."""
+    rid = request.get("request_id")
+    if rid is None:
+        rid = request["request_id"] = request.app[SERVICE].next_request_id()
+    return rid
+
+
+async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare`: every response that leaves through the app (handlers, errors
+    of the middlewares, aiohttp's own 404/405) carries `X-Request-Id`. Failures of the
+    HTTP parser never reach the app; `protocol.JsonErrorProtocol` stamps those."""
+    if "X-Request-Id" not in response.headers:
+        response.headers["X-Request-Id"] = request_id(request)
+
+
 def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, headers=headers,
                         content_type="application/json")

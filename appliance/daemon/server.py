@@ -11,7 +11,7 @@ from aiohttp import web
 
 from appliance.daemon import admin, admin_live, admin_plan, http
 from appliance.daemon.auth import guard
-from appliance.daemon.responses import SERVICE, errors_as_json
+from appliance.daemon.responses import SERVICE, errors_as_json, stamp_request_id
 
 if TYPE_CHECKING:
     from appliance.daemon.app import Service
@@ -23,6 +23,7 @@ def build_app(svc: Service, max_body_bytes: int) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[errors_as_json, guard(svc.auth)])
     app[SERVICE] = svc
+    app.on_response_prepare.append(stamp_request_id)
     for surface in SURFACES:
         surface.add_routes(app)
     return app

@@ -17,6 +17,14 @@ class ChatTemplateError(ValueError):
     pass
 
 
+class PromptTooLong(ValueError):
+    """The prompt has more tokens than allowed; `tokens` says how many."""
+
+    def __init__(self, tokens: int):
+        super().__init__(f"{tokens} tokens")
+        self.tokens = tokens
+
+
 def _token_text(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
@@ -38,13 +46,25 @@ class ServedTokenizer:
         env.globals["raise_exception"] = self._raise
         self._template = env.from_string(template) if template else None
         self.vocab_size = self.tok.get_vocab_size()
+        # The most characters one token can stand for (special tokens included): a text of
+        # C characters has at least C / this many tokens, whatever it is.
+        self.max_token_chars = max((len(k) for k in self.tok.get_vocab(with_added_tokens=True)),
+                                   default=1)
 
     @staticmethod
     def _raise(message: str):
         raise ChatTemplateError(message)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        return self._ids(self.tok.encode(text, add_special_tokens=True), limit)
+
+    @staticmethod
+    def _ids(encoding, limit: int | None) -> list[int]:
+        """The ids, unless there are more than `limit`: then only their count is read
+        (making a Python list of a million ids holds the GIL for milliseconds)."""
+        if limit is not None and len(encoding) > limit:
+            raise PromptTooLong(len(encoding))
+        return encoding.ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=True)]
@@ -55,9 +75,10 @@ class ServedTokenizer:
         return self._template.render(messages=messages, add_generation_prompt=True,
                                      bos_token=self.bos_token, eos_token=self.eos_token)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], limit: int | None = None) -> list[int]:
         # The template writes BOS itself, so no special tokens are added here.
-        return self.tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+        return self._ids(self.tok.encode(self.render_chat(messages), add_special_tokens=False),
+                         limit)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

@@ -250,7 +250,7 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     lists its devices first in CUDA_VISIBLE_DEVICES), pool sized from the free memory
     after loading the weights times spec.gpu_mem_fraction. One device per worker: tensor
     parallelism is not implemented, extra devices are ignored."""
-    from appliance.worker.engine_factory import read_eos_ids
+    from appliance.models.eos import read_eos_ids
 
     model_dir = Path(model_dir)
     if spec.device_kind == "gpu":

@@ -44,7 +44,8 @@ itself since the prebuilt-engine backend moved to `tensorrt_llm._tensorrt_engine
   `requestStats`, and newer versions `hostStepTimeMS`/`schedulerMode`), and
   `tests/integration/defs/disaggregated/test_disaggregated_single_gpu.py` @ d043821581b4
   (context worker `disable_overlap_scheduler=True`, both sides
-  `CacheTransceiverConfig(backend="DEFAULT")`; the context output has exactly one token
+  `CacheTransceiverConfig(backend="DEFAULT")`; older releases spell the backends in
+  lower case, see `transceiver_config`; the context output has exactly one token
   and `request_type == "context_only"`; flipping it to "generation_only" and sending the
   same prompt and `max_tokens` to the generation worker yields all `max_tokens` tokens,
   the context worker's first token included).
@@ -52,7 +53,10 @@ itself since the prebuilt-engine backend moved to `tensorrt_llm._tensorrt_engine
 How the contract maps:
 
 - prefill worker, `Prefill(handoff=True)`: a `context_only` request (max_tokens=1, what
-  the PyTorch backend forces anyway). Its `DisaggregatedParams` become
+  the PyTorch backend forces anyway) with a fresh `disagg_request_id` (the KV
+  transceiver's session key, `get_unique_rid` in `_torch/disaggregation`; TensorRT-LLM's
+  own disaggregated server sets one on every context request), which the handle carries
+  to the generation-only request. Its `DisaggregatedParams` become
   `KvHandle.payload` as a plain dict of their picklable fields (the daemon carries the
   handle but must never import tensorrt_llm to unpickle it); `block_ids` is [] because
   TensorRT-LLM's blocks are its own; the layout tag names model, KV dtype and TP size.
@@ -93,6 +97,7 @@ import json
 import os
 import queue
 import random
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -145,6 +150,7 @@ USED_API: dict[str, dict[str, tuple[str, ...]]] = {
         "KvCacheConfig": ("tokens_per_block", "dtype"),
         "CacheTransceiverConfig": ("kv_transfer_timeout_ms",),
         "RequestOutput": ("cached_tokens", "finished"),
+        "DisaggregatedParams": ("disagg_request_id",),
     },
 }
 
@@ -153,6 +159,19 @@ STATS_IDLE_TIMEOUT_S = 2.0      # the stats stream ends after this long without 
 KV_BACKEND_ENV = "APPLIANCED_TRTLLM_KV_BACKEND"
 DEFAULT_KV_BACKEND = "DEFAULT"  # TensorRT-LLM picks NIXL/UCX (env TRTLLM_USE_*_KVCACHE)
 _CONTEXT_ONLY, _GENERATION_ONLY = "context_only", "generation_only"
+# TensorRT-LLM's global disagg request ids live in [2**40, 2**63), apart from the local
+# request ids below 2**40 (`get_global_disagg_request_id`, llmapi/disagg_utils.py).
+MIN_GLOBAL_DISAGG_ID = 1 << 40
+
+
+def new_disagg_request_id() -> int:
+    """A fresh id for one context-only request and its generation-only continuation: the
+    KV transceiver keys its sessions by it (`get_unique_rid` in _torch/disaggregation
+    returns `disagg_request_id` whenever disaggregated params are set, and asserts on
+    None in several revisions). Random in [2**40, 2**40 + 2**62): unique across workers
+    and restarts without coordination (a collision among the requests in flight at once
+    has a chance of about n**2 / 2**63)."""
+    return MIN_GLOBAL_DISAGG_ID + secrets.randbits(62)
 
 
 class TrtllmUnavailable(RuntimeError):
@@ -240,6 +259,7 @@ class _Request:
     source_worker: str = ""     # generation: the prefill worker holding the KV
     skip: list[int] | None = None   # generation: the first tokens the output repeats
     started: bool = False       # an output arrived
+    disagg_request_id: int | None = None    # context: carried in the handle to the decode side
 
 
 @dataclass(slots=True)
@@ -373,7 +393,10 @@ class TrtllmEngine:
             sp, streaming = self._sampling(msg.params), True
         elif msg.handoff and msg.params.max_tokens > 1:
             req = _Request(rid, "context", len(msg.prompt))
-            disagg = self.api.DisaggregatedParams(request_type=_CONTEXT_ONLY)
+            ids = {}
+            if "disagg_request_id" in _field_names(self.api.DisaggregatedParams):
+                ids["disagg_request_id"] = req.disagg_request_id = new_disagg_request_id()
+            disagg = self.api.DisaggregatedParams(request_type=_CONTEXT_ONLY, **ids)
             sp, streaming = self._sampling(msg.params, max_tokens=1), False
         elif msg.handoff:           # one token wanted: nothing to hand off
             req = _Request(rid, "one_token", len(msg.prompt))
@@ -473,8 +496,10 @@ class TrtllmEngine:
 
     # ---- main thread: outputs -> events ---------------------------------------------
     def _sampling(self, p: SamplingParams, max_tokens: int | None = None) -> Any:
-        # TensorRT-LLM's default seed is 0 for every request: identical prompts would
-        # sample identically. Unseeded requests get a seed of their own instead.
+        # An unseeded request in TensorRT-LLM draws from its sampler's one generator, seeded
+        # with 42 when the worker starts (the C++ runtime's per-request default is 0): a
+        # restarted worker replays the same random stream, and identical requests on
+        # fresh workers sample identically. Unseeded requests get a seed of their own.
         seed = p.seed if p.seed is not None else random.getrandbits(63)
         kw: dict[str, Any] = dict(max_tokens=max_tokens or p.max_tokens, seed=seed,
                                   temperature=p.temperature, top_p=p.top_p,
@@ -487,7 +512,9 @@ class TrtllmEngine:
             kw["frequency_penalty"] = p.frequency_penalty
         if p.presence_penalty:
             kw["presence_penalty"] = p.presence_penalty
-        if p.top_p <= 0:            # top_p=0 means greedy here; TensorRT-LLM disallows it
+        if p.top_p <= 0:
+            # top_p 0 is greedy in TensorRT-LLM too (`SamplingParams._greedy_decoding`: top_p
+            # None or 0 with top_k None or 1) but not with a top_k; say greedy outright.
             kw.update(temperature=0.0, top_p=None)
         stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.extra_eos))
         if stop:
@@ -523,8 +550,11 @@ class TrtllmEngine:
             if req.kind == "context" and reason is None:
                 if not item.payload:
                     return [RequestFailed(rid, "TensorRT-LLM returned no disaggregated params")]
-                handle = KvHandle(self.worker, rid, [], req.prompt_len, self.layout,
-                                  item.payload)
+                payload = dict(item.payload)
+                if req.disagg_request_id is not None:
+                    # The returned params need not carry it; the generation side must.
+                    payload.setdefault("disagg_request_id", req.disagg_request_id)
+                handle = KvHandle(self.worker, rid, [], req.prompt_len, self.layout, payload)
             elif reason is None:
                 reason = "length"
             return [PrefillDone(rid, item.tokens[0], handle, reason, cached)]
@@ -691,19 +721,37 @@ def llm_kwargs(api: SimpleNamespace, spec, model_dir: Path) -> dict:
         max_batch_size=spec.max_seqs, max_num_tokens=spec.max_batch_tokens,
         enable_iter_perf_stats=True)
     if spec.role in ("prefill", "decode"):
-        ct: dict[str, Any] = {"backend": os.environ.get(KV_BACKEND_ENV, DEFAULT_KV_BACKEND)}
+        extra: dict[str, Any] = {}
         if "kv_transfer_timeout_ms" in getattr(api.CacheTransceiverConfig, "model_fields", {}):
-            ct["kv_transfer_timeout_ms"] = max(1, int(spec.handoff_timeout_s * 1000))
-        kw["cache_transceiver_config"] = api.CacheTransceiverConfig(**ct)
+            extra["kv_transfer_timeout_ms"] = max(1, int(spec.handoff_timeout_s * 1000))
+        kw["cache_transceiver_config"] = transceiver_config(
+            api, os.environ.get(KV_BACKEND_ENV, DEFAULT_KV_BACKEND), extra)
     if spec.role == "prefill":
         kw["disable_overlap_scheduler"] = True      # context-only workers need it
     return kw
 
 
+def transceiver_config(api: SimpleNamespace, backend: str, extra: dict) -> Any:
+    """`CacheTransceiverConfig(backend=...)` in the spelling the installed release takes:
+    older ones validate `Literal["default", "ucx", "nixl", "mpi"]`, current ones
+    `Literal["DEFAULT", "UCX", "NIXL", "MOONCAKE", "MPI"]` (pydantic rejects the other
+    case). Tries the name as given, then upper and lower case; one clear line if none."""
+    error: Exception | None = None
+    for spelling in dict.fromkeys((backend, backend.upper(), backend.lower())):
+        try:
+            return api.CacheTransceiverConfig(backend=spelling, **extra)
+        except ValueError as exc:       # pydantic's ValidationError is a ValueError
+            error = error or exc
+    why = " ".join(str(error).split())[:300]
+    raise TrtllmUnavailable(
+        f"this TensorRT-LLM refuses KV cache transceiver backend {backend!r} in any case "
+        f"({why}); set {KV_BACKEND_ENV} to one it accepts")
+
+
 def build_trtllm_engine(spec, model_dir: Path) -> TrtllmEngine:
     """Called by the worker process (`appliance.worker.engine_factory`). The daemon has
     already set CUDA_VISIBLE_DEVICES to this worker's GPUs."""
-    from appliance.worker.engine_factory import read_eos_ids
+    from appliance.models.eos import read_eos_ids
 
     if spec.device_kind != "gpu":
         raise TrtllmUnavailable(f"TensorRT-LLM needs NVIDIA GPUs; worker {spec.worker} has "

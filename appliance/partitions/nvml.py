@@ -12,6 +12,8 @@ on machines without the package or the driver, and tests drive it with a fake mo
 
 from __future__ import annotations
 
+import ctypes
+
 from collections.abc import Hashable
 from types import ModuleType
 from typing import Any
@@ -202,11 +204,21 @@ class Nvml:
 
 
 def _call_key(fn_name: str, args: tuple[Any, ...]) -> tuple[str, tuple[Hashable, ...]] | None:
-    try:
-        hash(args)
-    except TypeError:
-        return None
-    return (fn_name, args)
+    """What identifies a call for the "not supported" memory. pynvml's device handles are
+    ctypes pointers: unhashable, and a new object (equal to no other) on every
+    nvmlDeviceGetHandleByIndex call, but they point at NVML's device struct, whose
+    address is fixed for the session: the device is keyed by that address."""
+    key = []
+    for arg in args:
+        if isinstance(arg, ctypes._Pointer):
+            key.append(("device", ctypes.cast(arg, ctypes.c_void_p).value))
+            continue
+        try:
+            hash(arg)
+        except TypeError:
+            return None
+        key.append(arg)
+    return (fn_name, tuple(key))
 
 
 def _describe(exc: BaseException) -> str:

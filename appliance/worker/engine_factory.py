@@ -2,20 +2,10 @@
 here, inside the worker, never in the daemon."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from appliance.models.eos import read_eos_ids
 from appliance.worker.spec import WorkerSpec
-
-
-def read_eos_ids(model_dir: Path) -> tuple[int, ...]:
-    for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if path.exists():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (eos,)
-    return ()
 
 
 def regular_token_ids(model_dir: Path) -> list[int]:

@@ -1,0 +1,102 @@
+"""Request preparation off the event loop, in a small pool of processes.
+
+Parsing a 1 MB body, rendering a chat template over 30,000 messages and tokenizing a
+megabyte of text take 0.5-1 s of CPU. On the event loop that stalls every stream and
+`/health` for as long; in a thread it still does: `tokenizers`' `encode` holds the GIL
+for the whole encoding (measured: 4 turns of the event loop in 2 s), `encode_batch`
+releases it but building and dropping a million-token `Encoding` does not (~50 ms),
+and JSON parsing and Jinja rendering are GIL-bound Python. So preparation runs in child
+processes (one per core, spawned at start-up, each with its own tokenizer): the daemon
+sends the raw body and gets back the parsed request (its chat messages dropped: they
+are no longer needed) and at most `max_context` token ids.
+"""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+from appliance.daemon.completion import prepare_prompt
+from appliance.daemon.openai_api import ApiError, GenerationRequest, parse_body
+from appliance.daemon.tokenizer import ServedTokenizer
+
+_tokenizer: ServedTokenizer | None = None
+
+
+def machine_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:      # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _exit_with(parent: int) -> None:
+    """A child holds both ends of the executor's call queue, so it never sees EOF when the
+    daemon is killed: it watches for its parent to go instead."""
+    while os.getppid() == parent:
+        time.sleep(0.25)
+    os._exit(0)
+
+
+def _child_init(model_dir: str) -> None:
+    # Ctrl-C reaches the whole process group: the daemon drains, then ends the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+    global _tokenizer
+    _tokenizer = ServedTokenizer(Path(model_dir))
+
+
+def _child_prepare(raw: bytes, endpoint: str, model_name: str,
+                   max_context: int) -> tuple[GenerationRequest, list[int], int]:
+    req = parse_body(raw, endpoint)
+    prompt, max_tokens = prepare_prompt(_tokenizer, req, model_name, max_context)
+    req.messages = None
+    return req, prompt, max_tokens
+
+
+class PreparePool:
+    """Parse, validate and tokenize requests in `processes` child processes."""
+
+    def __init__(self, model_dir: Path, processes: int | None = None):
+        self.processes = processes or machine_cores()
+        self._model_dir = str(model_dir)
+        self._executor = self._new_executor()
+
+    def _new_executor(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_child_init, initargs=(self._model_dir,))
+
+    async def start(self) -> None:
+        """Start the children now (they load the tokenizer), not on the first request."""
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.gather(*(loop.run_in_executor(self._executor, os.getpid)
+                                   for _ in range(self.processes)))
+        except BrokenProcessPool as exc:
+            raise OSError(f"the request preparation processes did not start ({exc}); "
+                          "see the log above") from None
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in (self._executor._processes or {}).values()]
+
+    async def prepare(self, raw: bytes, endpoint: str, model_name: str,
+                      max_context: int) -> tuple[GenerationRequest, list[int], int]:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, _child_prepare, raw, endpoint,
+                                              model_name, max_context)
+        except BrokenProcessPool:
+            # A child died (killed, out of memory): the pool cannot be used again.
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = self._new_executor()
+            raise ApiError(503, "request preparation failed (a tokenizer process died); retry",
+                           code="prepare_failed", headers={"Retry-After": "1"}) from None
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,98 @@
+"""Big requests are prepared off the event loop (in the prepare pool's processes), are
+bounded in cost, and the pool's processes never outlive the daemon."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from appliance.daemon.completion import prepare_prompt
+from appliance.daemon.openai_api import ApiError, parse_request
+from appliance.daemon.tokenizer import ServedTokenizer
+from conftest import http, pid_alive
+
+BIG_CONTEXT = ("--model-spec", "llama-3.1-70b-fp8")     # 131,072 tokens: big bodies pass the bound
+BIG_KV = "[engine]\nkv_cache_bytes = 32000000000\n"     # simulated: nothing is allocated
+
+
+def cjk_body(model: str, chars: int = 330_000) -> bytes:
+    text = "".join(chr(0x4E00 + (i * 7919) % 20_000) for i in range(chars))
+    return json.dumps({"model": model, "prompt": text, "max_tokens": 1},
+                      ensure_ascii=False).encode()
+
+
+def test_health_answers_while_a_big_body_is_prepared(daemon_factory, tiny_model):
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", *BIG_CONTEXT, model=tiny_model,
+                       config=BIG_KV)
+    model = http("GET", d.url + "/v1/models")[2]["data"][0]["id"]
+    order: list[str] = []
+    big: dict = {}
+
+    def send_big():
+        big["status"], _, big["body"] = d.post("/v1/completions", raw=cjk_body(model))
+        order.append("big")
+
+    t = threading.Thread(target=send_big)
+    t.start()
+    # The daemon answers its status while it prepares the body (tokenizing takes ~1 s) ...
+    d.wait_for(lambda s: s.get("preparing") == 1 or not t.is_alive(), timeout=30,
+               what="the big body in preparation")
+    assert t.is_alive(), "the status was not answered while the big body was prepared"
+    # ... and /health too.
+    status, headers, _ = http("GET", d.url + "/health")
+    order.append("health")
+    t.join(60)
+    assert status == 200
+    # The big request was really tokenized (a million tokens, more than the context).
+    assert big["status"] == 400, big
+    assert big["body"]["error"]["code"] == "context_length_exceeded"
+    assert "990001 tokens" in big["body"]["error"]["message"]
+    assert order == ["health", "big"], "a /health sent after the big body waited for it"
+
+    # The pool's processes never outlive the daemon, even killed with -9.
+    workers = {w["pid"] for w in d.status()["workers"]}
+    children = [p.pid for p in psutil.Process(d.proc.pid).children() if p.pid not in workers]
+    assert children, "no prepare processes"
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in children)
+
+
+def test_prompts_that_cannot_fit_are_refused_before_tokenizing(tiny_model):
+    tok = ServedTokenizer(tiny_model)
+
+    class CountingTokenizer:
+        """The served tokenizer, counting calls that do the expensive work."""
+        calls = 0
+        max_token_chars = tok.max_token_chars
+        vocab_size = tok.vocab_size
+
+        def encode(self, *a, **kw):
+            CountingTokenizer.calls += 1
+            return tok.encode(*a, **kw)
+
+        def encode_chat(self, *a, **kw):
+            CountingTokenizer.calls += 1
+            return tok.encode_chat(*a, **kw)
+
+    ctok = CountingTokenizer()
+    many = parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}] * 5000},
+                         "chat")
+    long_word = parse_request({"model": "m", "prompt": "a" * 1_000_000}, "completions")
+    for req in (many, long_word):
+        with pytest.raises(ApiError) as e:
+            prepare_prompt(ctok, req, "m", 4096)
+        assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+    assert CountingTokenizer.calls == 0
+    # The bound is a lower bound: what may fit is tokenized and judged on its tokens.
+    fits = parse_request({"model": "m", "prompt": "hello " * 1000}, "completions")
+    prompt, max_tokens = prepare_prompt(ctok, fits, "m", 4096)
+    assert CountingTokenizer.calls == 1 and prompt == tok.encode("hello " * 1000)
+    assert max_tokens == 4096 - len(prompt)
