@@ -12,11 +12,15 @@ from __future__ import annotations
 import bisect
 import csv
 import json
+import logging
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from appliance.partitions.catalogue import CPU_EMBODIED_KGCO2E, CPU_LIFETIME_YEARS, lookup_gpu
+
+log = logging.getLogger("applianced.carbon")
 
 YEAR_S = 365.25 * 24 * 3600
 
@@ -62,6 +66,9 @@ class CarbonIntensity:
         self.source = source
         self._times = [p[0] for p in series] if series else []
         self._points = series or []
+        self.path: Path | None = None
+        self._mtime = 0.0
+        self._checked = 0.0
 
     @classmethod
     def from_file(cls, path: str | Path, kind: str = "average") -> "CarbonIntensity":
@@ -98,9 +105,33 @@ class CarbonIntensity:
         if not points:
             raise ValueError(f"carbon intensity file {path}: no data points")
         points.sort()
-        return cls(points[0][1], kind, points, f"file:{path.name}")
+        ci = cls(points[0][1], kind, points, f"file:{path.name}")
+        ci.path, ci._mtime = path, path.stat().st_mtime
+        return ci
+
+    def _reload(self) -> None:
+        """An air-gapped box gets its grid data as files dropped in place: a changed file
+        is read again (checked at most once a second); a broken one keeps the old data."""
+        now = time.monotonic()
+        if self.path is None or now - self._checked < 1.0:
+            return
+        self._checked = now
+        try:
+            mtime = self.path.stat().st_mtime
+        except OSError:
+            return
+        if mtime == self._mtime:
+            return
+        self._mtime = mtime
+        try:
+            fresh = CarbonIntensity.from_file(self.path, self.kind)
+        except ValueError as exc:
+            log.warning("%s; keeping the previous intensity data", exc)
+            return
+        self._times, self._points = fresh._times, fresh._points
 
     def at(self, t: float) -> Intensity:
+        self._reload()
         if not self._points:
             return Intensity(self.static, Provenance("static", self.kind, False))
         i = bisect.bisect_right(self._times, t) - 1

@@ -24,7 +24,7 @@ from aiohttp import web
 from appliance import __version__
 from appliance.accounting.records import LogSink, RecordSink
 from appliance.config import Config
-from appliance.daemon import systemd
+from appliance.daemon import chargeback, systemd
 from appliance.daemon.auth import Auth
 from appliance.daemon.metrics import Metrics
 from appliance.daemon.router import Router
@@ -210,6 +210,7 @@ class Service:
         self.fingerprint = f"applianced-{__version__}-{setup.engine}"
         self.tokenizer = ServedTokenizer(setup.model_dir)
         self.sink = sink or LogSink(enabled=cfg.server.log_requests)
+        self.accountant = None          # chargeback.attach sets it (accounting enabled)
         self.pool = WorkerPool(setup.specs, self._on_iteration,
                                backoff_s=cfg.workers.restart_backoff_s,
                                backoff_max_s=cfg.workers.restart_backoff_max_s,
@@ -304,11 +305,17 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         log.warning("%s", setup.inventory.note)
     log.info("plan: %s", setup.plan.reason)
     svc = Service(cfg, setup, sink)
+    try:
+        accountant = chargeback.attach(svc, state_dir)
+    except ValueError as exc:   # a bad carbon intensity file, an unusable ledger
+        raise StartupError(str(exc)) from None
     systemd.notify(f"STATUS=starting {len(setup.specs)} workers")
     try:
         await svc.pool.start()
     except (WorkerGone, OSError) as exc:
         await svc.pool.stop(2)
+        if accountant is not None:
+            accountant.stop()
         raise StartupError(str(exc)) from None
     svc.fit_context_to_pools()
     app = build_app(svc, cfg.server.max_body_bytes)
@@ -320,6 +327,8 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     except OSError as exc:
         await svc.pool.stop(2)
         await runner.cleanup()
+        if accountant is not None:
+            accountant.stop()
         raise StartupError(f"cannot listen on {cfg.server.host}:{cfg.server.port}: "
                            f"{exc.strerror}") from None
     stop = asyncio.Event()
@@ -334,6 +343,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
                       "simulated": svc.simulated}), file=sys.stderr, flush=True)
     systemd.notify("READY=1", f"STATUS=serving {svc.model_name}")
     watchdog = asyncio.create_task(systemd.watchdog_loop())
+    ticker = asyncio.create_task(chargeback.tick_loop(accountant)) if accountant else None
     await stop.wait()
     # Drain: refuse new work, let in-flight requests finish, then stop workers.
     systemd.notify("STOPPING=1", "STATUS=draining")
@@ -344,9 +354,14 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     if svc.inflight:
         log.warning("drain timeout: %d requests still in flight are cut off", svc.inflight)
     watchdog.cancel()
+    if ticker is not None:
+        ticker.cancel()
     await site.stop()
     await svc.pool.stop()
     await runner.cleanup()
+    if accountant is not None:
+        # the last partial window, every finished request's final row, one commit
+        await asyncio.to_thread(accountant.stop)
     return 0
 
 

@@ -7,7 +7,7 @@ so a fleet dashboard can never mix simulated numbers with measured ones unknowin
 from __future__ import annotations
 
 from prometheus_client import (
-    CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest,
+    CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -101,3 +101,38 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class TenantMetrics:
+    """The chargeback series (CONTRACTS.md): counters per tenant (configured tenants only,
+    the rest as "other", so a stray key cannot explode the series count), fed when a
+    request's ledger row is final, and the budget gauge."""
+
+    def __init__(self, registry: CollectorRegistry, site: str, appliance: str, simulated: bool):
+        base = ["site", "appliance", "simulated"]
+        self.base = [site, appliance, "true" if simulated else "false"]
+        r = registry
+        self.gpu_s = Counter("applianced_tenant_gpu_seconds", "Attributed device-seconds",
+                             ["tenant", "phase"] + base, registry=r)
+        self.energy = Counter("applianced_tenant_energy_joules", "Attributed energy (measured only)",
+                              ["tenant", "phase"] + base, registry=r)
+        self.cost = Counter("applianced_tenant_cost_usd", "Cost by basis (usage | allocation)",
+                            ["tenant", "basis"] + base, registry=r)
+        self.co2e = Counter("applianced_tenant_co2e_grams", "Operational + embodied gCO2e",
+                            ["tenant"] + base, registry=r)
+        self.budget_ratio = Gauge("applianced_tenant_budget_used_ratio",
+                                  "Share of the period's budget used (1 = all)",
+                                  ["tenant", "budget"] + base, registry=r)
+
+    def final(self, row, tenant: str) -> None:
+        b = self.base
+        for i, phase in enumerate(("prefill", "decode")):
+            self.gpu_s.labels(tenant, phase, *b).inc(row.gpu_s[i])
+            if row.joules[i] is not None:
+                self.energy.labels(tenant, phase, *b).inc(row.joules[i])
+        self.cost.labels(tenant, "usage", *b).inc(row.cost_usage)
+        self.cost.labels(tenant, "allocation", *b).inc(row.cost_allocation)
+        self.co2e.labels(tenant, *b).inc(row.co2e_g)
+
+    def budget(self, tenant: str, budget: str, ratio: float) -> None:
+        self.budget_ratio.labels(tenant, budget, *self.base).set(ratio)
