@@ -386,3 +386,19 @@ def test_budgets_fed_by_final_rows(tmp_path):
     assert state.ratio == pytest.approx(2.5 / 2.4)
     assert [a["threshold"] for a in state.alerts] == [0.8, 1.0]
     assert seen
+
+
+def test_rollups_sum_whole_hours_once(tmp_path):
+    acc, ledger = make_accountant(tmp_path, None)
+    for i in range(3):
+        acc.iteration(it("p0", "prefill", T0 + 1 + i, 0.5, ["g0"], [(f"R{i}", 5, 5)]))
+        acc.request(req(f"R{i}", "ta", T0 + i, T0 + 1.5 + i, prompt=7))
+    acc.stop(now=T0 + 10)
+    for _ in range(2):                  # a second open must not add the same hours again
+        led = Ledger(tmp_path / "ledger.sqlite", retention_days=0, rollup_retention_days=0)
+        led.stop()
+    conn = sqlite3.connect(tmp_path / "ledger.sqlite")
+    for period in ("hour", "day"):
+        n, pt, gpu = conn.execute("SELECT sum(requests), sum(prompt_tokens), sum(prefill_gpu_s) "
+                                  "FROM rollups WHERE period = ?", (period,)).fetchone()
+        assert (n, pt) == (3, 21) and gpu == pytest.approx(1.5)

@@ -9,6 +9,7 @@ closed. `stop` closes the last, partial window and commits everything.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class Accountant:
         self.prices = prices
         self.embodied = embodied
         self.budgets = budgets
+        self._budget_tenants = budgets.tenants() if budgets is not None else set()
         self.meter = meter
         self.grace_s = grace_s
         self.on_final = on_final
@@ -95,6 +97,8 @@ class Accountant:
         self.attributor = Attributor(devices, model, window_s, self.calibration, start)
         self._charges: dict[str, Charge] = {}
         self._finished: dict[str, RequestRecord] = {}
+        self._by_finish: list[tuple[float, str]] = []        # heap: which to complete next
+        self._intensity = (None, None, ())       # (second, Intensity, its ledger columns)
         self.windows_closed = 0
         self.requests_final = 0
         self.stopped = False
@@ -107,6 +111,7 @@ class Accountant:
         """A request finished: its row is committed at the next flush (with the figures
         it has so far), and completed once its windows close."""
         self._finished[rec.request_id] = rec
+        heapq.heappush(self._by_finish, (rec.finish, rec.request_id))
         self.ledger.put_request(self._row(rec, self._charges.get(rec.request_id), final=False))
 
     # ---- periodic ------------------------------------------------------------------
@@ -120,11 +125,17 @@ class Accountant:
             self._apply(w)
         self.windows_closed += len(windows)
         closed = self.attributor.closed_until
-        done = [rid for rid, rec in self._finished.items() if final or rec.finish <= closed]
-        for rid in done:
-            self._complete(self._finished.pop(rid), self._charges.pop(rid, None))
-        self._orphans(now, final)
-        return len(done)
+        done = 0
+        heap = self._by_finish
+        while heap and (final or heap[0][0] <= closed):
+            _, rid = heapq.heappop(heap)
+            rec = self._finished.pop(rid, None)
+            if rec is not None:
+                self._complete(rec, self._charges.pop(rid, None))
+                done += 1
+        if windows or final:
+            self._orphans(now, final)
+        return done
 
     def stop(self, now: float | None = None) -> None:
         """Close the last partial window, complete every finished request, commit."""
@@ -197,7 +208,7 @@ class Accountant:
                 self.on_final(final)
             except Exception:
                 log.exception("accounting: on_final hook failed")
-        if self.budgets is not None:
+        if self.budgets is not None and rec.tenant in self._budget_tenants:
             changed = self.budgets.add(rec.tenant, rec.finish, {
                 "gpu_hours": sum(c.gpu_s) / 3600.0, "usd": final.cost_allocation,
                 "kgco2e": co2e / 1000.0})
@@ -205,23 +216,27 @@ class Accountant:
                 self.on_budget(changed)
 
     def _row(self, rec: RequestRecord, c: Charge | None, final: bool) -> tuple:
-        c = c or Charge(simulated=rec.simulated)
+        second = int(rec.arrival)
+        if self._intensity[0] != second:
+            i = self.site.intensity.at(rec.arrival)
+            self._intensity = (second, i, (i.g_per_kwh, i.provenance.source, i.provenance.kind,
+                                           int(i.provenance.estimated), i.provenance.factor,
+                                           self.site.pue))
+        _, intensity, carbon_cols = self._intensity
+        head = (rec.request_id, rec.tenant, rec.model, self.site.name, self.site.appliance,
+                rec.endpoint, rec.status, rec.finish_reason, rec.arrival, rec.first_token,
+                rec.finish, rec.prompt_tokens, rec.output_tokens, rec.cached_tokens,
+                rec.choices, rec.prefill_worker, rec.decode_worker)
+        if c is None:           # no window has reached this request yet
+            return head + (0.0, 0.0, None, None, 0.0, 0.0, 0.0, 0.0, None, None, 0.0, 0.0) \
+                + carbon_cols + ("none", int(rec.simulated), 0, int(final), 0)
         known = c.energy_known and c.energy_source not in ("", "none")
-        if not c.energy_source:      # no window has reached this request yet
-            known = False
-        intensity = self.site.intensity.at(rec.arrival)
         joules = [c.joules[i] if known else None for i in (0, 1)]
         op = [operational_grams(j, self.site.pue, intensity) for j in joules]
-        return (
-            rec.request_id, rec.tenant, rec.model, self.site.name, self.site.appliance,
-            rec.endpoint, rec.status, rec.finish_reason, rec.arrival, rec.first_token,
-            rec.finish, rec.prompt_tokens, rec.output_tokens, rec.cached_tokens, rec.choices,
-            rec.prefill_worker, rec.decode_worker,
+        return head + (
             c.gpu_s[0], c.gpu_s[1], joules[0], joules[1],
             c.cost_usage[0], c.cost_usage[1], c.cost_allocation[0], c.cost_allocation[1],
-            op[0], op[1], c.embodied_g[0], c.embodied_g[1],
-            intensity.g_per_kwh, intensity.provenance.source, intensity.provenance.kind,
-            int(intensity.provenance.estimated), intensity.provenance.factor, self.site.pue,
+            op[0], op[1], c.embodied_g[0], c.embodied_g[1]) + carbon_cols + (
             c.energy_source or "none", int(rec.simulated or c.simulated), int(c.approximate),
             int(final), 0)
 

@@ -325,41 +325,69 @@ class Attributor:
             idle_e = min(idle_w * dt, energy)
             active_e = energy - idle_e
         busy_scaled = busy * scale
-        shares: dict[tuple[str, str], list] = {}
+        # Every iteration gets active energy in proportion to its time, so within one
+        # device window a request's joules are its GPU-seconds × (active / busy): only
+        # the GPU-seconds are split entry by entry (the one per-token loop of accounting).
+        pre: dict[str, float] = {}
+        dec: dict[str, float] = {}
         attributed = unattributed = 0.0
-        att_e = 0.0
-        unatt_e = 0.0 if energy is not None else None
         approximate = False
+        p_tok, p_ctx, d_seq, d_ctx = weights.p_tok, weights.p_ctx, weights.d_seq, weights.d_ctx
         for rec, tau in its:
             tau *= scale
-            e_it = active_e * tau / busy_scaled if energy is not None and busy_scaled > 0 else None
             approximate |= rec.approximate
-            ws = [(request_of(rid), ph, weights.weight(ph, new, ctx))
-                  for rid, new, ctx in rec.entries
-                  for ph in (entry_phase(rec.phase, new),)]
-            total = sum(w for _, _, w in ws)
-            if total <= 0:
-                unattributed += tau
-                if e_it is not None:
-                    unatt_e += e_it
-                continue
-            for rid, ph, w in ws:
-                f = w / total
-                s = shares.get((rid, ph))
-                if s is None:
-                    s = shares[(rid, ph)] = [0.0, 0.0 if e_it is not None else None]
-                s[0] += tau * f
-                if e_it is not None:
-                    s[1] += e_it * f
+            entries = rec.entries
+            phase = rec.phase
+            if phase == PREFILL:
+                ws = [new * (p_tok + p_ctx * ctx) for _, new, ctx in entries]
+                total = sum(ws)
+                if total <= 0:
+                    unattributed += tau
+                    continue
+                k = tau / total
+                for (rid, _, _), w in zip(entries, ws):
+                    if "." in rid:
+                        rid = rid.partition(".")[0]
+                    pre[rid] = pre.get(rid, 0.0) + w * k
+            elif phase != "mixed":          # decode, kv_import
+                ws = [d_seq + d_ctx * ctx for _, _, ctx in entries]
+                total = sum(ws)
+                if total <= 0:
+                    unattributed += tau
+                    continue
+                k = tau / total
+                for (rid, _, _), w in zip(entries, ws):
+                    if "." in rid:
+                        rid = rid.partition(".")[0]
+                    dec[rid] = dec.get(rid, 0.0) + w * k
+            else:
+                kinds = [entry_phase(phase, new) for _, new, _ in entries]
+                ws = [weights.weight(ph, new, ctx) for ph, (_, new, ctx) in zip(kinds, entries)]
+                total = sum(ws)
+                if total <= 0:
+                    unattributed += tau
+                    continue
+                k = tau / total
+                for (rid, _, _), ph, w in zip(entries, kinds, ws):
+                    rid = request_of(rid)
+                    acc = pre if ph == PREFILL else dec
+                    acc[rid] = acc.get(rid, 0.0) + w * k
             attributed += tau
-            if e_it is not None:
-                att_e += e_it
-        if energy is not None and busy_scaled <= 0:
-            unatt_e += active_e
+        j_per_s = None
+        if energy is not None:
+            j_per_s = active_e / busy_scaled if busy_scaled > 0 else 0.0
+        shares: dict[tuple[str, str], list] = {}
+        for ph, acc in ((PREFILL, pre), (DECODE, dec)):
+            for rid, g in acc.items():
+                shares[(rid, ph)] = [g, g * j_per_s if j_per_s is not None else None]
+        att_e = unatt_e = None
+        if energy is not None:
+            att_e = attributed * j_per_s
+            unatt_e = unattributed * j_per_s if busy_scaled > 0 else active_e
         return DeviceWindow(
             device=info.id, model=info.model, start=t0, end=t1, measured_gpu_s=measured,
             attributed_gpu_s=attributed, idle_gpu_s=max(measured - busy_scaled, 0.0),
             unattributed_gpu_s=unattributed, measured_j=energy,
-            attributed_j=att_e if energy is not None else None, idle_j=idle_e,
+            attributed_j=att_e, idle_j=idle_e,
             unattributed_j=unatt_e, energy_source=source, iterations=len(its),
             simulated=info.simulated, approximate=approximate, shares=shares)

@@ -13,7 +13,8 @@ every row queued before that instant is committed. That is the bound a test can 
 Tables: `requests` (one row per request, upserted: first as soon as it finishes,
 `final = 0`, then with its figures once every window covering it has closed,
 `final = 1`), `device_windows` (one row per device per window), `rollups` (hour and
-day sums of final request rows, kept longer than the raw rows).
+day sums of request rows, added once an hour has been over for 10 minutes; kept longer
+than the raw rows).
 """
 from __future__ import annotations
 
@@ -87,9 +88,22 @@ _REQ_UPSERT = (f'INSERT INTO requests ({", ".join(chr(34) + c + chr(34) for c in
 _WIN_UPSERT = (f'INSERT OR REPLACE INTO device_windows '
                f'({", ".join(chr(34) + c + chr(34) for c in WINDOW_COLUMNS)}) '
                f'VALUES ({", ".join("?" * len(WINDOW_COLUMNS))})')
-_ROLLUP = """INSERT INTO rollups VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+_IDX = {c: i for i, c in enumerate(REQUEST_COLUMNS)}
+
+# Hour and day sums of final request rows, for whole hours that ended a while ago (rows
+# are final seconds after they finish): one GROUP BY per hour of traffic in the writer
+# thread, not an upsert per request.
+_ROLLUP = """INSERT INTO rollups
+SELECT ?, CAST(finish / ? AS INTEGER) * ?, tenant, model, site, count(*), sum(prompt_tokens),
+    sum(output_tokens), sum(prefill_gpu_s), sum(decode_gpu_s), sum(prefill_j), sum(decode_j),
+    sum(prefill_cost_usage + decode_cost_usage),
+    sum(prefill_cost_allocation + decode_cost_allocation),
+    sum(coalesce(prefill_co2e_op_g, 0) + coalesce(decode_co2e_op_g, 0)
+        + prefill_co2e_emb_g + decode_co2e_emb_g)
+FROM requests WHERE finish >= ? AND finish < ? GROUP BY 2, 3, 4, 5
 ON CONFLICT(period, bucket, tenant, model, site) DO UPDATE SET
-    requests = requests + 1, prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+    requests = requests + excluded.requests,
+    prompt_tokens = prompt_tokens + excluded.prompt_tokens,
     output_tokens = output_tokens + excluded.output_tokens,
     prefill_gpu_s = prefill_gpu_s + excluded.prefill_gpu_s,
     decode_gpu_s = decode_gpu_s + excluded.decode_gpu_s,
@@ -98,22 +112,26 @@ ON CONFLICT(period, bucket, tenant, model, site) DO UPDATE SET
     cost_usage = cost_usage + excluded.cost_usage,
     cost_allocation = cost_allocation + excluded.cost_allocation,
     co2e_g = co2e_g + excluded.co2e_g"""
+ROLLUP_LAG_S = 600.0
 
-_IDX = {c: i for i, c in enumerate(REQUEST_COLUMNS)}
 
-
-def _rollup_args(row: tuple) -> list[tuple]:
-    g = lambda c: row[_IDX[c]]  # noqa: E731
-    co2e = sum(g(c) or 0.0 for c in ("prefill_co2e_op_g", "decode_co2e_op_g",
-                                     "prefill_co2e_emb_g", "decode_co2e_emb_g"))
-    out = []
-    for period, size in (("hour", 3600.0), ("day", 86400.0)):
-        bucket = (g("finish") // size) * size
-        out.append((period, bucket, g("tenant"), g("model"), g("site"), g("prompt_tokens"),
-                    g("output_tokens"), g("prefill_gpu_s"), g("decode_gpu_s"), g("prefill_j"),
-                    g("decode_j"), g("prefill_cost_usage") + g("decode_cost_usage"),
-                    g("prefill_cost_allocation") + g("decode_cost_allocation"), co2e))
-    return out
+def roll_up(conn: sqlite3.Connection, now: float) -> None:
+    """Add every whole hour from `rolled_until` to (now - lag) to the rollups, once."""
+    row = conn.execute("SELECT value FROM meta WHERE key = 'rolled_until'").fetchone()
+    if row is None:
+        first = conn.execute("SELECT min(finish) FROM requests").fetchone()[0]
+        if first is None:
+            return
+        start = (first // 3600) * 3600
+    else:
+        start = float(row[0])
+    until = ((now - ROLLUP_LAG_S) // 3600) * 3600
+    if until <= start:
+        return
+    with conn:
+        for period, size in (("hour", 3600), ("day", 86400)):
+            conn.execute(_ROLLUP, (period, size, size, start, until))
+        conn.execute("INSERT OR REPLACE INTO meta VALUES ('rolled_until', ?)", (until,))
 
 
 def connect(path: Path) -> sqlite3.Connection:
@@ -146,6 +164,7 @@ class Ledger:
                 conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)",
                              (SCHEMA_VERSION,))
             self.recovered = self._recover(conn)
+            roll_up(conn, time.time())      # before pruning: raw rows roll up first
             self._prune(conn, time.time())
         finally:
             conn.close()
@@ -163,8 +182,6 @@ class Ledger:
             return 0
         with conn:
             conn.execute("UPDATE requests SET final = 1, incomplete = 1 WHERE final = 0")
-            for row in rows:
-                conn.executemany(_ROLLUP, _rollup_args(row))
         log.warning("ledger: %d requests of the previous run finished without their "
                     "device windows closing; kept, marked incomplete", len(rows))
         return len(rows)
@@ -225,8 +242,12 @@ class Ledger:
                     except queue.Empty:
                         break
                 self._commit(conn, batch, covered)
-                if time.monotonic() - last_prune > 3600:
-                    self._prune(conn, time.time())
+                if time.monotonic() - last_prune > 600:
+                    try:
+                        roll_up(conn, time.time())
+                        self._prune(conn, time.time())
+                    except sqlite3.Error as exc:
+                        log.error("ledger: rollup/retention failed: %s", exc)
                     last_prune = time.monotonic()
                 if self._stopping.is_set() and self._queue.empty():
                     break
@@ -239,10 +260,7 @@ class Ledger:
         try:
             if reqs or wins:
                 with conn:
-                    for row in reqs:
-                        cur = conn.execute(_REQ_UPSERT, row)
-                        if row[_IDX["final"]] and cur.rowcount:
-                            conn.executemany(_ROLLUP, _rollup_args(row))
+                    conn.executemany(_REQ_UPSERT, reqs)
                     conn.executemany(_WIN_UPSERT, wins)
                     conn.execute("INSERT OR REPLACE INTO meta VALUES ('covered_until', ?)",
                                  (covered,))

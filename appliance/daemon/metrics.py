@@ -7,7 +7,7 @@ so a fleet dashboard can never mix simulated numbers with measured ones unknowin
 from __future__ import annotations
 
 from prometheus_client import (
-    CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
+    CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -106,33 +106,50 @@ class Metrics:
 class TenantMetrics:
     """The chargeback series (CONTRACTS.md): counters per tenant (configured tenants only,
     the rest as "other", so a stray key cannot explode the series count), fed when a
-    request's ledger row is final, and the budget gauge."""
+    request's ledger row is final, and the budget gauge.
+
+    A collector over plain sums, read at scrape time: adding a request is a few dict
+    updates, not a dozen label lookups (this runs once per request on the event loop)."""
 
     def __init__(self, registry: CollectorRegistry, site: str, appliance: str, simulated: bool):
-        base = ["site", "appliance", "simulated"]
         self.base = [site, appliance, "true" if simulated else "false"]
-        r = registry
-        self.gpu_s = Counter("applianced_tenant_gpu_seconds", "Attributed device-seconds",
-                             ["tenant", "phase"] + base, registry=r)
-        self.energy = Counter("applianced_tenant_energy_joules", "Attributed energy (measured only)",
-                              ["tenant", "phase"] + base, registry=r)
-        self.cost = Counter("applianced_tenant_cost_usd", "Cost by basis (usage | allocation)",
-                            ["tenant", "basis"] + base, registry=r)
-        self.co2e = Counter("applianced_tenant_co2e_grams", "Operational + embodied gCO2e",
-                            ["tenant"] + base, registry=r)
-        self.budget_ratio = Gauge("applianced_tenant_budget_used_ratio",
-                                  "Share of the period's budget used (1 = all)",
-                                  ["tenant", "budget"] + base, registry=r)
+        self.gpu_s: dict[tuple[str, str], float] = {}
+        self.energy: dict[tuple[str, str], float] = {}
+        self.cost: dict[tuple[str, str], float] = {}
+        self.co2e: dict[str, float] = {}
+        self.ratio: dict[tuple[str, str], float] = {}
+        registry.register(self)
 
     def final(self, row, tenant: str) -> None:
-        b = self.base
         for i, phase in enumerate(("prefill", "decode")):
-            self.gpu_s.labels(tenant, phase, *b).inc(row.gpu_s[i])
+            key = (tenant, phase)
+            self.gpu_s[key] = self.gpu_s.get(key, 0.0) + row.gpu_s[i]
             if row.joules[i] is not None:
-                self.energy.labels(tenant, phase, *b).inc(row.joules[i])
-        self.cost.labels(tenant, "usage", *b).inc(row.cost_usage)
-        self.cost.labels(tenant, "allocation", *b).inc(row.cost_allocation)
-        self.co2e.labels(tenant, *b).inc(row.co2e_g)
+                self.energy[key] = self.energy.get(key, 0.0) + row.joules[i]
+        for basis, value in (("usage", row.cost_usage), ("allocation", row.cost_allocation)):
+            self.cost[(tenant, basis)] = self.cost.get((tenant, basis), 0.0) + value
+        self.co2e[tenant] = self.co2e.get(tenant, 0.0) + row.co2e_g
 
     def budget(self, tenant: str, budget: str, ratio: float) -> None:
-        self.budget_ratio.labels(tenant, budget, *self.base).set(ratio)
+        self.ratio[(tenant, budget)] = ratio
+
+    def collect(self):
+        base = ["site", "appliance", "simulated"]
+        out = []
+        for name, doc, labels, values, cls in (
+                ("applianced_tenant_gpu_seconds", "Attributed device-seconds",
+                 ["tenant", "phase"], self.gpu_s, CounterMetricFamily),
+                ("applianced_tenant_energy_joules", "Attributed energy (measured only)",
+                 ["tenant", "phase"], self.energy, CounterMetricFamily),
+                ("applianced_tenant_cost_usd", "Cost by basis (usage | allocation)",
+                 ["tenant", "basis"], self.cost, CounterMetricFamily),
+                ("applianced_tenant_co2e_grams", "Operational + embodied gCO2e",
+                 ["tenant"], self.co2e, CounterMetricFamily),
+                ("applianced_tenant_budget_used_ratio", "Share of the period's budget used (1 = all)",
+                 ["tenant", "budget"], self.ratio, GaugeMetricFamily)):
+            fam = cls(name, doc, labels=labels + base)
+            for key, value in list(values.items()):
+                key = key if isinstance(key, tuple) else (key,)
+                fam.add_metric([*key, *self.base], value)
+            out.append(fam)
+        return out
