@@ -14,7 +14,15 @@ import urllib.parse
 
 import pytest
 
-from conftest import http
+from conftest import ROOT, http
+
+
+def cli(*args: str):
+    import os
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "appliance", *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
 
@@ -155,6 +163,19 @@ def test_two_tenants_on_simulated_h100s(daemon_factory, tmp_path):
     parsed = list(csv.DictReader(io.StringIO(raw.decode() if isinstance(raw, bytes) else raw)))
     assert sum(float(r["gpu_seconds"]) for r in parsed) == \
         pytest.approx(sum(r["gpu_seconds"] for r in body["rows"]), rel=1e-6)
+    # the CLI: a table sorted by GPU budget consumed (B first), the conservation line
+    out = cli("usage", "--url", d.url, "--by", "tenant", "--since", "1h")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[2].split()[0] == "b" and lines[3].split()[0] == "a", out.stdout
+    assert "= measured" in out.stdout and "budget b gpu_hours per day" in out.stdout
+    assert "ALERT 80%,100%" in out.stdout
+    out = cli("usage", "--url", d.url, "--by", "tenant,phase", "--since", "1h", "--csv")
+    assert out.stdout.splitlines()[0].startswith("tenant,model,phase,site,requests")
+    out = cli("carbon", "--url", d.url, "--by", "site")
+    assert out.returncode == 0 and "embodied" in out.stdout and "energy not measured" in out.stdout
+    out = cli("usage", "--url", d.url, "--since", "last tuesday")
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "not a time" in out.stderr
 
 
 def test_two_tenants_on_the_cpu_with_the_torch_engine(daemon_factory, tiny_model):

@@ -100,6 +100,7 @@ class Accountant:
         self._by_finish: list[tuple[float, str]] = []        # heap: which to complete next
         self._intensity = (None, None, ())       # (second, Intensity, its ledger columns)
         self.windows_closed = 0
+        self.cpu_s = 0.0            # CPU time of tick (the per-window arithmetic)
         self.requests_final = 0
         self.stopped = False
 
@@ -118,6 +119,13 @@ class Accountant:
     def tick(self, now: float | None = None, final: bool = False) -> int:
         """Close ended windows and complete the requests they finish. Returns the number
         of request rows completed."""
+        cpu0 = time.thread_time()
+        try:
+            return self._tick(now, final)
+        finally:
+            self.cpu_s += time.thread_time() - cpu0
+
+    def _tick(self, now: float | None, final: bool) -> int:
         now = time.time() if now is None else now
         cut = now if final else now - self.grace_s
         windows = self.attributor.close_until(cut, self.meter(), final=final)
@@ -259,6 +267,7 @@ class Accountant:
 
     def status(self) -> dict:
         return {"window_s": self.attributor.window_s, "windows_closed": self.windows_closed,
+                "cpu_s": {"windows": self.cpu_s, "ledger_writer": self.ledger.cpu_s},
                 "requests_final": self.requests_final, "pending": len(self._finished),
                 "late_iterations": self.attributor.late, "ledger": str(self.ledger.path),
                 "ledger_error": self.ledger.error, "calibration": self.calibration.describe()}

@@ -156,6 +156,7 @@ class Ledger:
         self._generation = 0
         self.batches = 0
         self.rows_written = 0
+        self.cpu_s = 0.0            # the writer thread's CPU time in commits
         self.error: str | None = None
         conn = connect(self.path)
         try:
@@ -255,6 +256,16 @@ class Ledger:
             conn.close()
 
     def _commit(self, conn: sqlite3.Connection, batch: list, covered: float) -> None:
+        cpu0 = time.thread_time()
+        try:
+            self._write(conn, batch, covered)
+        finally:
+            self.cpu_s += time.thread_time() - cpu0
+        with self._flushed:
+            self._generation += 1
+            self._flushed.notify_all()
+
+    def _write(self, conn: sqlite3.Connection, batch: list, covered: float) -> None:
         reqs = [row for kind, row in batch if kind == "req"]
         wins = [row for kind, row in batch if kind == "win"]
         try:
@@ -269,9 +280,6 @@ class Ledger:
         except sqlite3.Error as exc:       # a full disk: say so, keep serving
             self.error = str(exc)
             log.error("ledger: could not commit %d rows: %s", len(reqs) + len(wins), exc)
-        with self._flushed:
-            self._generation += 1
-            self._flushed.notify_all()
 
     # ---- reading ---------------------------------------------------------------
     def query(self, sql: str, args: tuple = ()) -> list[tuple]:
