@@ -280,3 +280,24 @@ def test_kill_9_loses_at_most_the_last_batch(daemon_factory, tmp_path):
     for f in ("gpu_seconds", "cost_usage", "cost_allocation", "co2e_grams"):
         assert sum(float(r[f]) for r in parsed) == pytest.approx(sum(r[f] for r in js["rows"]), rel=1e-9)
     assert sum(int(r["prompt_tokens"]) for r in parsed) == sum(r["prompt_tokens"] for r in js["rows"])
+
+
+def test_bad_intensity_file_stops_start_up_with_one_line(tmp_path):
+    bad = tmp_path / "grid.csv"
+    bad.write_text("when,value\n2026-01-01T00:00:00Z,300\n")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[site]\ncarbon_intensity_file = "{bad}"\n')
+    out = cli("serve", "--devices", "sim:2xH100", "--model-spec", "llama-3.1-8b", "--port", "1",
+              "--state-dir", str(tmp_path / "state"), "--config", str(cfg))
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("applianced: carbon intensity file") and "datetime and carbonIntensity" in last
+    assert "Traceback" not in out.stderr
+
+
+def test_usage_answers_404_when_accounting_is_off(daemon_factory):
+    d = daemon_factory("--devices", "sim:2xH100", "--model-spec", "llama-3.1-8b", model=None,
+                       config="[accounting]\nenabled = false\n")
+    code, _, err = get(d, "/admin/v1/usage")
+    assert code == 404 and err["error"]["code"] == "accounting_disabled"
+    assert not (d.log.parent / "state" / "ledger.sqlite").exists()

@@ -73,6 +73,7 @@ class FinalRow:
 
 
 _PH = {PREFILL: 0, DECODE: 1}
+_CO2E = slice(REQUEST_COLUMNS.index("prefill_co2e_op_g"), REQUEST_COLUMNS.index("decode_co2e_emb_g") + 1)
 
 
 class Accountant:
@@ -206,8 +207,7 @@ class Accountant:
         self.requests_final += 1
         if c is None:
             c = Charge()
-        co2e = sum(x or 0.0 for x in row[REQUEST_COLUMNS.index("prefill_co2e_op_g"):
-                                         REQUEST_COLUMNS.index("decode_co2e_emb_g") + 1])
+        co2e = sum(x or 0.0 for x in row[_CO2E])
         final = FinalRow(rec, (c.gpu_s[0], c.gpu_s[1]),
                          (c.joules[0], c.joules[1]) if c.energy_known else (None, None),
                          sum(c.cost_usage), sum(c.cost_allocation), co2e)
