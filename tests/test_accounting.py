@@ -253,7 +253,7 @@ def test_budget_alerts_once_per_crossing_and_reset_per_period(caplog):
 def make_accountant(tmp_path, meter=None, pue=1.5, intensity=None, policy="share", budgets=None,
                     name="s1", start=T0, flush=0.05):
     devs = [DeviceInfo("g0", "H100-SXM", "gpu", False), DeviceInfo("g1", "H100-SXM", "gpu", False)]
-    ledger = Ledger(tmp_path / "ledger.sqlite", flush_interval_s=flush, retention_days=0)
+    ledger = Ledger(tmp_path / "ledger.db", flush_interval_s=flush, retention_days=0)
     ledger.start()
     site = Site(name, "app1", "DE", pue, intensity or CarbonIntensity(400.0))
     acc = Accountant(devs, "m", site, ledger, PriceBook({}, 0.0, policy), EmbodiedCarbon({}, {}),
@@ -276,13 +276,13 @@ def test_accountant_rows_conserve_and_report(tmp_path):
     acc.request(req("B", "tb", T0, T0 + 13))
     assert acc.tick(now=T0 + 11.6) == 1           # A final after the first window closed
     acc.stop(now=T0 + 20)
-    rows = {r[0]: r for r in sqlite3.connect(tmp_path / "ledger.sqlite").execute(
+    rows = {r[0]: r for r in sqlite3.connect(tmp_path / "ledger.db").execute(
         "SELECT request_id, prefill_gpu_s, decode_gpu_s, prefill_j, decode_j, final, "
         "prefill_cost_allocation + decode_cost_allocation, prefill_cost_usage + decode_cost_usage "
         "FROM requests")}
     assert rows["A"][1:3] == pytest.approx((1.0, 2.0)) and rows["B"][1:3] == pytest.approx((1.0, 3.0))
     assert rows["A"][3] == pytest.approx(400.0) and rows["A"][5] == 1
-    ledger2 = Ledger(tmp_path / "ledger.sqlite", retention_days=0)
+    ledger2 = Ledger(tmp_path / "ledger.db", retention_days=0)
     rep = reports.usage(ledger2, ["tenant", "phase"], T0 - 1, T0 + 100)
     tot = rep["totals"]
     assert tot["measured_gpu_seconds"] == pytest.approx(2 * (acc.attributor.closed_until - T0))
@@ -316,7 +316,7 @@ def test_idle_policy_keeps_an_idle_row(tmp_path):
     acc.request(req("A", "ta", T0, T0 + 3))
     acc.tick(now=T0 + 12)
     acc.stop(now=T0 + 20)
-    led = Ledger(tmp_path / "ledger.sqlite", retention_days=0)
+    led = Ledger(tmp_path / "ledger.db", retention_days=0)
     rep = reports.usage(led, ["tenant"], T0 - 1, T0 + 100, idle_policy="idle")
     rows = {r["tenant"]: r for r in rep["rows"]}
     assert rows["ta"]["cost_allocation"] == pytest.approx(rows["ta"]["cost_usage"])
@@ -342,7 +342,7 @@ def test_carbon_intensity_at_request_time_and_pue_ratio(tmp_path):
         acc.request(req("early", "t", T0 + 0.5, T0 + 2))
         acc.request(req("late", "t", T0 + 20.5, T0 + 22))
         acc.stop(now=T0 + 30)
-        led = Ledger(d / "ledger.sqlite", retention_days=0)
+        led = Ledger(d / "ledger.db", retention_days=0)
         for rid, g, i in led.query("SELECT request_id, prefill_co2e_op_g, intensity_g_per_kwh "
                                    "FROM requests"):
             figures[(name, rid)] = (g, i)
@@ -361,10 +361,10 @@ def test_ledger_recovers_unfinished_rows_and_counts_each_request_once(tmp_path):
     acc.request(req("A", "ta", T0, T0 + 2))
     assert ledger.flush()
     # the process dies here (no stop): A is committed, not final
-    row = sqlite3.connect(tmp_path / "ledger.sqlite").execute(
+    row = sqlite3.connect(tmp_path / "ledger.db").execute(
         "SELECT final FROM requests WHERE request_id = 'A'").fetchone()
     assert row == (0,)
-    led = Ledger(tmp_path / "ledger.sqlite", retention_days=0, rollup_retention_days=0)
+    led = Ledger(tmp_path / "ledger.db", retention_days=0, rollup_retention_days=0)
     assert led.recovered == 1
     assert led.query("SELECT count(*), final, incomplete FROM requests") == [(1, 1, 1)]
     assert led.query("SELECT sum(requests) FROM rollups WHERE period = 'hour'") == [(1,)]
@@ -395,9 +395,9 @@ def test_rollups_sum_whole_hours_once(tmp_path):
         acc.request(req(f"R{i}", "ta", T0 + i, T0 + 1.5 + i, prompt=7))
     acc.stop(now=T0 + 10)
     for _ in range(2):                  # a second open must not add the same hours again
-        led = Ledger(tmp_path / "ledger.sqlite", retention_days=0, rollup_retention_days=0)
+        led = Ledger(tmp_path / "ledger.db", retention_days=0, rollup_retention_days=0)
         led.stop()
-    conn = sqlite3.connect(tmp_path / "ledger.sqlite")
+    conn = sqlite3.connect(tmp_path / "ledger.db")
     for period in ("hour", "day"):
         n, pt, gpu = conn.execute("SELECT sum(requests), sum(prompt_tokens), sum(prefill_gpu_s) "
                                   "FROM rollups WHERE period = ?", (period,)).fetchone()

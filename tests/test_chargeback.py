@@ -211,7 +211,7 @@ def test_intensity_doubling_carried_by_requests(daemon_factory, tmp_path):
         time.sleep(0.1)
     after = ask()
     settled_usage(d, 2)
-    db = sqlite3.connect(d.log.parent / "state" / "ledger.sqlite")
+    db = sqlite3.connect(d.log.parent / "state" / "ledger.db")
     got = dict((rid, rest) for rid, *rest in db.execute(
         "SELECT request_id, intensity_g_per_kwh, intensity_estimated, intensity_source, "
         "intensity_kind, site, pue FROM requests"))
@@ -253,7 +253,7 @@ def test_kill_9_loses_at_most_the_last_batch(daemon_factory, tmp_path):
     d.proc.wait()
     for t in threads:
         t.join()
-    path = d.log.parent / "state" / "ledger.sqlite"
+    path = d.log.parent / "state" / "ledger.db"
     db = sqlite3.connect(path)
     (covered,) = db.execute("SELECT value FROM meta WHERE key = 'covered_until'").fetchone()
     ids = [r[0] for r in db.execute("SELECT request_id FROM requests")]
@@ -300,4 +300,4 @@ def test_usage_answers_404_when_accounting_is_off(daemon_factory):
                        config="[accounting]\nenabled = false\n")
     code, _, err = get(d, "/admin/v1/usage")
     assert code == 404 and err["error"]["code"] == "accounting_disabled"
-    assert not (d.log.parent / "state" / "ledger.sqlite").exists()
+    assert not (d.log.parent / "state" / "ledger.db").exists()

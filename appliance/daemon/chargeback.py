@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("applianced.accounting")
 
-LEDGER_FILE = "ledger.sqlite"
+LEDGER_FILE = "ledger.db"      # shared with the planner's trend tables (own tables, own connection)
 
 
 def device_infos(setup: Setup) -> list[DeviceInfo]:
