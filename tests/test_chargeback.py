@@ -112,6 +112,10 @@ def check_phase_split_and_conservation(body: dict, tokens_each: int):
     assert sum(r["gpu_seconds"] for r in body["rows"]) == \
         pytest.approx(t["attributed_gpu_seconds"], rel=0.005)
     assert t["measured_gpu_seconds"] > t["attributed_gpu_seconds"] > 0
+    # energy from the telemetry hub's meter: the same identity
+    assert t["measured_energy_joules"] is not None and t["attributed_energy_joules"] > 0
+    assert t["attributed_energy_joules"] + t["idle_energy_joules"] + \
+        t["unattributed_energy_joules"] == pytest.approx(t["measured_energy_joules"], rel=0.005)
     return share_a
 
 
@@ -151,13 +155,20 @@ def test_two_tenants_on_simulated_h100s(daemon_factory, tmp_path):
                           ({"format": "xml"}, "format"), ({"since": "1h", "until": "2h"}, "since")]:
         code, _, err = get(d, "/admin/v1/usage", **params)
         assert code == 400 and err["error"]["param"] == param, err
-    # carbon: embodied only (no energy meter in this daemon), provenance says so
+    # carbon: simulated energy × PUE × the static intensity, plus embodied; provenance says so
     code, _, carbon = get(d, "/admin/v1/carbon", group_by="site,tenant", since="1h")
     assert code == 200
     (cb,) = [r for r in carbon["rows"] if r["tenant"] == "b"]
-    assert cb["co2e_operational_grams"] is None and cb["co2e_embodied_grams"] > 0
-    assert cb["provenance"]["energy"] == "not measured" and cb["provenance"]["sources"] == ["static"]
+    assert cb["co2e_operational_grams"] == pytest.approx(
+        cb["energy_joules"] / 3.6e6 * 1.56 * 480.0, rel=1e-6)
+    assert cb["co2e_embodied_grams"] > 0
+    assert cb["provenance"]["energy"] == "estimated or simulated"
+    assert cb["provenance"]["sources"] == ["static"] and cb["simulated"]
     assert cb["sci_grams_per_request"] == pytest.approx(cb["co2e_grams"] / 4)
+    # simulated power: a prefill GPU-second draws more than a decode GPU-second
+    per_s = {k: rows[k]["energy_joules"] / rows[k]["gpu_seconds"]
+             for k in (("a", "prefill"), ("b", "decode"))}
+    assert per_s[("a", "prefill")] > per_s[("b", "decode")], per_s
     # CSV: same rows as JSON
     code, _, raw = get(d, "/admin/v1/usage", group_by="tenant,phase", since="1h", format="csv")
     parsed = list(csv.DictReader(io.StringIO(raw.decode() if isinstance(raw, bytes) else raw)))
@@ -169,11 +180,11 @@ def test_two_tenants_on_simulated_h100s(daemon_factory, tmp_path):
     lines = out.stdout.splitlines()
     assert lines[2].split()[0] == "b" and lines[3].split()[0] == "a", out.stdout
     assert "= measured" in out.stdout and "budget b gpu_hours per day" in out.stdout
-    assert "ALERT 80%,100%" in out.stdout
+    assert "ALERT 80%,100%" in out.stdout and "[SIMULATED]" in out.stdout
     out = cli("usage", "--url", d.url, "--by", "tenant,phase", "--since", "1h", "--csv")
     assert out.stdout.splitlines()[0].startswith("tenant,model,phase,site,requests")
     out = cli("carbon", "--url", d.url, "--by", "site")
-    assert out.returncode == 0 and "embodied" in out.stdout and "energy not measured" in out.stdout
+    assert out.returncode == 0 and "embodied" in out.stdout and "static average" in out.stdout
     out = cli("usage", "--url", d.url, "--since", "last tuesday")
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and "not a time" in out.stderr
 

@@ -32,6 +32,7 @@ from appliance.daemon.server import build_app
 from appliance.daemon.tokenizer import ServedTokenizer
 from appliance.daemon.workers import WorkerGone, WorkerPool, program_command
 from appliance.partitions import Inventory, PartitionPlan, discover, inventory_json, plan_partition
+from appliance.telemetry import build_telemetry
 from appliance.worker.spec import WorkerSpec
 
 log = logging.getLogger("applianced")
@@ -216,7 +217,18 @@ class Service:
                                backoff_max_s=cfg.workers.restart_backoff_max_s,
                                start_timeout_s=cfg.workers.start_timeout_s)
         self.router = Router(self.pool, setup.plan.mode, cfg.engine.conditional_disagg_tokens)
-        self.metrics = Metrics(self.pool, self.model_name, self.simulated)
+        self.telemetry = build_telemetry(
+            setup.inventory, setup.plan,
+            worker_cores={s.worker: s.cpu_cores for s in setup.specs},
+            weight_bytes=_weight_bytes(cfg.engine.model_spec), worker_pids=self._worker_pids,
+            site=cfg.site.name, appliance=cfg.site.appliance,
+            sample_interval_s=cfg.telemetry.sample_interval_s, retain_s=cfg.telemetry.retain_s,
+            rapl_dir=cfg.telemetry.rapl_dir,
+            cpu_idle_w_per_core=cfg.telemetry.cpu_idle_w_per_core,
+            cpu_busy_w_per_core=cfg.telemetry.cpu_busy_w_per_core)
+        self.metrics = Metrics(self.pool, self.model_name, self.simulated,
+                               telemetry=self.telemetry, site=cfg.site.name,
+                               appliance=self.telemetry.appliance)
         self.auth = Auth(cfg.auth.keys, cfg.auth.admin_keys, cfg.auth.metrics_access)
         self._tenants = set(cfg.auth.keys.values()) | {"default"}
         self.max_inflight = cfg.server.max_inflight
@@ -246,29 +258,66 @@ class Service:
     def next_request_id(self) -> str:
         return f"{self._prefix}{next(self._ids):08x}"
 
+    def _worker_pids(self) -> dict[str, int | None]:
+        """Worker id -> pid of its live process (read by the CPU sampler's thread)."""
+        return {w.id: (w.proc.pid if w.proc is not None and w.proc.returncode is None else None)
+                for w in list(self.pool.workers.values())}
+
     def _on_iteration(self, rec) -> None:
         self.metrics.iteration(rec)
+        try:
+            self.telemetry.observe_iteration(rec)
+        except Exception:   # runs in a worker's reader task: telemetry must not end it
+            log.exception("telemetry: iteration record from %s not taken", rec.worker)
         self.sink.iteration(rec)
 
     def finished(self, comp) -> None:
         rec = comp.record()
         tenant_label = rec.tenant if rec.tenant in self._tenants else "other"
         self.metrics.request(rec, tenant_label)
+        if (planner := getattr(self, "planner", None)) is not None: planner.observe(rec)  # noqa: E701
+        try:
+            self.telemetry.observe_request(rec)
+        except Exception:
+            log.exception("telemetry: request record not taken")
         try:
             self.sink.request(rec)
         except Exception:   # a broken sink must not break serving
             log.exception("request sink failed")
 
     def status(self) -> dict:
+        """The inventory, plan and workers, with the telemetry hub's live keys; each device
+        row gets its live readings merged in."""
         s = self.setup
+        workers = [w.status() for w in self.pool.workers.values()]
+        try:
+            live = self.telemetry.status_fields(workers)
+        except Exception:   # the inventory and workers are still worth showing
+            log.exception("telemetry: live status failed")
+            live = {"devices": []}
+        live_devices = {d["id"]: d for d in live.pop("devices")}
+        inv = inventory_json(s.inventory, s.plan)
+        inv["devices"] = [{**d, **live_devices.get(d["id"], {})} for d in inv["devices"]]
         return {
             "version": __version__, "simulated": self.simulated, "engine": s.engine,
             "model": self.model_name, "model_dir": str(s.model_dir), "max_context": self.max_context,
             "mode": s.plan.mode, "uptime_s": round(time.time() - self.started_at, 3),
             "ready": self.router.ready(), "draining": self.draining, "inflight": self.inflight,
-            **inventory_json(s.inventory, s.plan),
-            "workers": [w.status() for w in self.pool.workers.values()],
+            **inv,
+            "workers": workers,
+            **live,
         }
+
+
+def _weight_bytes(model_spec: str) -> float:
+    """Bytes per weight of the served model for the simulated power model; bf16 if unknown."""
+    if not model_spec:
+        return 2.0
+    from appliance.models.specs import lookup_model_spec
+    try:
+        return lookup_model_spec(model_spec).weight_bytes
+    except ValueError:
+        return 2.0
 
 
 def warn_if_exposed(cfg: Config) -> None:
@@ -305,6 +354,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         log.warning("%s", setup.inventory.note)
     log.info("plan: %s", setup.plan.reason)
     svc = Service(cfg, setup, sink)
+    svc.state_dir = state_dir
     try:
         accountant = chargeback.attach(svc, state_dir)
     except ValueError as exc:   # a bad carbon intensity file, an unusable ledger
@@ -343,6 +393,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
                       "simulated": svc.simulated}), file=sys.stderr, flush=True)
     systemd.notify("READY=1", f"STATUS=serving {svc.model_name}")
     watchdog = asyncio.create_task(systemd.watchdog_loop())
+    sampler = asyncio.create_task(svc.telemetry.run(), name="telemetry")
     ticker = asyncio.create_task(chargeback.tick_loop(accountant)) if accountant else None
     await stop.wait()
     # Drain: refuse new work, let in-flight requests finish, then stop workers.
@@ -360,8 +411,10 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     await svc.pool.stop()
     await runner.cleanup()
     if accountant is not None:
-        # the last partial window, every finished request's final row, one commit
+        # the last partial window (its energy from the still-running sampler), every
+        # finished request's final row, one commit
         await asyncio.to_thread(accountant.stop)
+    sampler.cancel()
     return 0
 
 

@@ -74,7 +74,7 @@ def attach(svc: Service, state_dir: Path) -> Accountant | None:
     b = cfg.budgets
     budgets = Budgets(b.period, {"gpu_hours": b.gpu_hours, "usd": b.usd, "kgco2e": b.kgco2e})
     tenants = set(svc._tenants) | budgets.tenants()
-    metrics = TenantMetrics(svc.metrics.registry, site.name, site.appliance, svc.simulated)
+    metrics = TenantMetrics(svc.metrics.registry, svc.simulated)
 
     def final(row: FinalRow) -> None:
         metrics.final(row, row.record.tenant if row.record.tenant in tenants else "other")
