@@ -311,4 +311,7 @@ def test_usage_answers_404_when_accounting_is_off(daemon_factory):
                        config="[accounting]\nenabled = false\n")
     code, _, err = get(d, "/admin/v1/usage")
     assert code == 404 and err["error"]["code"] == "accounting_disabled"
-    assert not (d.log.parent / "state" / "ledger.db").exists()
+    db = d.log.parent / "state" / "ledger.db"      # the planner's trend tables may be there
+    if db.exists():
+        tables = {r[0] for r in sqlite3.connect(db).execute("SELECT name FROM sqlite_master")}
+        assert "requests" not in tables and "device_windows" not in tables

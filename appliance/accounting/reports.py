@@ -99,18 +99,20 @@ def _where(since: float, until: float, tenant: str | None) -> tuple[str, tuple]:
 
 
 def totals(ledger: Ledger, since: float, until: float) -> dict:
+    """Energy totals cover the windows whose energy was read (a window before the meter's
+    first reading, or of a device it cannot read, has none): the identity holds over
+    those, and `unmeasured_energy_windows` says how many were left out."""
     (r,) = ledger.query(
         "SELECT sum(attributed_gpu_s), sum(idle_gpu_s), sum(unattributed_gpu_s), "
         "sum(measured_gpu_s), sum(attributed_j), sum(idle_j), sum(unattributed_j), "
-        "sum(measured_j), sum(idle_cost), count(*), sum(measured_j IS NULL) "
+        "sum(measured_j), sum(idle_cost), count(measured_j), sum(measured_j IS NULL) "
         "FROM device_windows WHERE start >= ? AND start < ?", (since, until))
-    energy_known = r[9] > 0 and not r[10]
-    e = (lambda v: v or 0.0) if energy_known else (lambda v: None)
+    e = (lambda v: v or 0.0) if r[9] else (lambda v: None)
     return {"attributed_gpu_seconds": r[0] or 0.0, "idle_gpu_seconds": r[1] or 0.0,
             "unattributed_gpu_seconds": r[2] or 0.0, "measured_gpu_seconds": r[3] or 0.0,
             "attributed_energy_joules": e(r[4]), "idle_energy_joules": e(r[5]),
             "unattributed_energy_joules": e(r[6]), "measured_energy_joules": e(r[7]),
-            "_idle_cost": r[8] or 0.0}
+            "unmeasured_energy_windows": r[10] or 0, "_idle_cost": r[8] or 0.0}
 
 
 def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
@@ -155,7 +157,8 @@ def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
         tot = {k: None for k in ("attributed_gpu_seconds", "idle_gpu_seconds",
                                  "unattributed_gpu_seconds", "measured_gpu_seconds",
                                  "attributed_energy_joules", "idle_energy_joules",
-                                 "unattributed_energy_joules", "measured_energy_joules")}
+                                 "unattributed_energy_joules", "measured_energy_joules",
+                                 "unmeasured_energy_windows")}
     rows.sort(key=lambda r: -r["gpu_seconds"])
     return {"since": iso(since), "until": iso(until), "group_by": group_by, "rows": rows,
             "totals": tot}
