@@ -85,6 +85,43 @@ class SiteConfig:
     # carries these, so a fleet can be read by site.
     name: str = "local"
     appliance: str = ""               # this appliance's name; "" = the host name
+    region: str = ""                  # grid region of the site (e.g. "DE"), shown with carbon figures
+    # Power usage effectiveness: facility energy / IT energy. 1.56 is the Uptime Institute
+    # Global Data Center Survey 2024 average; measure your own.
+    pue: float = 1.56
+    # Grid intensity in gCO2e/kWh when no file is given: 480 is Ember's Global Electricity
+    # Review 2024 figure for the world's 2023 average. Set your grid's.
+    carbon_intensity: float = 480.0
+    carbon_intensity_file: str = ""   # Electricity Maps-style CSV or JSON time series; "" = static
+    carbon_intensity_kind: str = "average"   # average | marginal (what the figures mean)
+    # Per device model (catalogue name, or "cpu"): embodied kgCO2e and lifetime in years;
+    # unset = the catalogue's defaults.
+    embodied_kgco2e: dict[str, float] = field(default_factory=dict)
+    lifetime_years: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class AccountingConfig:
+    # Per-request GPU-seconds, joules, cost and carbon, kept in the ledger (state dir).
+    enabled: bool = True
+    window_s: float = 10.0            # device windows: the unit of conservation
+    flush_interval_s: float = 1.0     # ledger writes are batched; a kill -9 loses at most one batch
+    idle_policy: str = "share"        # share (idle cost to tenants by usage) | idle (an "(idle)" row)
+    # $ per device-hour by device model (catalogue name or "cpu"); unset = the catalogue's.
+    usd_per_gpu_hour: dict[str, float] = field(default_factory=dict)
+    usd_per_kwh: float = 0.0          # energy price on top of the device price; 0 = none
+    calibration_min_iterations: int = 50   # per model x device x phase before weights are fitted
+    retention_days: float = 90.0      # request and window rows; 0 = keep forever
+    rollup_retention_days: float = 730.0   # hour/day rollups; 0 = keep forever
+
+
+@dataclass
+class BudgetsConfig:
+    period: str = "month"             # day | week | month (UTC)
+    # tenant -> limit per period
+    gpu_hours: dict[str, float] = field(default_factory=dict)
+    usd: dict[str, float] = field(default_factory=dict)
+    kgco2e: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -134,6 +171,8 @@ class Config:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     site: SiteConfig = field(default_factory=SiteConfig)
+    accounting: AccountingConfig = field(default_factory=AccountingConfig)
+    budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     tui: TuiConfig = field(default_factory=TuiConfig)
@@ -196,6 +235,7 @@ def validate(cfg: Config) -> Config:
     if cfg.auth.metrics_access not in ("open", "loopback", "admin"):
         raise ConfigError(f"config: auth.metrics_access must be open, loopback or admin, "
                           f"got {cfg.auth.metrics_access!r}")
+    _validate_accounting(cfg)
     for url in cfg.tui.urls:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"config: tui.urls: {url!r} is not an http:// or https:// URL")
@@ -244,6 +284,46 @@ def validate(cfg: Config) -> Config:
     except ValueError as exc:
         raise ConfigError(f"config: planner.horizon: {exc}") from None
     return cfg
+
+
+def _number_table(key: str, table: dict, positive: bool = True) -> None:
+    for name, value in table.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config: {key}.{name} must be a number, got {value!r}")
+        if value < 0 or (positive and value == 0):
+            raise ConfigError(f"config: {key}.{name} must be {'positive' if positive else '0 or more'}, "
+                              f"got {value}")
+        table[name] = float(value)
+
+
+def _validate_accounting(cfg: Config) -> None:
+    site, acc, bud = cfg.site, cfg.accounting, cfg.budgets
+    if site.pue < 1.0:
+        raise ConfigError(f"config: site.pue must be 1.0 or more, got {site.pue}")
+    if site.carbon_intensity < 0:
+        raise ConfigError(f"config: site.carbon_intensity must be 0 or more, got {site.carbon_intensity}")
+    if site.carbon_intensity_kind not in ("average", "marginal"):
+        raise ConfigError(f"config: site.carbon_intensity_kind must be average or marginal, "
+                          f"got {site.carbon_intensity_kind!r}")
+    _number_table("site.embodied_kgco2e", site.embodied_kgco2e, positive=False)
+    _number_table("site.lifetime_years", site.lifetime_years)
+    for key, value in [("accounting.window_s", acc.window_s),
+                       ("accounting.flush_interval_s", acc.flush_interval_s)]:
+        if value <= 0:
+            raise ConfigError(f"config: {key} must be positive, got {value}")
+    if acc.idle_policy not in ("share", "idle"):
+        raise ConfigError(f"config: accounting.idle_policy must be share or idle, got {acc.idle_policy!r}")
+    _number_table("accounting.usd_per_gpu_hour", acc.usd_per_gpu_hour, positive=False)
+    for key, value in [("accounting.usd_per_kwh", acc.usd_per_kwh),
+                       ("accounting.retention_days", acc.retention_days),
+                       ("accounting.rollup_retention_days", acc.rollup_retention_days),
+                       ("accounting.calibration_min_iterations", acc.calibration_min_iterations)]:
+        if value < 0:
+            raise ConfigError(f"config: {key} must be 0 or more, got {value}")
+    if bud.period not in ("day", "week", "month"):
+        raise ConfigError(f"config: budgets.period must be day, week or month, got {bud.period!r}")
+    for name in ("gpu_hours", "usd", "kgco2e"):
+        _number_table(f"budgets.{name}", getattr(bud, name))
 
 
 def parse(text: str, origin: str = "config") -> Config:

@@ -2,6 +2,11 @@
 negligible, so what is measured is HTTP + tokenization + routing + IPC + SSE.
 
     .venv/bin/python bench/bench_serving.py [--seconds 5] [--devices cpu] [--mode disagg]
+    .venv/bin/python bench/bench_serving.py --accounting compare [--repeats 3]
+
+`--accounting compare` measures what chargeback costs: daemons with `[accounting]
+enabled = false` and `true` take turns (off, on, off, on, ...) at concurrency 64 and
+with 32 streams, and the medians are compared (bench/results/accounting_overhead.json).
 
 Starts a real daemon on a loopback port, drives it with an aiohttp client in this
 process (the load generator shares the machine's cores with the daemon and its
@@ -21,6 +26,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 from daemon_process import ROOT, pct, start_daemon
 MODEL = "tiny-llama"
@@ -91,6 +97,82 @@ async def stream_level(url: str, streams: int, tokens: int, rounds: int) -> dict
             "sse_events": events, "tokens_per_s": total / elapsed, "seconds": elapsed}
 
 
+def _accounting_cpu(url: str) -> float:
+    """CPU seconds the daemon spent closing windows and in the ledger's writer thread."""
+    import urllib.request
+    with urllib.request.urlopen(url + "/admin/v1/usage?since=1h", timeout=30) as r:
+        cpu = json.loads(r.read())["accounting"]["cpu_s"]
+    return cpu["windows"] + cpu["ledger_writer"]
+
+
+def _daemon(tmp: Path, args, accounting: bool):
+    cfg = tmp / f"accounting-{accounting}.toml"
+    # 1 s windows so the measured level's windows close within it
+    cfg.write_text(f"[accounting]\nenabled = {'true' if accounting else 'false'}\nwindow_s = 1.0\n")
+    return start_daemon(tmp, ["--engine", "sim", "--sim-speed", "1000000", "--devices",
+                              args.devices, "--mode", args.mode, "--config", str(cfg)])
+
+
+def compare_accounting(args) -> int:
+    """Accounting off vs on, alternating so drift on a shared machine hits both."""
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(args.repeats):
+        for accounting in (False, True):
+            with tempfile.TemporaryDirectory() as tmp:
+                proc, url = _daemon(Path(tmp), args, accounting)
+                daemon = psutil.Process(proc.pid)
+                try:
+                    asyncio.run(chat_level(url, 64, 1.0, 16))         # warm the daemon up
+                    acc0 = _accounting_cpu(url) if accounting else 0.0
+                    cpu0 = sum(daemon.cpu_times()[:2])
+                    chat = asyncio.run(chat_level(url, 64, args.seconds, 16))
+                    cpu1 = sum(daemon.cpu_times()[:2])
+                    time.sleep(2.0)     # let the level's windows close (window_s below)
+                    acc1 = _accounting_cpu(url) if accounting else 0.0
+                    stream = asyncio.run(stream_level(url, 32, 256, args.stream_rounds))
+                finally:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait(60)
+            # the daemon's own CPU per request (its event loop and the ledger writer; the
+            # workers are other processes): steadier than req/s on a shared machine
+            us = 1e6 * (cpu1 - cpu0) / max(chat["requests"], 1)
+            acc_us = 1e6 * (acc1 - acc0) / max(chat["requests"], 1)
+            runs[accounting].append({"req_per_s": chat["req_per_s"], "p99_ms": chat["p99_ms"],
+                                     "tokens_per_s": stream["tokens_per_s"],
+                                     "daemon_cpu_us_per_request": us,
+                                     "accounting_windows_and_writer_us_per_request": acc_us})
+            print(f"accounting {'on ' if accounting else 'off'}: {chat['req_per_s']:.0f} req/s "
+                  f"(c=64), daemon {us:.0f} us CPU/request, {stream['tokens_per_s']:.0f} "
+                  "streamed tokens/s", flush=True)
+
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2]
+
+    summary = {}
+    for key in ("req_per_s", "tokens_per_s", "daemon_cpu_us_per_request"):
+        off, on = median([r[key] for r in runs[False]]), median([r[key] for r in runs[True]])
+        summary[key] = {"off": off, "on": on, "loss": 1 - on / off}
+    summary["daemon_cpu_us_per_request"]["loss"] *= -1      # more CPU is the loss
+    summary["accounting_windows_and_writer_us_per_request"] = median(
+        [r["accounting_windows_and_writer_us_per_request"] for r in runs[True]])
+    result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+              "devices": args.devices, "mode": args.mode, "repeats": args.repeats,
+              "seconds": args.seconds, "runs": {"off": runs[False], "on": runs[True]},
+              "median": summary, "date": time.strftime("%Y-%m-%d")}
+    out = ROOT / "bench" / "results" / "accounting_overhead.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print("| | accounting off | accounting on | loss |\n|---|---:|---:|---:|")
+    for key, label in (("req_per_s", "chat req/s, c=64"), ("tokens_per_s", "streamed tokens/s, 32x256"),
+                       ("daemon_cpu_us_per_request", "daemon CPU us per request, c=64")):
+        m = summary[key]
+        print(f"| {label} | {m['off']:,.0f} | {m['on']:,.0f} | {m['loss']:.1%} |")
+    print(f"\naccounting's window arithmetic + ledger writer, measured in the daemon: "
+          f"{summary['accounting_windows_and_writer_us_per_request']:.1f} us CPU per request")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=5.0, help="measured time per concurrency level")
@@ -99,15 +181,19 @@ def main() -> int:
     p.add_argument("--levels", default="1,16,64")
     p.add_argument("--stream-rounds", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving.json"))
+    p.add_argument("--accounting", choices=["on", "off", "compare"], default="on",
+                   help="chargeback in the daemon (default on, as shipped); compare: off vs on")
+    p.add_argument("--repeats", type=int, default=3, help="--accounting compare: rounds of off+on")
     args = p.parse_args()
     try:
         import uvloop
         uvloop.install()
     except ImportError:
         pass
+    if args.accounting == "compare":
+        return compare_accounting(args)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_daemon(Path(tmp), ["--engine", "sim", "--sim-speed", "1000000",
-                                             "--devices", args.devices, "--mode", args.mode])
+        proc, url = _daemon(Path(tmp), args, args.accounting == "on")
         try:
             chat = [asyncio.run(chat_level(url, int(c), args.seconds, 16))
                     for c in args.levels.split(",")]

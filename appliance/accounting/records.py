@@ -6,6 +6,7 @@ line per request so nothing is silently dropped.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from dataclasses import asdict, dataclass
 from typing import Protocol
@@ -54,3 +55,26 @@ class LogSink:
 
     def iteration(self, record: IterationRecord) -> None:
         pass
+
+
+class FanoutSink:
+    """Several sinks behind the one seam (the log lines of --log-requests and the
+    ledger). A sink that raises is logged and skipped: accounting must never fail a
+    request that has already been served."""
+
+    def __init__(self, *sinks):
+        self.sinks = [s for s in sinks if s is not None]
+
+    def request(self, record: RequestRecord) -> None:
+        for s in self.sinks:
+            try:
+                s.request(record)
+            except Exception:
+                logging.getLogger("applianced").exception("request sink %r failed", s)
+
+    def iteration(self, record: IterationRecord) -> None:
+        for s in self.sinks:
+            try:
+                s.iteration(record)
+            except Exception:
+                logging.getLogger("applianced").exception("iteration sink %r failed", s)

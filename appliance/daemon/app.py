@@ -24,7 +24,7 @@ from aiohttp import web
 from appliance import __version__
 from appliance.accounting.records import LogSink, RecordSink
 from appliance.config import Config
-from appliance.daemon import systemd
+from appliance.daemon import chargeback, systemd
 from appliance.daemon.auth import Auth
 from appliance.daemon.metrics import Metrics
 from appliance.daemon.prepare import PreparePool
@@ -214,6 +214,7 @@ class Service:
         self.tokenizer = ServedTokenizer(setup.model_dir)
         self.prepare_pool = PreparePool(setup.model_dir)
         self.sink = sink or LogSink(enabled=cfg.server.log_requests)
+        self.accountant = None          # chargeback.attach sets it (accounting enabled)
         self.pool = WorkerPool(setup.specs, self._on_iteration,
                                backoff_s=cfg.workers.restart_backoff_s,
                                backoff_max_s=cfg.workers.restart_backoff_max_s,
@@ -385,6 +386,10 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     log.info("plan: %s", setup.plan.reason)
     svc = Service(cfg, setup, sink)
     svc.state_dir = state_dir
+    try:
+        accountant = chargeback.attach(svc, state_dir)
+    except ValueError as exc:   # a bad carbon intensity file, an unusable ledger
+        raise StartupError(str(exc)) from None
     phase = ["loading"]
     status = asyncio.create_task(status_loop(svc, phase)) if os.environ.get("NOTIFY_SOCKET") else None
     try:
@@ -395,6 +400,8 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
             status.cancel()
         await svc.pool.stop(2)
         svc.prepare_pool.close()
+        if accountant is not None:
+            accountant.stop()
         raise StartupError(str(exc)) from None
     svc.fit_context_to_pools()
     app = build_app(svc, cfg.server.max_body_bytes)
@@ -416,6 +423,8 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         await svc.pool.stop(2)
         await runner.cleanup()
         svc.prepare_pool.close()
+        if accountant is not None:
+            accountant.stop()
         raise StartupError(f"cannot listen on {where}: {exc.strerror}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -432,6 +441,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     systemd.notify("READY=1", f"STATUS={status_line(svc, 'serving')}")
     watchdog = asyncio.create_task(systemd.watchdog_loop())
     sampler = asyncio.create_task(svc.telemetry.run(), name="telemetry")
+    ticker = asyncio.create_task(chargeback.tick_loop(accountant)) if accountant else None
     await stop.wait()
     # Drain: refuse new work, let in-flight requests finish, then stop workers.
     if status:
@@ -446,12 +456,18 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     cut = svc.inflight
     drained_s = time.monotonic() - started
     watchdog.cancel()
-    sampler.cancel()
+    if ticker is not None:
+        ticker.cancel()
     for site in sites:
         await site.stop()
     await svc.pool.stop()
     await runner.cleanup()
     svc.prepare_pool.close()
+    if accountant is not None:
+        # the last partial window (its energy from the still-running sampler), every
+        # finished request's final row, one commit
+        await asyncio.to_thread(accountant.stop)
+    sampler.cancel()
     # One line for the operator: what the drain did and how the daemon ends.
     log.log(logging.WARNING if cut else logging.INFO,
             "stopped: drained %d of %d in-flight generations in %.1f s%s; exit 0",

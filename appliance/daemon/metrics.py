@@ -184,3 +184,56 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self._view), CONTENT_TYPE_LATEST
+
+
+class TenantMetrics:
+    """The chargeback series (CONTRACTS.md): counters per tenant (configured tenants only,
+    the rest as "other", so a stray key cannot explode the series count), fed when a
+    request's ledger row is final, and the budget gauge.
+
+    A collector over plain sums, read at scrape time: adding a request is a few dict
+    updates, not a dozen label lookups (this runs once per request on the event loop)."""
+
+    def __init__(self, registry: CollectorRegistry, simulated: bool):
+        # site and appliance are added to every sample by the registry's SiteLabels view
+        self.base = ["true" if simulated else "false"]
+        self.gpu_s: dict[tuple[str, str], float] = {}
+        self.energy: dict[tuple[str, str], float] = {}
+        self.cost: dict[tuple[str, str], float] = {}
+        self.co2e: dict[str, float] = {}
+        self.ratio: dict[tuple[str, str], float] = {}
+        registry.register(self)
+
+    def final(self, row, tenant: str) -> None:
+        for i, phase in enumerate(("prefill", "decode")):
+            key = (tenant, phase)
+            self.gpu_s[key] = self.gpu_s.get(key, 0.0) + row.gpu_s[i]
+            if row.joules[i] is not None:
+                self.energy[key] = self.energy.get(key, 0.0) + row.joules[i]
+        for basis, value in (("usage", row.cost_usage), ("allocation", row.cost_allocation)):
+            self.cost[(tenant, basis)] = self.cost.get((tenant, basis), 0.0) + value
+        self.co2e[tenant] = self.co2e.get(tenant, 0.0) + row.co2e_g
+
+    def budget(self, tenant: str, budget: str, ratio: float) -> None:
+        self.ratio[(tenant, budget)] = ratio
+
+    def collect(self):
+        base = ["simulated"]
+        out = []
+        for name, doc, labels, values, cls in (
+                ("applianced_tenant_gpu_seconds", "Attributed device-seconds",
+                 ["tenant", "phase"], self.gpu_s, CounterMetricFamily),
+                ("applianced_tenant_energy_joules", "Attributed energy (measured only)",
+                 ["tenant", "phase"], self.energy, CounterMetricFamily),
+                ("applianced_tenant_cost_usd", "Cost by basis (usage | allocation)",
+                 ["tenant", "basis"], self.cost, CounterMetricFamily),
+                ("applianced_tenant_co2e_grams", "Operational + embodied gCO2e",
+                 ["tenant"], self.co2e, CounterMetricFamily),
+                ("applianced_tenant_budget_used_ratio", "Share of the period's budget used (1 = all)",
+                 ["tenant", "budget"], self.ratio, GaugeMetricFamily)):
+            fam = cls(name, doc, labels=labels + base)
+            for key, value in list(values.items()):
+                key = key if isinstance(key, tuple) else (key,)
+                fam.add_metric([*key, *self.base], value)
+            out.append(fam)
+        return out

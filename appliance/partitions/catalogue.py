@@ -18,6 +18,11 @@ Conventions:
 - embodied_kgco2e is a per-GPU cradle-to-gate estimate including a 1/8 share of its host,
   from Chien et al., "Reducing the Carbon Impact of Generative AI Inference", HotCarbon
   2023 (318 kg per A100 GPU), scaled as noted per entry; rough, override per site.
+- lifetime_years spreads embodied carbon over the device's service life (carbon per
+  GPU-second = embodied / lifetime): 5 years, a common depreciation period for
+  accelerator servers (hyperscalers book 5-6); an assumption, override per site.
+- Simulated GPUs are priced and carbon-counted as the real model they stand for.
+- The CPU has no entry: `CPU_USD_PER_HOUR` etc. below are its defaults.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class GpuSpec:
     usd_per_hour: float
     embodied_kgco2e: float
     nvlink: bool
+    lifetime_years: float = 5.0
 
 
 # H100 SXM5, NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 / FP8 3,958 TFLOPS with
@@ -138,6 +144,15 @@ _NVML_NAMES: tuple[tuple[re.Pattern[str], GpuSpec], ...] = (
     (re.compile(r"\bL40S\b", re.I), L40S),  # "NVIDIA L40S"
     (re.compile(r"\bB200\b", re.I), B200),  # "NVIDIA B200"
 )
+
+
+# A CPU worker's device (its pinned cores) for cost and carbon: priced at nothing and
+# carrying no embodied figure by default, because a CPU box's price and footprint vary too
+# much for a useful default; set [accounting] usd_per_gpu_hour.cpu and [site]
+# embodied_kgco2e.cpu to charge them.
+CPU_USD_PER_HOUR = 0.0
+CPU_EMBODIED_KGCO2E = 0.0
+CPU_LIFETIME_YEARS = 5.0
 
 
 def known_gpu_names() -> list[str]:

@@ -1,0 +1,287 @@
+"""The durable record of who used what: one SQLite file in the state directory.
+
+WAL with `synchronous=FULL`: a transaction that has committed survives a kill -9 and a
+power cut. Writes never happen on the request's path: `Ledger.put_*` only queues the
+row, and one writer thread commits everything queued every `flush_interval_s` in one
+transaction. So a kill -9 loses at most what was queued since the last commit (one
+batch: the last `flush_interval_s` of finished requests and closed windows), and a
+clean stop loses nothing (`stop` commits the queue before it returns).
+
+Each batch also records in `meta` the time it was taken from the queue (`covered_until`):
+every row queued before that instant is committed. That is the bound a test can check.
+
+Tables: `requests` (one row per request, upserted: first as soon as it finishes,
+`final = 0`, then with its figures once every window covering it has closed,
+`final = 1`), `device_windows` (one row per device per window), `rollups` (hour and
+day sums of request rows, added once an hour has been over for 10 minutes; kept longer
+than the raw rows).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("applianced.ledger")
+
+SCHEMA_VERSION = 1
+
+REQUEST_COLUMNS = (
+    "request_id", "tenant", "model", "site", "appliance", "endpoint", "status",
+    "finish_reason", "arrival", "first_token", "finish", "prompt_tokens", "output_tokens",
+    "cached_tokens", "choices", "prefill_worker", "decode_worker",
+    "prefill_gpu_s", "decode_gpu_s", "prefill_j", "decode_j",
+    "prefill_cost_usage", "decode_cost_usage", "prefill_cost_allocation",
+    "decode_cost_allocation", "prefill_co2e_op_g", "decode_co2e_op_g",
+    "prefill_co2e_emb_g", "decode_co2e_emb_g",
+    "intensity_g_per_kwh", "intensity_source", "intensity_kind", "intensity_estimated",
+    "intensity_factor", "pue", "energy_source", "simulated", "approximate", "final",
+    "incomplete")
+
+WINDOW_COLUMNS = (
+    "device", "start", "end", "site", "appliance", "model", "measured_gpu_s",
+    "attributed_gpu_s", "idle_gpu_s", "unattributed_gpu_s", "measured_j", "attributed_j",
+    "idle_j", "unattributed_j", "energy_source", "iterations", "simulated", "approximate",
+    "idle_cost", "idle_co2e_emb_g")
+
+_TYPES = {"arrival": "REAL", "first_token": "REAL", "finish": "REAL", "start": "REAL",
+          "end": "REAL", "pue": "REAL", "intensity_g_per_kwh": "REAL"}
+_INT = {"prompt_tokens", "output_tokens", "cached_tokens", "choices", "intensity_estimated",
+        "simulated", "approximate", "final", "incomplete", "iterations"}
+_TEXT = {"request_id", "tenant", "model", "site", "appliance", "endpoint", "status",
+         "finish_reason", "prefill_worker", "decode_worker", "intensity_source",
+         "intensity_kind", "intensity_factor", "energy_source", "device"}
+
+
+def _coltype(c: str) -> str:
+    if c in _INT:
+        return "INTEGER"
+    if c in _TEXT:
+        return "TEXT"
+    return _TYPES.get(c, "REAL")
+
+
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value);
+CREATE TABLE IF NOT EXISTS requests ({", ".join(f'"{c}" {_coltype(c)}' for c in REQUEST_COLUMNS)},
+    PRIMARY KEY (request_id));
+CREATE INDEX IF NOT EXISTS requests_finish ON requests(finish);
+CREATE TABLE IF NOT EXISTS device_windows ({", ".join(f'"{c}" {_coltype(c)}' for c in WINDOW_COLUMNS)},
+    PRIMARY KEY (device, start));
+CREATE INDEX IF NOT EXISTS device_windows_start ON device_windows(start);
+CREATE TABLE IF NOT EXISTS rollups (
+    period TEXT, bucket REAL, tenant TEXT, model TEXT, site TEXT,
+    requests INTEGER, prompt_tokens INTEGER, output_tokens INTEGER,
+    prefill_gpu_s REAL, decode_gpu_s REAL, prefill_j REAL, decode_j REAL,
+    cost_usage REAL, cost_allocation REAL, co2e_g REAL,
+    PRIMARY KEY (period, bucket, tenant, model, site));
+"""
+
+_REQ_UPSERT = (f'INSERT INTO requests ({", ".join(chr(34) + c + chr(34) for c in REQUEST_COLUMNS)}) '
+               f'VALUES ({", ".join("?" * len(REQUEST_COLUMNS))}) '
+               f'ON CONFLICT(request_id) DO UPDATE SET '
+               + ", ".join(f'"{c}" = excluded."{c}"' for c in REQUEST_COLUMNS[1:])
+               + " WHERE requests.final = 0")
+_WIN_UPSERT = (f'INSERT OR REPLACE INTO device_windows '
+               f'({", ".join(chr(34) + c + chr(34) for c in WINDOW_COLUMNS)}) '
+               f'VALUES ({", ".join("?" * len(WINDOW_COLUMNS))})')
+_IDX = {c: i for i, c in enumerate(REQUEST_COLUMNS)}
+
+# Hour and day sums of final request rows, for whole hours that ended a while ago (rows
+# are final seconds after they finish): one GROUP BY per hour of traffic in the writer
+# thread, not an upsert per request.
+_ROLLUP = """INSERT INTO rollups
+SELECT ?, CAST(finish / ? AS INTEGER) * ?, tenant, model, site, count(*), sum(prompt_tokens),
+    sum(output_tokens), sum(prefill_gpu_s), sum(decode_gpu_s), sum(prefill_j), sum(decode_j),
+    sum(prefill_cost_usage + decode_cost_usage),
+    sum(prefill_cost_allocation + decode_cost_allocation),
+    sum(coalesce(prefill_co2e_op_g, 0) + coalesce(decode_co2e_op_g, 0)
+        + prefill_co2e_emb_g + decode_co2e_emb_g)
+FROM requests WHERE finish >= ? AND finish < ? GROUP BY 2, 3, 4, 5
+ON CONFLICT(period, bucket, tenant, model, site) DO UPDATE SET
+    requests = requests + excluded.requests,
+    prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+    output_tokens = output_tokens + excluded.output_tokens,
+    prefill_gpu_s = prefill_gpu_s + excluded.prefill_gpu_s,
+    decode_gpu_s = decode_gpu_s + excluded.decode_gpu_s,
+    prefill_j = coalesce(prefill_j, 0) + coalesce(excluded.prefill_j, 0),
+    decode_j = coalesce(decode_j, 0) + coalesce(excluded.decode_j, 0),
+    cost_usage = cost_usage + excluded.cost_usage,
+    cost_allocation = cost_allocation + excluded.cost_allocation,
+    co2e_g = co2e_g + excluded.co2e_g"""
+ROLLUP_LAG_S = 600.0
+
+
+def roll_up(conn: sqlite3.Connection, now: float) -> None:
+    """Add every whole hour from `rolled_until` to (now - lag) to the rollups, once."""
+    row = conn.execute("SELECT value FROM meta WHERE key = 'rolled_until'").fetchone()
+    if row is None:
+        first = conn.execute("SELECT min(finish) FROM requests").fetchone()[0]
+        if first is None:
+            return
+        start = (first // 3600) * 3600
+    else:
+        start = float(row[0])
+    until = ((now - ROLLUP_LAG_S) // 3600) * 3600
+    if until <= start:
+        return
+    with conn:
+        for period, size in (("hour", 3600), ("day", 86400)):
+            conn.execute(_ROLLUP, (period, size, size, start, until))
+        conn.execute("INSERT OR REPLACE INTO meta VALUES ('rolled_until', ?)", (until,))
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(str(path), timeout=30, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    return conn
+
+
+class Ledger:
+    def __init__(self, path: Path, flush_interval_s: float = 1.0, retention_days: float = 90.0,
+                 rollup_retention_days: float = 730.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.flush_interval_s = flush_interval_s
+        self.retention_days = retention_days
+        self.rollup_retention_days = rollup_retention_days
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._flushed = threading.Condition()
+        self._generation = 0
+        self.batches = 0
+        self.rows_written = 0
+        self.cpu_s = 0.0            # the writer thread's CPU time in commits
+        self.error: str | None = None
+        conn = connect(self.path)
+        try:
+            with conn:
+                conn.executescript(SCHEMA)
+                conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)",
+                             (SCHEMA_VERSION,))
+            self.recovered = self._recover(conn)
+            roll_up(conn, time.time())      # before pruning: raw rows roll up first
+            self._prune(conn, time.time())
+        finally:
+            conn.close()
+        self._reader = connect(self.path)
+        self._reader_lock = threading.Lock()
+
+    # ---- start-up ------------------------------------------------------------
+    def _recover(self, conn: sqlite3.Connection) -> int:
+        """Rows a previous run queued as finished but never completed (it died before
+        their windows closed): they stay, with what figures they have, marked
+        `incomplete`, and count in the rollups like any other."""
+        rows = conn.execute(f'SELECT {", ".join(chr(34) + c + chr(34) for c in REQUEST_COLUMNS)} '
+                            "FROM requests WHERE final = 0").fetchall()
+        if not rows:
+            return 0
+        with conn:
+            conn.execute("UPDATE requests SET final = 1, incomplete = 1 WHERE final = 0")
+        log.warning("ledger: %d requests of the previous run finished without their "
+                    "device windows closing; kept, marked incomplete", len(rows))
+        return len(rows)
+
+    def _prune(self, conn: sqlite3.Connection, now: float) -> None:
+        with conn:
+            if self.retention_days > 0:
+                cut = now - self.retention_days * 86400
+                conn.execute("DELETE FROM requests WHERE finish < ?", (cut,))
+                conn.execute("DELETE FROM device_windows WHERE start < ?", (cut,))
+            if self.rollup_retention_days > 0:
+                conn.execute("DELETE FROM rollups WHERE bucket < ?",
+                             (now - self.rollup_retention_days * 86400,))
+
+    # ---- writing (any thread; never blocks) ----------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ledger-writer", daemon=True)
+        self._thread.start()
+
+    def put_request(self, row: tuple) -> None:
+        self._queue.put(("req", row))
+
+    def put_window(self, row: tuple) -> None:
+        self._queue.put(("win", row))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Commit everything queued, then stop the writer."""
+        self._stopping.set()
+        self._queue.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._reader.close()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until what is queued now has been committed (tests, shutdown)."""
+        with self._flushed:
+            target = self._generation + 2
+            self._queue.put(("wake", None))
+            return self._flushed.wait_for(lambda: self._generation >= target, timeout)
+
+    def _run(self) -> None:
+        conn = connect(self.path)
+        last_prune = time.monotonic()
+        try:
+            while True:
+                try:
+                    first = self._queue.get(timeout=self.flush_interval_s)
+                except queue.Empty:
+                    first = None
+                if first is not None and first[0] != "wake" and not self._stopping.is_set():
+                    # a batch: what arrives within one flush interval
+                    time.sleep(self.flush_interval_s)
+                covered = time.time()
+                batch = [first] if first is not None else []
+                while True:
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                self._commit(conn, batch, covered)
+                if time.monotonic() - last_prune > 600:
+                    try:
+                        roll_up(conn, time.time())
+                        self._prune(conn, time.time())
+                    except sqlite3.Error as exc:
+                        log.error("ledger: rollup/retention failed: %s", exc)
+                    last_prune = time.monotonic()
+                if self._stopping.is_set() and self._queue.empty():
+                    break
+        finally:
+            conn.close()
+
+    def _commit(self, conn: sqlite3.Connection, batch: list, covered: float) -> None:
+        cpu0 = time.thread_time()
+        try:
+            self._write(conn, batch, covered)
+        finally:
+            self.cpu_s += time.thread_time() - cpu0
+        with self._flushed:
+            self._generation += 1
+            self._flushed.notify_all()
+
+    def _write(self, conn: sqlite3.Connection, batch: list, covered: float) -> None:
+        reqs = [row for kind, row in batch if kind == "req"]
+        wins = [row for kind, row in batch if kind == "win"]
+        try:
+            if reqs or wins:
+                with conn:
+                    conn.executemany(_REQ_UPSERT, reqs)
+                    conn.executemany(_WIN_UPSERT, wins)
+                    conn.execute("INSERT OR REPLACE INTO meta VALUES ('covered_until', ?)",
+                                 (covered,))
+                self.batches += 1
+                self.rows_written += len(reqs) + len(wins)
+        except sqlite3.Error as exc:       # a full disk: say so, keep serving
+            self.error = str(exc)
+            log.error("ledger: could not commit %d rows: %s", len(reqs) + len(wins), exc)
+
+    # ---- reading ---------------------------------------------------------------
+    def query(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._reader_lock:
+            return self._reader.execute(sql, args).fetchall()

@@ -1,0 +1,92 @@
+"""`/admin/v1/usage` and `/admin/v1/carbon`: the ledger's reports over HTTP.
+
+A tenant's API key may read `/admin/v1/usage` for its own tenant only: its rows are
+filtered to it whatever it asks, and the appliance-wide totals (which would show the
+other tenants' load) come back null. Carbon is for operators. The SQL runs in a thread:
+a report over months of rows must not stall the event loop that serves tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from appliance.accounting import reports
+from appliance.daemon.auth import CALLER, Caller, require_admin
+from appliance.daemon.openai_api import ApiError
+from appliance.daemon.responses import SERVICE, json_response
+
+if TYPE_CHECKING:
+    from appliance.daemon.app import Service
+
+DEFAULT_SPAN_S = 86400.0
+
+
+def _accountant(svc: Service):
+    if getattr(svc, "accountant", None) is None:
+        raise ApiError(404, "accounting is off on this appliance ([accounting] enabled = false)",
+                       code="accounting_disabled")
+    return svc.accountant
+
+
+def _span(request: web.Request) -> tuple[float, float]:
+    now = time.time()
+    q = request.query
+    try:
+        until = reports.parse_when(q.get("until"), now, now + 1.0)
+        since = reports.parse_when(q.get("since"), now, until - DEFAULT_SPAN_S)
+    except ValueError as exc:
+        raise ApiError(400, f"bad since/until: {exc}", param="since", code="invalid_time") from None
+    if since >= until:
+        raise ApiError(400, f"since ({reports.iso(since)}) must be before until "
+                            f"({reports.iso(until)})", param="since", code="invalid_time")
+    return since, until
+
+
+def _group_by(request: web.Request, allowed, default) -> list[str]:
+    try:
+        return reports.parse_group_by(request.query.get("group_by"), allowed, default)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="group_by", code="invalid_group_by") from None
+
+
+async def usage(request: web.Request):
+    svc: Service = request.app[SERVICE]
+    caller: Caller = request[CALLER]
+    acc = _accountant(svc)
+    fmt = request.query.get("format", "json")
+    if fmt not in ("json", "csv"):
+        raise ApiError(400, f"format must be json or csv, got {fmt!r}", param="format",
+                       code="invalid_format")
+    group_by = _group_by(request, reports.USAGE_DIMS, reports.USAGE_DIMS)
+    since, until = _span(request)
+    tenant = None if caller.admin else caller.tenant
+    report = await asyncio.to_thread(reports.usage, acc.ledger, group_by, since, until, tenant,
+                                     acc.prices.idle_policy)
+    if fmt == "csv":
+        return web.Response(text=reports.usage_csv(report), content_type="text/csv")
+    report["budgets"] = acc.budgets.report(tenant) if acc.budgets else []
+    if caller.admin:
+        report["accounting"] = acc.status()
+    return json_response(report)
+
+
+async def carbon(request: web.Request):
+    require_admin(request)
+    svc: Service = request.app[SERVICE]
+    acc = _accountant(svc)
+    group_by = _group_by(request, reports.CARBON_DIMS, ("site", "tenant"))
+    since, until = _span(request)
+    report = await asyncio.to_thread(reports.carbon, acc.ledger, group_by, since, until)
+    site = acc.site
+    report["site"] = {"name": site.name, "appliance": site.appliance, "region": site.region,
+                      "pue": site.pue, "intensity_source": site.intensity.source,
+                      "intensity_kind": site.intensity.kind}
+    return json_response(report)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/v1/usage", usage)
+    app.router.add_get("/admin/v1/carbon", carbon)
