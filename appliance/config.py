@@ -69,6 +69,16 @@ class WorkersConfig:
 
 
 @dataclass
+class WorkflowsConfig:
+    # repartition / swap-model / drain: how long in-flight requests may take to finish on
+    # the workers being changed before they are cut off (with a clear 503).
+    drain_timeout_s: float = 30.0
+    # A step attempted this many times without finishing (the daemon died in it each
+    # time) is given up: the workflow compensates instead of crash-looping.
+    max_attempts: int = 3
+
+
+@dataclass
 class AuthConfig:
     # SHA-256 hex digest of an API key -> tenant (the microservice that holds the key).
     keys: dict[str, str] = field(default_factory=dict)
@@ -95,6 +105,7 @@ class Config:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     site: SiteConfig = field(default_factory=SiteConfig)
+    workflows: WorkflowsConfig = field(default_factory=WorkflowsConfig)
     state_dir: str = ""
 
 
@@ -167,6 +178,12 @@ def validate(cfg: Config) -> Config:
     for key, value in positive:
         if value <= 0:
             raise ConfigError(f"config: {key} must be positive, got {value}")
+    if cfg.workflows.drain_timeout_s < 0:
+        raise ConfigError(f"config: workflows.drain_timeout_s must be 0 or more, "
+                          f"got {cfg.workflows.drain_timeout_s}")
+    if cfg.workflows.max_attempts < 1:
+        raise ConfigError(f"config: workflows.max_attempts must be 1 or more, "
+                          f"got {cfg.workflows.max_attempts}")
     if not 0 < cfg.server.port < 65536:
         raise ConfigError(f"config: server.port must be 1-65535, got {cfg.server.port}")
     if cfg.engine.prefill_chunk_tokens < 0:

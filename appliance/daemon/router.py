@@ -74,10 +74,22 @@ class Router:
         self.pool = pool
         self.mode = mode
         self.conditional_tokens = conditional_tokens
-        self.prefill = pool.by_role("prefill")
-        self.decode = pool.by_role("decode")
-        self.agg = pool.by_role("agg")
+        self.routed: set[str] = set(pool.workers)
+        self.refresh()
         self._turns: dict[str, itertools.count] = {}
+
+    def set_routing(self, names) -> None:
+        """Switch the workers new requests may go to, all at once (one event-loop turn:
+        no request ever sees half a switch). Requests already placed stay where they are."""
+        self.routed = set(names)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the pool (workers added, removed or replaced) under the routing set."""
+        links = [w for w in self.pool.workers.values() if w.id in self.routed]
+        self.prefill = [w for w in links if w.role == "prefill"]
+        self.decode = [w for w in links if w.role == "decode"]
+        self.agg = [w for w in links if w.role == "agg"]
 
     def ready(self) -> bool:
         if self.mode == "agg":
