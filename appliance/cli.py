@@ -12,7 +12,7 @@ from appliance import __version__
 from appliance.commands.client import AdminClient, AdminError, add_client_args
 
 # Subcommand modules under appliance/commands/ (see its __init__): one line per area.
-AREAS: tuple[str, ...] = ()
+AREAS: tuple[str, ...] = ("workflow",)
 
 
 def _serve_overrides(p: argparse.ArgumentParser) -> None:

@@ -73,9 +73,9 @@ class WorkflowsConfig:
     # repartition / swap-model / drain: how long in-flight requests may take to finish on
     # the workers being changed before they are cut off (with a clear 503).
     drain_timeout_s: float = 30.0
-    # A step attempted this many times without finishing (the daemon died in it each
-    # time) is given up: the workflow compensates instead of crash-looping.
-    max_attempts: int = 3
+    # A workflow interrupted by this many daemon deaths is rolled back (compensated)
+    # instead of resumed again: a step that kills the daemon must not crash-loop it.
+    max_recoveries: int = 3
 
 
 @dataclass
@@ -181,9 +181,9 @@ def validate(cfg: Config) -> Config:
     if cfg.workflows.drain_timeout_s < 0:
         raise ConfigError(f"config: workflows.drain_timeout_s must be 0 or more, "
                           f"got {cfg.workflows.drain_timeout_s}")
-    if cfg.workflows.max_attempts < 1:
-        raise ConfigError(f"config: workflows.max_attempts must be 1 or more, "
-                          f"got {cfg.workflows.max_attempts}")
+    if cfg.workflows.max_recoveries < 1:
+        raise ConfigError(f"config: workflows.max_recoveries must be 1 or more, "
+                          f"got {cfg.workflows.max_recoveries}")
     if not 0 < cfg.server.port < 65536:
         raise ConfigError(f"config: server.port must be 1-65535, got {cfg.server.port}")
     if cfg.engine.prefill_chunk_tokens < 0:

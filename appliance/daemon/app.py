@@ -399,7 +399,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     # started (redo / skip / compensate); they continue once the daemon listens.
     svc.workflows = WorkflowEngine(journal, Control(svc),
                                    Options(drain_timeout_s=cfg.workflows.drain_timeout_s),
-                                   max_attempts=cfg.workflows.max_attempts)
+                                   max_recoveries=cfg.workflows.max_recoveries)
     svc.recovery = {"orphans_killed": orphans, "decisions": svc.workflows.recover()}
     app = build_app(svc, cfg.server.max_body_bytes)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -11,8 +11,8 @@ as it is now. Goals that hold are skipped (a done step stays done, an interrupte
 whose effect happened is marked `skipped`); the first goal that does not hold is where
 the workflow resumes, and it and every later step are redone. It compensates instead
 when the workflow was cancelled, when its parameters no longer fit the machine (a
-device gone), or when one step has been attempted `max_attempts` times (a step that
-kills the daemon every time must not become a crash loop).
+device gone), or when it has been interrupted by `max_recoveries` daemon deaths (a step
+that kills the daemon every time must not become a crash loop).
 """
 from __future__ import annotations
 
@@ -46,11 +46,11 @@ def parse_faults(text: str | None) -> set[tuple[str, str, str]]:
 
 class WorkflowEngine:
     def __init__(self, journal: Journal, machine: Machine, options: Options | None = None,
-                 max_attempts: int = 3, faults: str | None = None):
+                 max_recoveries: int = 3, faults: str | None = None):
         self.journal = journal
         self.machine = machine
         self.options = options or Options()
-        self.max_attempts = max_attempts
+        self.max_recoveries = max_recoveries
         self.faults = parse_faults(faults if faults is not None else os.environ.get(FAULT_ENV))
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.tasks: dict[str, asyncio.Task] = {}
@@ -118,12 +118,19 @@ class WorkflowEngine:
         if wf.status == "pending" and not any(s.attempts for s in wf.steps):
             return {"id": wf.id, "decision": "start"}
         m = self.machine
+        recoveries = self.journal.note_recovery(wf.id)
+        if wf.phase == "compensating" and recoveries >= 2 * self.max_recoveries:
+            self.journal.set_status(wf.id, "failed", error=f"compensation interrupted by "
+                                    f"{recoveries} daemon deaths; the appliance runs its "
+                                    "persisted partition and model")
+            return {"id": wf.id, "decision": "give up"}
         if wf.phase == "forward" and not wf.cancel_requested:
             why = defn.still_valid(wf.context, m)
-            stuck = next((s for s in wf.steps if s.status == "running"
-                          and s.attempts >= self.max_attempts), None)
-            if why is None and stuck is not None:
-                why = f"step {stuck.name} was attempted {stuck.attempts} times without finishing"
+            if why is None and recoveries >= self.max_recoveries:
+                running = next((s.name for s in wf.steps if s.status in ("running", "pending")),
+                               None)
+                why = (f"interrupted by {recoveries} daemon deaths (last at step {running}): "
+                       "rolled back instead of resumed (workflows.max_recoveries)")
             if why is not None:
                 self.journal.start_compensation(wf.id, defn.undo_steps, why)
                 log.warning("workflow %s (%s): compensating after restart: %s", wf.id, wf.kind, why)
@@ -200,13 +207,6 @@ class WorkflowEngine:
                     status = "cancelled" if wf.cancel_requested else "compensated"
                 self.journal.set_status(wid, status)
                 log.info("workflow %s (%s): %s", wid, wf.kind, status)
-                return
-            if step.attempts >= self.max_attempts:
-                why = f"step {step.name} was attempted {step.attempts} times without finishing"
-                if wf.phase == "forward":
-                    self.journal.start_compensation(wid, defn.undo_steps, why)
-                    continue
-                self.journal.set_status(wid, "failed", error=why)
                 return
             self.journal.step_intent(wid, step.seq, defn.intent(step.name, wf.context))
             self._fault(wf.kind, step.name, "before")

@@ -38,6 +38,7 @@ CREATE TABLE IF NOT EXISTS workflows (
     status TEXT NOT NULL,
     phase TEXT NOT NULL DEFAULT 'forward',   -- forward | compensating
     cancel_requested INTEGER NOT NULL DEFAULT 0,
+    recoveries INTEGER NOT NULL DEFAULT 0,   -- daemon deaths it was resumed after
     owner TEXT,                       -- the daemon instance running it
     error TEXT,
     context TEXT NOT NULL DEFAULT '{}',      -- JSON: what validation resolved
@@ -116,6 +117,7 @@ class Workflow:
     started_at: float | None
     updated_at: float
     finished_at: float | None
+    recoveries: int = 0
     steps: list[Step] = field(default_factory=list)
 
     @property
@@ -125,7 +127,7 @@ class Workflow:
     def to_json(self) -> dict:
         return {"id": self.id, "kind": self.kind, "params": self.params, "status": self.status,
                 "phase": self.phase, "cancel_requested": self.cancel_requested,
-                "owner": self.owner, "error": self.error, "created_at": self.created_at,
+                "owner": self.owner, "error": self.error, "recoveries": self.recoveries, "created_at": self.created_at,
                 "started_at": self.started_at, "updated_at": self.updated_at,
                 "finished_at": self.finished_at, "steps": [s.to_json() for s in self.steps]}
 
@@ -190,12 +192,13 @@ class Journal:
     def get(self, wid: str) -> Workflow:
         row = self.db.execute("SELECT id, kind, exclusive, params, status, phase, "
                               "cancel_requested, owner, error, context, created_at, started_at, "
-                              "updated_at, finished_at FROM workflows WHERE id = ?",
+                              "updated_at, finished_at, recoveries FROM workflows WHERE id = ?",
                               (wid,)).fetchone()
         if row is None:
             raise NotFound(wid)
         wf = Workflow(row[0], row[1], row[2], _loads(row[3]), row[4], row[5], bool(row[6]),
-                      row[7], row[8], _loads(row[9]), row[10], row[11], row[12], row[13])
+                      row[7], row[8], _loads(row[9]), row[10], row[11], row[12], row[13],
+                      row[14])
         wf.steps = [Step(r[0], r[1], r[2], _loads(r[3]), _loads(r[4]), r[5], r[6], r[7])
                     for r in self.db.execute(
                         "SELECT seq, name, status, intent, result, attempts, started_at, "
@@ -228,6 +231,13 @@ class Journal:
         with self.tx() as db:
             db.execute("UPDATE workflows SET context = ?, updated_at = ? WHERE id = ?",
                        (_dumps(context), time.time(), wid))
+
+    def note_recovery(self, wid: str) -> int:
+        """One more daemon death survived; returns how many so far."""
+        with self.tx() as db:
+            db.execute("UPDATE workflows SET recoveries = recoveries + 1, updated_at = ? "
+                       "WHERE id = ?", (time.time(), wid))
+            return db.execute("SELECT recoveries FROM workflows WHERE id = ?", (wid,)).fetchone()[0]
 
     def request_cancel(self, wid: str) -> Workflow:
         with self.tx() as db:
