@@ -191,8 +191,38 @@ def crash_and_recover(tmp_path, kind, params, step, when, before=None):
     assert first.proc.returncode == -signal.SIGKILL
     assert f"killing the daemon {when} {kind}:{step}" in first.log_text()
     assert_no_survivors(first.tag)
-    second = start_daemon(tmp_path / "a", MODEL_DIR, *SIM, config=CONFIG)
+    second = restart(tmp_path / "a")
     return second, wait_finished(second, wid), wid
+
+
+def restart(root: Path, config: str = CONFIG, env: dict | None = None, timeout: float = 120):
+    """start_daemon, but up means the admin API answers: a drained daemon is up and
+    still says 503 on /ready."""
+    import subprocess
+    import sys
+    from conftest import ROOT, Daemon, free_port
+    port = free_port()
+    (root / "config.toml").write_text(config)
+    cmd = [sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--state-dir", str(root / "state"), "--model", str(MODEL_DIR),
+           "--config", str(root / "config.toml"), *SIM]
+    log = root / f"daemon-{port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    d = Daemon(proc, port, log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"daemon exited with {proc.returncode}:\n{d.log_text()}")
+        try:
+            if http("GET", d.url + "/admin/v1/status", timeout=2)[0] == 200:
+                return d
+        except OSError:
+            pass
+        time.sleep(0.05)
+    d.stop(signal.SIGKILL)
+    raise AssertionError(f"daemon not up after {timeout}s:\n{d.log_text()}")
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
