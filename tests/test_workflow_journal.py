@@ -140,3 +140,25 @@ def test_fault_specs():
     assert parse_faults("workflow:repartition:stop_affected:before, workflow:drain:persist:after") \
         == {("repartition", "stop_affected", "before"), ("drain", "persist", "after")}
     assert parse_faults("workflow:repartition:stop:during,junk,") == set()
+
+
+def test_a_surviving_worker_of_a_dead_daemon_is_killed():
+    """The start-up check behind PR_SET_PDEATHSIG: a recorded worker pid that still runs
+    `applianced worker` with that name is killed; an unrelated live pid is left alone."""
+    from appliance.daemon.control import kill_orphans
+    spec = '{"worker":"decode9","role":"decode"}'
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                               "worker", "--spec", spec])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        killed = kill_orphans([("decode9", orphan.pid, ["sim4"], 1),
+                               ("decode8", other.pid, ["sim5"], 1),
+                               ("decode7", 2 ** 22 + 7, ["sim6"], 1)])
+        assert killed == [{"worker": "decode9", "pid": orphan.pid, "devices": ["sim4"]}]
+        assert orphan.wait(10) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for p in (orphan, other):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
