@@ -329,6 +329,32 @@ def test_repartition_under_load_keeps_serving_and_persists(tmp_path):
         d.stop()
 
 
+def test_swap_model_under_load_keeps_serving(tmp_path):
+    d = boot(tmp_path / "a")
+    try:
+        load = Load(d)
+        time.sleep(0.3)
+        wf = wait_finished(d, start(d, "swap-model", {"model": "llama-3.1-8b",
+                                                      "model_name": "small"}))
+        time.sleep(0.3)
+        load.stop()
+        assert wf["status"] == "succeeded", wf
+        # Half the workers served the old model while the other half loaded the new one:
+        # no request failed for want of a worker. (A request naming the model just
+        # switched away from is a clean 404.)
+        assert load.ok > 5
+        assert all(e.startswith("NotFoundError") and "does not exist" in e
+                   for e in load.errors), load.errors
+        assert [m["id"] for m in http("GET", d.url + "/v1/models")[2]["data"]] == ["small"]
+        first, second = wf["steps"][0]["result"]["first"], wf["steps"][0]["result"]["second"]
+        assert sorted(first + second) == sorted(PLAN_4_4)
+        assert {n[:-1] for n in first} == {n[:-1] for n in second} == {"prefill", "decode"}
+        check_workers(d, PLAN_4_4)
+        serve_ok(d, "small")
+    finally:
+        d.stop()
+
+
 def test_bad_requests_and_one_partition_change_at_a_time(tmp_path):
     d = boot(tmp_path / "a")
     try:
@@ -338,6 +364,10 @@ def test_bad_requests_and_one_partition_change_at_a_time(tmp_path):
                              ({"kind": "repartition", "params": {"split": "4+4"}}, "already"),
                              ({"kind": "swap-model", "params": {"model": "nope-1b"}},
                               "neither a model directory nor a known model spec"),
+                             ({"kind": "swap-model", "params": {"model": str(tmp_path)}},
+                              "needs config.json and tokenizer.json"),
+                             ({"kind": "swap-model", "params": {"model": MODEL}},
+                              "already serves"),
                              ({"kind": "drain", "params": {"x": 1}}, "no params"),
                              ({"kind": "drain", "extra": 1}, "unknown fields")]:
             code, _, err = d.post("/admin/v1/workflows", body)
