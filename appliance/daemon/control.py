@@ -134,7 +134,8 @@ class Control:
             if names is None:
                 left = self.svc.inflight
             else:
-                left = sum(w.inflight for n, w in self.svc.pool.workers.items() if n in names)
+                left = sum(w.inflight + w.kv_holds
+                           for n, w in self.svc.pool.workers.items() if n in names)
             if not left or time.monotonic() >= deadline:
                 return left
             await asyncio.sleep(0.05)

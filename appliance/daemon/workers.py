@@ -96,6 +96,7 @@ class WorkerLink:
         self.pending_prefill_tokens = 0   # router's own count, fresher than stats
         self.pending_kv_blocks = 0        # handoffs sent here and not yet imported
         self.inflight = 0
+        self.kv_holds = 0                 # handed-off requests whose KV is still here
         self._task: asyncio.Task | None = None
         self._stopping = False
         self.stop_reason: str | None = None   # what requests cut off by a stop are told
@@ -220,6 +221,7 @@ class WorkerLink:
             channel.put(gone)
         self.channels.clear()
         self.inflight = 0
+        self.kv_holds = 0
         self.pending_prefill_tokens = 0
         self.pending_kv_blocks = 0
         self.stats = None
