@@ -162,3 +162,13 @@ def test_a_surviving_worker_of_a_dead_daemon_is_killed():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_workflow_config_is_checked():
+    from appliance import config
+    cfg = config.parse("[workflows]\ndrain_timeout_s = 5\nmax_recoveries = 2\n")
+    assert (cfg.workflows.drain_timeout_s, cfg.workflows.max_recoveries) == (5.0, 2)
+    with pytest.raises(config.ConfigError, match="workflows.max_recoveries must be 1 or more"):
+        config.parse("[workflows]\nmax_recoveries = 0\n")
+    with pytest.raises(config.ConfigError, match="unknown key workflows.retries"):
+        config.parse("[workflows]\nretries = 1\n")

@@ -66,8 +66,7 @@ class WorkflowEngine:
         if not isinstance(params, dict):
             raise ValueError("params must be a JSON object")
         ctx = defn.prepare(params, self.machine)
-        wf = self.journal.create(kind, defn.exclusive, params, defn.steps)
-        self.journal.set_context(wf.id, ctx)
+        wf = self.journal.create(kind, defn.exclusive, params, defn.steps, ctx)
         self._spawn(wf.id)
         return self.journal.get(wf.id)
 
@@ -106,7 +105,13 @@ class WorkflowEngine:
         and record each decision in the journal. Runs nothing; `resume_all` does."""
         decisions = []
         for wf in reversed(self.journal.list(1000, unfinished=True)):
-            decisions.append(self._reconcile(wf))
+            try:
+                decisions.append(self._reconcile(wf))
+            except Exception as exc:    # never let one bad record stop the daemon
+                log.exception("workflow %s: cannot reconcile", wf.id)
+                self.journal.set_status(wf.id, "failed", error=f"cannot reconcile after a "
+                                        f"restart: {exc!r}")
+                decisions.append({"id": wf.id, "decision": "failed"})
         return decisions
 
     def resume_all(self) -> None:

@@ -168,7 +168,8 @@ class Journal:
         self.db.execute("COMMIT")
 
     # ---- workflows ---------------------------------------------------------
-    def create(self, kind: str, exclusive: str, params: dict, steps: list[str]) -> Workflow:
+    def create(self, kind: str, exclusive: str, params: dict, steps: list[str],
+               context: dict | None = None) -> Workflow:
         """Insert a pending workflow with its steps, unless one of its class is active:
         the check and the insert are one IMMEDIATE transaction, so two callers (or two
         daemons on one state dir) cannot both pass the check."""
@@ -181,9 +182,9 @@ class Journal:
             if row:
                 raise Refused(f"workflow {row[0]} ({row[1]}) is {row[2]}; one {exclusive} "
                               f"workflow runs at a time: wait for it or cancel it")
-            db.execute("INSERT INTO workflows (id, kind, exclusive, params, status, created_at, "
-                       "updated_at) VALUES (?, ?, ?, ?, 'pending', ?, ?)",
-                       (wid, kind, exclusive, _dumps(params), now, now))
+            db.execute("INSERT INTO workflows (id, kind, exclusive, params, status, context, "
+                       "created_at, updated_at) VALUES (?, ?, ?, ?, 'pending', ?, ?, ?)",
+                       (wid, kind, exclusive, _dumps(params), _dumps(context or {}), now, now))
             db.executemany("INSERT INTO steps (workflow_id, seq, name, status) "
                            "VALUES (?, ?, ?, 'pending')",
                            [(wid, i, name) for i, name in enumerate(steps)])
