@@ -558,3 +558,31 @@ def test_cli(tmp_path):
             assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
     finally:
         d.stop()
+
+
+def test_swap_model_to_a_checkpoint_directory_on_one_worker_per_role(tmp_path):
+    """The CPU's 1+1: no half can keep serving, so the whole appliance reloads (and says
+    so in the step's result); the new directory's name is served after."""
+    import shutil
+    other = tmp_path / "other-llama"
+    shutil.copytree(MODEL_DIR, other)
+    d = start_daemon(tmp_path / "a", MODEL_DIR, "--devices", "cpu", "--engine", "sim",
+                     "--sim-speed", "50", config=CONFIG)
+    try:
+        wf = wait_finished(d, start(d, "swap-model", {"model": str(other)}))
+        assert wf["status"] == "succeeded", wf
+        ctx = wf["steps"][0]["result"]
+        assert sorted(ctx["first"]) == ["decode0", "prefill0"] and ctx["second"] == []
+        assert "503" in wf["steps"][1]["result"]["note"]
+        assert [m["id"] for m in http("GET", d.url + "/v1/models")[2]["data"]] == ["other-llama"]
+        status = d.status()
+        assert status["model_dir"] == str(other.resolve())
+        serve_ok(d, "other-llama")
+    finally:
+        d.stop()
+    d = start_daemon(tmp_path / "a", MODEL_DIR, "--devices", "cpu", "--engine", "sim",
+                     "--sim-speed", "50", config=CONFIG)
+    try:    # persisted over the command line's --model
+        assert d.status()["model"] == "other-llama"
+    finally:
+        d.stop()
