@@ -10,9 +10,10 @@ from pathlib import Path
 
 from appliance import __version__
 from appliance.commands.client import AdminClient, AdminError, add_client_args
+from appliance.tui.model import core_ranges  # noqa: F401  (tests and scripts import it here)
 
 # Subcommand modules under appliance/commands/ (see its __init__): one line per area.
-AREAS: tuple[str, ...] = ("workflow",)
+AREAS: tuple[str, ...] = ("plan", "tui", "workflow")
 
 
 def _serve_overrides(p: argparse.ArgumentParser) -> None:
@@ -132,38 +133,13 @@ def cmd_model(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from appliance.tui.model import overview_from_status, render_overview_text
     data = AdminClient.from_args(args).get("/admin/v1/status")
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    sim = " [SIMULATED]" if data.get("simulated") else ""
-    print(f"applianced {data['version']}{sim}: {data['model']} on {data['engine']}, "
-          f"mode {data['mode']}, {'ready' if data['ready'] else 'NOT ready'}"
-          f"{', draining' if data['draining'] else ''}, {data['inflight']} in flight, "
-          f"up {data['uptime_s']:.0f}s")
-    print(f"{'worker':<10} {'role':<8} {'state':<11} {'pid':>7} {'devices':<20} "
-          f"{'KV free/total':>15} {'run':>4} {'wait':>5} {'restarts':>8}")
-    for w in data["workers"]:
-        kv = (f"{w['kv_blocks_free']}/{w['kv_blocks_total']}"
-              if w["kv_blocks_total"] is not None else "-")
-        devices = ",".join(w["devices"])
-        if w.get("cpu_cores"):
-            devices += f" cores {core_ranges(w['cpu_cores'])}"
-        print(f"{w['worker']:<10} {w['role']:<8} {w['state']:<11} {w['pid'] or '-':>7} "
-              f"{devices:<20} {kv:>15} {w['running'] if w['running'] is not None else '-':>4} "
-              f"{w['waiting'] if w['waiting'] is not None else '-':>5} {w['restarts']:>8}")
+    print(render_overview_text(overview_from_status(data)))
     return 0
-
-
-def core_ranges(cores: list[int]) -> str:
-    """[0, 1, 2, 3, 8] -> '0-3,8' (how taskset and cpusets write them)."""
-    runs: list[list[int]] = []
-    for c in sorted(cores):
-        if runs and c == runs[-1][1] + 1:
-            runs[-1][1] = c
-        else:
-            runs.append([c, c])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def cmd_config(args) -> int:

@@ -98,6 +98,45 @@ class SiteConfig:
 
 
 @dataclass
+class PlannerConfig:
+    # The SLOs the capacity planner sizes the prefill and decode pools for.
+    ttft_slo_s: float = 2.0           # time to first token (mean, M/D/1)
+    itl_slo_s: float = 0.05           # inter-token latency of a decode step
+    quantile: float = 0.9             # plan on this upper quantile of the forecast
+    horizon: str = "24h"              # default forecast horizon (e.g. 90m, 24h, 7d)
+    auto_apply: bool = False          # start the repartition workflow on its own
+    auto_apply_after_s: float = 900.0  # ...once the recommendation has differed this long
+
+
+def parse_duration(text: str) -> float:
+    """'90m', '24h', '7d', '2w', '3600s' or '3600' -> seconds (ValueError: one line)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"malformed duration {text!r}: expected e.g. 90m, 24h, 7d, 2w")
+    value = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400,
+                                 "w": 604800}[m.group(2)]
+    if value <= 0:
+        raise ValueError(f"duration {text!r} must be positive")
+    return value
+
+
+@dataclass
+class TelemetryConfig:
+    sample_interval_s: float = 1.0    # device readings (NVML, RAPL/CPU model, simulated power)
+    retain_s: float = 600.0           # readings and iteration bins kept for energy queries
+    rapl_dir: str = "/sys/class/powercap"   # RAPL package counters (usually root-only)
+    cpu_idle_w_per_core: float = 1.5  # CPU power model when RAPL is unreadable
+    cpu_busy_w_per_core: float = 3.5
+
+
+@dataclass
+class TuiConfig:
+    # Appliances `applianced tui` watches when no --url is given; several make a fleet.
+    # Empty: the local daemon (http://127.0.0.1:8000).
+    urls: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
@@ -105,6 +144,9 @@ class Config:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     site: SiteConfig = field(default_factory=SiteConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    tui: TuiConfig = field(default_factory=TuiConfig)
     workflows: WorkflowsConfig = field(default_factory=WorkflowsConfig)
     state_dir: str = ""
 
@@ -165,6 +207,9 @@ def validate(cfg: Config) -> Config:
     if cfg.auth.metrics_access not in ("open", "loopback", "admin"):
         raise ConfigError(f"config: auth.metrics_access must be open, loopback or admin, "
                           f"got {cfg.auth.metrics_access!r}")
+    for url in cfg.tui.urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"config: tui.urls: {url!r} is not an http:// or https:// URL")
     if cfg.devices.mode not in ("disagg", "agg"):
         raise ConfigError(f"config: devices.mode must be disagg or agg, got {cfg.devices.mode!r}")
     if cfg.engine.kind not in ("auto", "sim", "torch", "trtllm"):
@@ -178,6 +223,14 @@ def validate(cfg: Config) -> Config:
     for key, value in positive:
         if value <= 0:
             raise ConfigError(f"config: {key} must be positive, got {value}")
+    t = cfg.telemetry
+    if not 0.05 <= t.sample_interval_s <= 60:
+        raise ConfigError(f"config: telemetry.sample_interval_s must be within 0.05..60, got {t.sample_interval_s}")
+    if t.retain_s < 70:
+        raise ConfigError(f"config: telemetry.retain_s must be at least 70 (the 60-s window and its history), got {t.retain_s}")
+    for key in ("cpu_idle_w_per_core", "cpu_busy_w_per_core"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"config: telemetry.{key} must be 0 or more, got {getattr(t, key)}")
     if cfg.workflows.drain_timeout_s < 0:
         raise ConfigError(f"config: workflows.drain_timeout_s must be 0 or more, "
                           f"got {cfg.workflows.drain_timeout_s}")
@@ -195,6 +248,18 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config: engine.reserve_ratio must be within 0..1, got {cfg.engine.reserve_ratio}")
     if not 0.0 < cfg.engine.gpu_mem_fraction <= 1.0:
         raise ConfigError(f"config: engine.gpu_mem_fraction must be within (0, 1], got {cfg.engine.gpu_mem_fraction}")
+    pl = cfg.planner
+    for key, value in (("planner.ttft_slo_s", pl.ttft_slo_s), ("planner.itl_slo_s", pl.itl_slo_s),
+                       ("planner.auto_apply_after_s", pl.auto_apply_after_s)):
+        if value <= 0:
+            raise ConfigError(f"config: {key} must be positive, got {value}")
+    if not 0.5 <= pl.quantile < 1.0:
+        raise ConfigError(f"config: planner.quantile must be within [0.5, 1), got {pl.quantile}")
+    try:
+        if parse_duration(pl.horizon) > 8 * 604800:
+            raise ValueError("longer than 8 weeks")
+    except ValueError as exc:
+        raise ConfigError(f"config: planner.horizon: {exc}") from None
     return cfg
 
 

@@ -7,8 +7,9 @@ The workload of NVIDIA's Dynamo claim (~+30% throughput/GPU for disaggregation o
 (unique: no prefix-cache hits) and generates exactly 150 tokens (ignore_eos). Closed
 loop: C users, each sends its next request the moment the previous one finishes.
 
-What runs is the real engine code: `SimEngine`/`BatchEngine` with the real `Scheduler`
-and `BlockManager`, engines built with the sizes `engine_factory._build_sim` would give
+What runs is the real engine code, on the virtual-clock cluster of
+`appliance/planner/replay.py` (which `applianced plan replay` uses open-loop):
+`SimEngine`/`BatchEngine` with the real `Scheduler` and `BlockManager`, engines built with the sizes `engine_factory._build_sim` would give
 them (`StepTimeModel.kv_capacity_tokens`, config defaults for block size, token budget,
 max_seqs, reserve ratio). The change that matters is `_sleep`: instead of sleeping, the
 engine adds the roofline's step time to a counter, and this file turns those durations
@@ -45,25 +46,22 @@ import heapq
 import itertools
 import json
 import platform
-import random
 import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from appliance.config import EngineConfig  # noqa: E402
-from appliance.engines.messages import (  # noqa: E402
-    Decode, IterationRecord, KvImported, Prefill, PrefillDone, RequestFailed, SamplingParams,
-    Tokens,
-)
 from appliance.engines.roofline import DeviceShape, StepTimeModel  # noqa: E402
-from appliance.engines.sim import SimEngine  # noqa: E402
 from appliance.models.specs import lookup_model_spec  # noqa: E402
+from appliance.planner.replay import (  # noqa: E402
+    VirtualCluster, VirtualSimEngine, Worker, build_engine as _build_engine,
+)
 from appliance.partitions.catalogue import lookup_gpu  # noqa: E402
 
 MODEL = "llama-3.1-70b-fp8"
@@ -72,7 +70,6 @@ NODE_GPUS = 8
 ISL = 3000
 OSL = 150
 DEFAULTS = EngineConfig()          # the daemon's engine defaults, not re-chosen here
-VOCAB = list(range(1000, 33000))   # token ids the sim engine samples from (values are irrelevant)
 
 CONCURRENCY = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512]
 CONCURRENCY_QUICK = [2, 8, 16, 32, 64, 128, 256]
@@ -135,224 +132,58 @@ def feasibility(cfg: Config) -> str | None:
     return None
 
 
-# ---- the virtual-clock engine -------------------------------------------------------
-
-
-
-class VirtualSimEngine(SimEngine):
-    """The real SimEngine; `_sleep` advances a counter instead of the wall clock."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.elapsed = 0.0
-
-    def _sleep(self, seconds: float) -> None:
-        self.elapsed += seconds
-
+# ---- the closed loop on the planner's virtual-clock cluster ------------------------
 
 def build_engine(worker: str, tp: int, chunk: int = 0) -> VirtualSimEngine:
     """As engine_factory._build_sim builds a `sim` worker on tp simulated H100s."""
-    timing = timing_for(tp)
-    num_blocks = timing.kv_capacity_tokens(DEFAULTS.gpu_mem_fraction) // DEFAULTS.block_size
-    return VirtualSimEngine(
-        timing=timing, vocab_ids=VOCAB, speed=1.0, worker=worker,
-        devices=tuple(f"sim{i}" for i in range(tp)), num_blocks=num_blocks,
-        block_size=DEFAULTS.block_size, max_batch_tokens=DEFAULTS.max_batch_tokens,
-        max_seqs=DEFAULTS.max_seqs, max_context=timing.model.max_context,
-        eos_token_ids=(), handoff_timeout_s=1e9, reserve_ratio=DEFAULTS.reserve_ratio,
-        prefill_chunk_tokens=chunk)
+    return _build_engine(worker, timing_for(tp), DEFAULTS, chunk=chunk)
 
 
-@dataclass
-class Worker:
-    name: str
-    role: str
-    tp: int
-    engine: VirtualSimEngine
-    free_at: float = 0.0
-    blocked: bool = False          # stepped and could schedule nothing: wait for a message
-    pending_prefill_tokens: int = 0
-    inflight: int = 0
-    pending_kv_blocks: int = 0
-    steps: list = field(default_factory=list)      # (start, end, phase) in virtual seconds
-    decode_steps: int = 0
-    decode_seqs: int = 0
+class Replay(VirtualCluster):
+    """Closed loop: C users, each sends its next request when the previous one ends."""
 
-
-@dataclass
-class Req:
-    rid: str
-    user: int
-    sent: float
-    first: float | None = None
-    done: float | None = None
-    out: int = 0
-    prefill_worker: Worker | None = None
-    decode_worker: Worker | None = None
-    pending: int = 0
-    prompt: list = field(default_factory=list)
-
-
-class Replay:
     def __init__(self, cfg: Config, concurrency: int, warmup: int, measure: int, seed: int = 0):
+        workers = [Worker(f"{role}{i}", role, tp, build_engine(f"{role}{i}", tp, cfg.chunk))
+                   for role, tp, n in cfg.groups for i in range(n)]
+        super().__init__(workers, cfg.mode, seed)
         self.cfg = cfg
         self.C = concurrency
         self.warmup = warmup
         self.measure = measure
-        self.rng = random.Random(seed)
-        self.workers: list[Worker] = []
-        for role, tp, n in cfg.groups:
-            for i in range(n):
-                name = f"{role}{i}"
-                self.workers.append(Worker(name, role, tp, build_engine(name, tp, cfg.chunk)))
-        self.by_name = {w.name: w for w in self.workers}
-        self.front = [w for w in self.workers if w.role in ("agg", "prefill")]
-        self.decoders = [w for w in self.workers if w.role == "decode"]
-        self.turns = {"front": itertools.count(), "decode": itertools.count()}
-        self.heap: list = []
-        self.seq = itertools.count()
-        self.reqs: dict[str, Req] = {}
-        self.finished: list[Req] = []
         self.token_times: list[float] = []
-        self.n_sent = 0
-        self.params = SamplingParams(max_tokens=OSL, ignore_eos=True, seed=None)
-        # A shared prompt body; the first token is unique per request, and the prefix
-        # cache hashes blocks as a chain, so no block of any prompt is ever a cache hit.
+        self.t0 = self.t1 = None
+        self.base = 0
+        # A shared prompt body (see VirtualCluster): no block is ever a cache hit.
         self.body = [self.rng.randrange(1000, 33000) for _ in range(ISL - 1)]
 
-    # -- routing, as appliance.daemon.router does it ---------------------------------
-    def _rotated(self, workers: list[Worker], key: str) -> list[Worker]:
-        k = next(self.turns[key]) % len(workers)
-        return workers[k:] + workers[:k]
+    def arrive(self, user: int, t: float) -> None:
+        self.send(t, ISL, OSL, user)
 
-    def _least_queued(self) -> Worker:
-        return min(self._rotated(self.front, "front"),
-                   key=lambda w: (w.pending_prefill_tokens, w.inflight))
+    def on_token(self, req, now: float, n: int) -> None:
+        self.token_times.extend([now] * n)
 
-    def _most_free(self) -> Worker:
-        return max(self._rotated(self.decoders, "decode"),
-                   key=lambda w: (w.engine.blocks.num_free - w.pending_kv_blocks, -w.inflight))
+    def on_finish(self, req, now: float) -> None:
+        self.send(now, ISL, OSL, req.user)     # closed loop: the user's next request
 
-    # -- events -----------------------------------------------------------------------
-    def _deliver(self, w: Worker, msg) -> None:
-        for ev in w.engine.add(msg):
-            raise RuntimeError(f"{w.name} refused {msg.request_id}: {ev}")
-        w.blocked = False
+    def decoding_entries(self, rec):
+        return [e for e in rec.entries if rec.phase == "decode" or e[2] > ISL]
 
-    def send(self, user: int, now: float) -> None:
-        rid = f"r{self.n_sent}"
-        self.n_sent += 1
-        req = Req(rid, user, now)
-        self.reqs[rid] = req
-        w = self._least_queued()
-        req.prefill_worker = w
-        w.pending_prefill_tokens += ISL
-        w.inflight += 1
-        req.prompt = prompt = [self.n_sent] + self.body
-        self._deliver(w, Prefill(rid, prompt, self.params, handoff=self.cfg.mode == "disagg"))
+    def done(self) -> bool:
+        if self.t0 is None and len(self.finished) >= self.warmup:
+            self.t0, self.base = self.now, len(self.finished)
+        elif self.t0 is not None and len(self.finished) - self.base >= self.measure:
+            self.t1 = self.now
+            return True
+        return False
 
-    def _first_token(self, req: Req, now: float) -> None:
-        req.first = now
-        req.out = 1
-        self.token_times.append(now)
-        req.prefill_worker.pending_prefill_tokens -= ISL
-
-    def _finish(self, req: Req, now: float) -> None:
-        req.done = now
-        del self.reqs[req.rid]
-        self.finished.append(req)
-        self.send(req.user, now)           # closed loop: the user's next request
-
-    def handle(self, w: Worker, events: list, now: float) -> None:
-        for ev in events:
-            if isinstance(ev, Tokens):
-                req = self.reqs[ev.request_id]
-                if req.first is None:
-                    self._first_token(req, now)
-                else:
-                    req.out += len(ev.tokens)
-                    self.token_times.extend([now] * len(ev.tokens))
-                if ev.finish_reason is not None:
-                    w.inflight -= 1
-                    assert req.out == OSL, (req.out, ev.finish_reason)
-                    self._finish(req, now)
-            elif isinstance(ev, PrefillDone):
-                req = self.reqs[ev.request_id]
-                self._first_token(req, now)
-                w.inflight -= 1
-                if ev.handle is None:
-                    self._finish(req, now)
-                    continue
-                dw = self._most_free()
-                req.decode_worker = dw
-                req.pending = len(ev.handle.block_ids) + 1
-                dw.pending_kv_blocks += req.pending
-                dw.inflight += 1
-                self._deliver(dw, Decode(req.rid, req.prompt, ev.first_token, self.params, ev.handle))
-            elif isinstance(ev, KvImported):
-                req = self.reqs[ev.request_id]
-                src = self.by_name[ev.source_worker]
-                src.engine.release(ev.request_id)
-                src.blocked = False
-                w.pending_kv_blocks -= req.pending
-                req.pending = 0
-            elif isinstance(ev, RequestFailed):
-                raise RuntimeError(f"{w.name}: {ev}")
-            elif isinstance(ev, IterationRecord):
-                pass
-
-    def step(self, w: Worker, now: float) -> None:
-        eng = w.engine
-        before, preempt = eng.elapsed, eng.scheduler.preemptions
-        events = eng.step()
-        d = eng.elapsed - before
-        if d <= 0.0:
-            if eng.scheduler.preemptions == preempt:
-                w.blocked = True        # nothing admissible until a message arrives
-            return
-        rec = next(e for e in events if isinstance(e, IterationRecord))
-        w.steps.append((now, now + d, rec.phase))
-        # Decoding sequences of a step: all of a decode step, those past their prompt
-        # (context > ISL) in a mixed one (chunked prefill).
-        decoding = [e for e in rec.entries if rec.phase == "decode" or e[2] > ISL]
-        if rec.phase in ("decode", "mixed") and decoding:
-            w.decode_steps += 1
-            w.decode_seqs += len(decoding)
-        w.free_at = now + d
-        heapq.heappush(self.heap, (now + d, next(self.seq), w, events))
-
-    # -- the loop ---------------------------------------------------------------------
     def run(self) -> dict:
         # Users start spread over the first second (otherwise they all arrive in the
         # same instant and stay in lock-step cohorts for the whole run).
         starts = sorted((self.rng.uniform(0.0, 1.0), u) for u in range(self.C))
         for t, u in starts:
             heapq.heappush(self.heap, (t, next(self.seq), None, u))
-        now = 0.0
-        t0 = None
-        target = self.warmup
-        while True:
-            while self.heap and self.heap[0][0] <= now:
-                t, _, w, payload = heapq.heappop(self.heap)
-                if w is None:
-                    self.send(payload, t)
-                else:
-                    self.handle(w, payload, t)
-            if t0 is None and len(self.finished) >= target:
-                t0, base = now, len(self.finished)
-            elif t0 is not None and len(self.finished) - base >= self.measure:
-                t1 = now
-                break
-            for w in self.workers:
-                if not w.blocked and w.free_at <= now and w.engine.has_work():
-                    self.step(w, now)
-            nxt = [self.heap[0][0]] if self.heap else []
-            nxt += [w.free_at for w in self.workers
-                    if w.free_at > now and not w.blocked and w.engine.has_work()]
-            if not nxt:
-                raise RuntimeError("simulation stalled: no events and no runnable worker")
-            now = min(nxt)
-        return self.metrics(t0, t1)
+        self.run_loop()
+        return self.metrics(self.t0, self.t1)
 
     def metrics(self, t0: float, t1: float) -> dict:
         span = t1 - t0

@@ -45,6 +45,20 @@ NVML_P2P_STATUS_DISABLED_BY_REGKEY = 4
 NVML_P2P_STATUS_NOT_SUPPORTED = 5
 NVML_P2P_STATUS_UNKNOWN = 6
 
+NVML_CLOCK_GRAPHICS = 0
+NVML_CLOCK_SM = 1
+NVML_CLOCK_MEM = 2
+NVML_TEMPERATURE_GPU = 0
+
+NVML_GPM_METRIC_GRAPHICS_UTIL = 1
+NVML_GPM_METRIC_SM_UTIL = 2
+NVML_GPM_METRIC_SM_OCCUPANCY = 3
+NVML_GPM_METRIC_ANY_TENSOR_UTIL = 5
+NVML_GPM_METRIC_DRAM_BW_UTIL = 10
+NVML_GPM_METRIC_MAX = 477
+NVML_GPM_METRICS_GET_VERSION = 1
+NVML_GPM_SUPPORT_VERSION = 1
+
 NVML_SUCCESS = 0
 NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_INVALID_ARGUMENT = 2
@@ -148,6 +162,19 @@ class FakeGpu:
     uuid: str | None = None
     lost_handle: bool = False  # nvmlDeviceGetHandleByIndex raises GpuIsLost
     lost_reads: bool = False  # handle ok, every read raises GpuIsLost
+    # telemetry readings (units as NVML returns them)
+    energy_mj: int = 5_000_000  # nvmlDeviceGetTotalEnergyConsumption: mJ since driver load
+    power_mw: int = 250_000  # nvmlDeviceGetPowerUsage: milliwatts
+    util_gpu: int = 0  # utilization.gpu, percent
+    memory_used: int = 0
+    sm_clock_mhz: int = 1980
+    temp_c: int = 40
+    gpm: bool = True  # nvmlGpmQueryDeviceSupport().isSupportedDevice (Hopper+)
+    # GPM metric id -> value in percent; ids not listed answer NOT_SUPPORTED per metric.
+    gpm_values: dict = field(default_factory=lambda: {NVML_GPM_METRIC_SM_UTIL: 0.0,
+                                                      NVML_GPM_METRIC_ANY_TENSOR_UTIL: 0.0,
+                                                      NVML_GPM_METRIC_DRAM_BW_UTIL: 0.0})
+    unsupported: set = field(default_factory=set)  # function names raising NOT_SUPPORTED here
 
 
 @dataclass
@@ -160,6 +187,62 @@ class FakeMemory:
 @dataclass(eq=False)  # hashed by identity, like pynvml's ctypes handles
 class FakeHandle:
     index: int
+
+
+@dataclass
+class FakeUtilization:  # c_nvmlUtilization_t
+    gpu: int
+    memory: int
+
+
+@dataclass
+class FakeGpmSupport:  # c_nvmlGpmSupport_t
+    version: int
+    isSupportedDevice: int
+
+
+@dataclass(eq=False)
+class FakeGpmSample:  # opaque c_nvmlGpmSample_t
+    index: int | None = None  # device it was taken on (None: allocated, not taken)
+    values: dict | None = None
+    freed: bool = False
+
+
+@dataclass
+class FakeGpmMetric:  # c_nvmlGpmMetric_t
+    metricId: int = 0
+    nvmlReturn: int = 0
+    value: float = 0.0
+
+
+class _MetricArray:
+    """c_nvmlGpmMetric_t * NVML_GPM_METRIC_MAX, zeroed; entries made when first touched
+    (the real array is one C buffer, cheap to make; 477 Python objects are not)."""
+
+    def __init__(self):
+        self._items: dict[int, FakeGpmMetric] = {}
+
+    def __len__(self):
+        return NVML_GPM_METRIC_MAX
+
+    def __getitem__(self, i: int) -> FakeGpmMetric:
+        if not 0 <= i < NVML_GPM_METRIC_MAX:
+            raise IndexError("invalid index")
+        item = self._items.get(i)
+        if item is None:
+            item = self._items[i] = FakeGpmMetric()
+        return item
+
+
+class c_nvmlGpmMetricsGet_t:
+    """Same fields as pynvml's struct: version, numMetrics, sample1, sample2, metrics[]."""
+
+    def __init__(self):
+        self.version = 0
+        self.numMetrics = 0
+        self.sample1 = None
+        self.sample2 = None
+        self.metrics = _MetricArray()
 
 
 @dataclass
@@ -208,11 +291,16 @@ class FakeNvml:
     p2p_error: int | None = None  # NVML_ERROR_* raised by nvmlDeviceGetP2PStatus
     calls: Counter = field(default_factory=Counter)
     initialised: bool = False
+    # Functions this driver's library lacks: pynvml raises FunctionNotFound for them.
+    missing: set = field(default_factory=set)
+    gpm_live: int = 0  # GPM samples allocated and not freed
 
     def __post_init__(self) -> None:
         if self.topology is None:
             self.topology = all_nvlink(len(self.gpus))
         self._handles = [FakeHandle(i) for i in range(len(self.gpus))]
+
+    c_nvmlGpmMetricsGet_t = c_nvmlGpmMetricsGet_t
 
     def __getattr__(self, name: str):
         # Constants and error classes come from this module, as they would from pynvml.
@@ -226,8 +314,17 @@ class FakeNvml:
     # -- helpers
     def _enter(self, fn: str) -> None:
         self.calls[fn] += 1
+        if fn in self.missing:
+            raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
         if not self.initialised:
             raise NVMLError(NVML_ERROR_UNINITIALIZED)
+
+    def _read(self, fn: str, handle: FakeHandle) -> FakeGpu:
+        self._enter(fn)
+        gpu = self._gpu(handle)
+        if fn in gpu.unsupported:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return gpu
 
     def _gpu(self, handle: FakeHandle) -> FakeGpu:
         gpu = self.gpus[handle.index]
@@ -278,7 +375,8 @@ class FakeNvml:
     def nvmlDeviceGetMemoryInfo(self, handle, version=None):
         self._enter("nvmlDeviceGetMemoryInfo")
         gpu = self._gpu(handle)
-        return FakeMemory(total=gpu.memory_total, free=gpu.memory_total, used=0)
+        return FakeMemory(total=gpu.memory_total, free=gpu.memory_total - gpu.memory_used,
+                          used=gpu.memory_used)
 
     def nvmlDeviceGetMigMode(self, device):
         self._enter("nvmlDeviceGetMigMode")
@@ -301,3 +399,69 @@ class FakeNvml:
         if p2pIndex == NVML_P2P_CAPS_INDEX_NVLINK:
             return NVML_P2P_STATUS_OK if self._link(device1, device2).nvlink else NVML_P2P_STATUS_NOT_SUPPORTED
         return NVML_P2P_STATUS_OK
+
+    # -- telemetry
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        return self._read("nvmlDeviceGetTotalEnergyConsumption", handle).energy_mj
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return self._read("nvmlDeviceGetPowerUsage", handle).power_mw
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return FakeUtilization(gpu=self._read("nvmlDeviceGetUtilizationRates", handle).util_gpu, memory=0)
+
+    def nvmlDeviceGetClockInfo(self, handle, type):
+        gpu = self._read("nvmlDeviceGetClockInfo", handle)
+        if type != NVML_CLOCK_SM:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return gpu.sm_clock_mhz
+
+    def nvmlDeviceGetTemperature(self, handle, sensor):
+        gpu = self._read("nvmlDeviceGetTemperature", handle)
+        if sensor != NVML_TEMPERATURE_GPU:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.temp_c
+
+    def nvmlGpmQueryDeviceSupport(self, device):
+        gpu = self._read("nvmlGpmQueryDeviceSupport", device)
+        return FakeGpmSupport(version=NVML_GPM_SUPPORT_VERSION, isSupportedDevice=int(gpu.gpm))
+
+    def nvmlGpmSampleAlloc(self):
+        self._enter("nvmlGpmSampleAlloc")
+        self.gpm_live += 1
+        return FakeGpmSample()
+
+    def nvmlGpmSampleFree(self, gpmSample):
+        self._enter("nvmlGpmSampleFree")
+        if gpmSample.freed:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        gpmSample.freed = True
+        self.gpm_live -= 1
+
+    def nvmlGpmSampleGet(self, device, gpmSample):
+        gpu = self._read("nvmlGpmSampleGet", device)
+        if not gpu.gpm:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        gpmSample.index = device.index
+        gpmSample.values = dict(gpu.gpm_values)
+        return gpmSample
+
+    def nvmlGpmMetricsGet(self, metricsGet):
+        """Fills metrics[i].value (percent) for the second sample's readings, as NVML
+        computes them from the counters between the two samples."""
+        self._enter("nvmlGpmMetricsGet")
+        m = metricsGet
+        s1, s2 = m.sample1, m.sample2
+        if (m.version != NVML_GPM_METRICS_GET_VERSION or not 0 < m.numMetrics <= NVML_GPM_METRIC_MAX
+                or s1 is None or s2 is None or s1.freed or s2.freed or s1.index is None
+                or s1.index != s2.index):
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        for i in range(m.numMetrics):
+            metric = m.metrics[i]
+            if metric.metricId in s2.values:
+                metric.value = float(s2.values[metric.metricId])
+                metric.nvmlReturn = NVML_SUCCESS
+            else:
+                metric.value = 0.0
+                metric.nvmlReturn = NVML_ERROR_NOT_SUPPORTED
+        return metricsGet

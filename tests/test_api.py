@@ -3,6 +3,7 @@ driven by the official `openai` client and raw HTTP for malformed input."""
 from __future__ import annotations
 
 import json
+import socket
 
 import openai
 import pytest
@@ -116,8 +117,11 @@ def test_models_health_ready_metrics(daemon):
     code, _, text = http("GET", daemon.url + "/metrics")
     text = text.decode() if isinstance(text, bytes) else text
     assert code == 200
-    assert 'applianced_worker_up{role="prefill",simulated="true",worker="prefill0"} 1.0' in text
-    assert 'applianced_requests_total{model="tiny-llama",simulated="true",status="ok",tenant="default"}' in text
+    host = socket.gethostname()     # [site] appliance = "" -> the host name, on every series
+    assert (f'applianced_worker_up{{appliance="{host}",role="prefill",simulated="true",'
+            f'site="local",worker="prefill0"}} 1.0') in text
+    assert (f'applianced_requests_total{{appliance="{host}",model="tiny-llama",simulated="true",'
+            f'site="local",status="ok",tenant="default"}}') in text
 
 
 def _error(resp, status, code=None, param=None):

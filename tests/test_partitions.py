@@ -611,8 +611,11 @@ def test_format_devices():
     text = format_devices(inv, plan_partition(inv))
     assert "(simulated)" in text and "80.0 GiB" in text and "48.0 GiB" in text
     assert "NVLink islands [sim0 sim1 sim2 sim3]" in text
-    assert re.search(r"^\s+prefill0\s+sim0$", text, re.M)
-    assert re.search(r"^\s+decode3\s+sim7$", text, re.M)
+    # Mixed box: prefill on the most FLOP/s per $ (L40S), decode on the most bandwidth
+    # per $ (H100), from the catalogue's prices (Splitwise's placement).
+    assert re.search(r"^\s+prefill0\s+sim4$", text, re.M)
+    assert re.search(r"^\s+decode3\s+sim3$", text, re.M)
+    assert "prefill on L40S, decode on H100-SXM" in text
     assert text.splitlines()[-1].startswith("reason: ")
 
     cpu = inv_from(FakeNvml(init_error=fake_nvml.NVML_ERROR_LIBRARY_NOT_FOUND))

@@ -38,6 +38,7 @@ from appliance.workflows.engine import WorkflowEngine
 from appliance.workflows.journal import Journal
 from appliance.workflows.kinds import Options
 from appliance.workflows.machine import ModelRef, split_of
+from appliance.telemetry import build_telemetry
 from appliance.worker.spec import WorkerSpec
 
 log = logging.getLogger("applianced")
@@ -256,7 +257,18 @@ class Service:
                                backoff_max_s=cfg.workers.restart_backoff_max_s,
                                start_timeout_s=cfg.workers.start_timeout_s)
         self.router = Router(self.pool, setup.plan.mode, cfg.engine.conditional_disagg_tokens)
-        self.metrics = Metrics(self.pool, self.model_name, self.simulated)
+        self.telemetry = build_telemetry(
+            setup.inventory, setup.plan,
+            worker_cores={s.worker: s.cpu_cores for s in setup.specs},
+            weight_bytes=_weight_bytes(cfg.engine.model_spec), worker_pids=self._worker_pids,
+            site=cfg.site.name, appliance=cfg.site.appliance,
+            sample_interval_s=cfg.telemetry.sample_interval_s, retain_s=cfg.telemetry.retain_s,
+            rapl_dir=cfg.telemetry.rapl_dir,
+            cpu_idle_w_per_core=cfg.telemetry.cpu_idle_w_per_core,
+            cpu_busy_w_per_core=cfg.telemetry.cpu_busy_w_per_core)
+        self.metrics = Metrics(self.pool, self.model_name, self.simulated,
+                               telemetry=self.telemetry, site=cfg.site.name,
+                               appliance=self.telemetry.appliance)
         self.auth = Auth(cfg.auth.keys, cfg.auth.admin_keys, cfg.auth.metrics_access)
         self._tenants = set(cfg.auth.keys.values()) | {"default"}
         self.max_inflight = cfg.server.max_inflight
@@ -310,34 +322,71 @@ class Service:
     def next_request_id(self) -> str:
         return f"{self._prefix}{next(self._ids):08x}"
 
+    def _worker_pids(self) -> dict[str, int | None]:
+        """Worker id -> pid of its live process (read by the CPU sampler's thread)."""
+        return {w.id: (w.proc.pid if w.proc is not None and w.proc.returncode is None else None)
+                for w in list(self.pool.workers.values())}
+
     def _on_iteration(self, rec) -> None:
         self.metrics.iteration(rec)
+        try:
+            self.telemetry.observe_iteration(rec)
+        except Exception:   # runs in a worker's reader task: telemetry must not end it
+            log.exception("telemetry: iteration record from %s not taken", rec.worker)
         self.sink.iteration(rec)
 
     def finished(self, comp) -> None:
         rec = comp.record()
         tenant_label = rec.tenant if rec.tenant in self._tenants else "other"
         self.metrics.request(rec, tenant_label)
+        if (planner := getattr(self, "planner", None)) is not None: planner.observe(rec)  # noqa: E701
+        try:
+            self.telemetry.observe_request(rec)
+        except Exception:
+            log.exception("telemetry: request record not taken")
         try:
             self.sink.request(rec)
         except Exception:   # a broken sink must not break serving
             log.exception("request sink failed")
 
     def status(self) -> dict:
+        """The inventory, plan and workers, with the telemetry hub's live keys; each device
+        row gets its live readings merged in."""
         s = self.setup
+        workers = [{**w.status(), "routed": w.id in self.router.routed}
+                   for w in self.pool.workers.values()]
+        try:
+            live = self.telemetry.status_fields(workers)
+        except Exception:   # the inventory and workers are still worth showing
+            log.exception("telemetry: live status failed")
+            live = {"devices": []}
+        live_devices = {d["id"]: d for d in live.pop("devices")}
+        inv = inventory_json(s.inventory, self.plan)
+        inv["devices"] = [{**d, **live_devices.get(d["id"], {})} for d in inv["devices"]]
         return {
             "version": __version__, "simulated": self.simulated, "engine": s.engine,
             "model": self.model_name, "model_dir": str(s.model_dir), "max_context": self.max_context,
             "mode": self.plan.mode, "uptime_s": round(time.time() - self.started_at, 3),
             "ready": self.router.ready(), "draining": self.draining or not self.admission_open,
             "admission": "open" if self.admission_open else "closed", "inflight": self.inflight,
-            **inventory_json(s.inventory, self.plan),
+            **inv,
             "partition": split_of(self.plan),
-            "workers": [{**w.status(), "routed": w.id in self.router.routed}
-                        for w in self.pool.workers.values()],
+            "workers": workers,
+            **live,
             **({"workflows": {**self.workflows.summary(), "recovery": self.recovery}}
                if self.workflows else {}),
         }
+
+
+def _weight_bytes(model_spec: str) -> float:
+    """Bytes per weight of the served model for the simulated power model; bf16 if unknown."""
+    if not model_spec:
+        return 2.0
+    from appliance.models.specs import lookup_model_spec
+    try:
+        return lookup_model_spec(model_spec).weight_bytes
+    except ValueError:
+        return 2.0
 
 
 def warn_if_exposed(cfg: Config) -> None:
@@ -384,6 +433,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         log.warning("%s", setup.inventory.note)
     log.info("plan: %s", setup.plan.reason)
     svc = Service(cfg, setup, sink)
+    svc.state_dir = state_dir
     svc.journal = journal
     svc.admission_open = journal.get_state("admission") != "closed"
     svc.pool.ready_listeners.append(
@@ -424,6 +474,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
                       "simulated": svc.simulated}), file=sys.stderr, flush=True)
     systemd.notify("READY=1", f"STATUS=serving {svc.model_name}")
     watchdog = asyncio.create_task(systemd.watchdog_loop())
+    sampler = asyncio.create_task(svc.telemetry.run(), name="telemetry")
     svc.workflows.resume_all()
     await stop.wait()
     await svc.workflows.close()
@@ -436,6 +487,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     if svc.inflight:
         log.warning("drain timeout: %d requests still in flight are cut off", svc.inflight)
     watchdog.cancel()
+    sampler.cancel()
     await site.stop()
     await svc.pool.stop()
     journal.forget_workers()

@@ -1,8 +1,10 @@
 """Prometheus series. The daemon owns the one registry; workers report over IPC.
 
 Worker gauges are read at scrape time from the live worker table (a custom
-collector), so a scrape never sees a stale copy. Every series carries `simulated`
-so a fleet dashboard can never mix simulated numbers with measured ones unknowingly.
+collector), so a scrape never sees a stale copy; so are the telemetry hub's group and
+device series. Every series carries `simulated` so a fleet dashboard can never mix
+simulated numbers with measured ones unknowingly, and `site` and `appliance` (added to
+every sample at render time) so a fleet can be read by site.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 from appliance.accounting.records import RequestRecord
 from appliance.engines.messages import IterationRecord
@@ -18,6 +21,75 @@ from appliance.engines.messages import IterationRecord
 disable_created_metrics()   # *_created series only add noise to an appliance's scrape
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Inter-token latency: tens of microseconds (a simulated GPU sped up) to a CPU's ~100 ms.
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
+
+
+class TelemetryCollector:
+    """Group and device series from the telemetry hub, read at scrape time."""
+
+    def __init__(self, telemetry, simulated: bool):
+        self.telemetry = telemetry
+        self.sim = "true" if simulated else "false"
+
+    def collect(self):
+        v = self.telemetry.metric_values()
+        sim = self.sim
+        busy = CounterMetricFamily("applianced_group_busy_seconds",
+                                   "Device-seconds inside engine iterations, per group",
+                                   labels=["group", "simulated"])
+        energy = CounterMetricFamily("applianced_group_energy_joules",
+                                     "Energy drawn by the group's devices",
+                                     labels=["group", "simulated"])
+        devices = GaugeMetricFamily("applianced_group_devices", "Devices in the group",
+                                    labels=["group", "simulated"])
+        workers = GaugeMetricFamily("applianced_group_workers", "Workers in the group",
+                                    labels=["group", "simulated"])
+        for g, x in v["group_busy_seconds"].items():
+            busy.add_metric([g, sim], x)
+        for g, x in v["group_energy_joules"].items():
+            energy.add_metric([g, sim], x)
+        for g, x in v["group_devices"].items():
+            devices.add_metric([g, sim], x)
+        for g, x in v["group_workers"].items():
+            workers.add_metric([g, sim], x)
+        tokens = CounterMetricFamily("applianced_phase_tokens",
+                                     "Tokens processed by engine iterations, per phase",
+                                     labels=["phase", "simulated"])
+        for phase, x in v["phase_tokens"].items():
+            tokens.add_metric([phase, sim], x)
+        dev_energy = CounterMetricFamily("applianced_device_energy_joules",
+                                         "Energy drawn by the device since the daemon started",
+                                         labels=["device", "group", "simulated"])
+        dev_power = GaugeMetricFamily("applianced_device_power_watts", "Device power (latest reading)",
+                                      labels=["device", "group", "simulated"])
+        dev_util = GaugeMetricFamily("applianced_device_utilization_ratio",
+                                     "Device utilization 0..1 (latest reading)",
+                                     labels=["device", "group", "simulated"])
+        for d in v["devices"]:
+            labels = [d["device"], d["group"], sim]
+            if d["energy_j"] is not None:
+                dev_energy.add_metric(labels, d["energy_j"])
+            if d["power_w"] is not None:
+                dev_power.add_metric(labels, d["power_w"])
+            if d["util"] is not None:
+                dev_util.add_metric(labels, d["util"])
+        return [busy, energy, devices, workers, tokens, dev_energy, dev_power, dev_util]
+
+
+class SiteLabels:
+    """A registry view that adds `site` and `appliance` to every sample it renders."""
+
+    def __init__(self, registry: CollectorRegistry, site: str, appliance: str):
+        self.registry = registry
+        self.labels = {"site": site, "appliance": appliance}
+
+    def collect(self):
+        extra = self.labels
+        for m in self.registry.collect():
+            out = Metric(m.name, m.documentation, m.type, m.unit)
+            out.samples = [s._replace(labels={**s.labels, **extra}) for s in m.samples]
+            yield out
 
 
 class WorkerCollector:
@@ -53,8 +125,10 @@ class WorkerCollector:
 
 
 class Metrics:
-    def __init__(self, pool, model: str, simulated: bool):
+    def __init__(self, pool, model: str, simulated: bool, *, telemetry=None,
+                 site: str = "local", appliance: str = ""):
         self.registry = CollectorRegistry()
+        self._view = SiteLabels(self.registry, site, appliance)
         self.model = model
         self.sim = "true" if simulated else "false"
         r = self.registry
@@ -66,6 +140,9 @@ class Metrics:
                                      ["model", "tenant", "simulated"], registry=r)
         self.ttft = Histogram("applianced_time_to_first_token_seconds", "Arrival to first token",
                               ["model", "simulated"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("applianced_inter_token_latency_seconds",
+                             "Per request: (finish - first token) / (output tokens - 1)",
+                             ["model", "simulated"], buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("applianced_request_duration_seconds", "Arrival to finish",
                              ["model", "simulated"], buckets=LATENCY_BUCKETS, registry=r)
         self.iterations = Counter("applianced_engine_iterations", "Engine iterations",
@@ -75,6 +152,8 @@ class Metrics:
         self.rejections = Counter("applianced_rejected_requests", "Requests refused as overloaded",
                                   ["model", "simulated"], registry=r)
         r.register(WorkerCollector(pool, simulated))
+        if telemetry is not None:
+            r.register(TelemetryCollector(telemetry, simulated))
         self._iter_children: dict[tuple[str, str], tuple] = {}
 
     def iteration(self, rec: IterationRecord) -> None:
@@ -93,6 +172,10 @@ class Metrics:
         self.output_tokens.labels(self.model, tenant_label, self.sim).inc(rec.output_tokens)
         if rec.first_token is not None:
             self.ttft.labels(self.model, self.sim).observe(rec.first_token - rec.arrival)
+            per_choice = rec.output_tokens // max(1, rec.choices)
+            if per_choice >= 2:
+                self.itl.labels(self.model, self.sim).observe(
+                    (rec.finish - rec.first_token) / (per_choice - 1))
         if rec.status == "ok":
             self.e2e.labels(self.model, self.sim).observe(rec.finish - rec.arrival)
 
@@ -100,4 +183,4 @@ class Metrics:
         self.rejections.labels(self.model, self.sim).inc()
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self._view), CONTENT_TYPE_LATEST

@@ -30,6 +30,17 @@ USED_FUNCTIONS: tuple[str, ...] = (
     "nvmlDeviceGetMigMode",
     "nvmlDeviceGetP2PStatus",
     "nvmlDeviceGetTopologyCommonAncestor",
+    # telemetry (appliance/telemetry/nvml_sampler.py)
+    "nvmlDeviceGetTotalEnergyConsumption",
+    "nvmlDeviceGetPowerUsage",
+    "nvmlDeviceGetUtilizationRates",
+    "nvmlDeviceGetClockInfo",
+    "nvmlDeviceGetTemperature",
+    "nvmlGpmQueryDeviceSupport",
+    "nvmlGpmSampleAlloc",
+    "nvmlGpmSampleGet",
+    "nvmlGpmSampleFree",
+    "nvmlGpmMetricsGet",
 )
 USED_CONSTANTS: tuple[str, ...] = (
     "NVML_DEVICE_MIG_ENABLE",
@@ -41,6 +52,16 @@ USED_CONSTANTS: tuple[str, ...] = (
     "NVML_TOPOLOGY_HOSTBRIDGE",
     "NVML_TOPOLOGY_NODE",
     "NVML_TOPOLOGY_SYSTEM",
+    # telemetry
+    "NVML_CLOCK_SM",
+    "NVML_TEMPERATURE_GPU",
+    "NVML_SUCCESS",
+    "NVML_ERROR_GPU_IS_LOST",
+    "NVML_GPM_METRICS_GET_VERSION",
+    "NVML_GPM_METRIC_SM_UTIL",
+    "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
+    "NVML_GPM_METRIC_DRAM_BW_UTIL",
+    "c_nvmlGpmMetricsGet_t",          # the struct nvmlGpmMetricsGet fills in
 )
 USED_ERRORS: tuple[str, ...] = (
     "NVMLError",
@@ -90,6 +111,9 @@ class Nvml:
         # is remembered per call site rather than per function.
         self._unsupported: set[tuple[str, tuple[Hashable, ...]]] = set()
         self.last_error: str | None = None
+        # NVML_ERROR_* of the last call that failed with an NVMLError (None otherwise),
+        # so a poller can tell a lost GPU from a reading the device does not have.
+        self.last_code: int | None = None
 
     @property
     def initialised(self) -> bool:
@@ -125,6 +149,7 @@ class Nvml:
 
         The reason for the last default is kept in `last_error` for callers that show it.
         """
+        self.last_code = None
         if not self._initialised or self._module is None:
             self.last_error = "NVML not initialised"
             return default
@@ -143,12 +168,18 @@ class Nvml:
         try:
             return fn(*args)
         except self._module.NVMLError as exc:
+            self.last_code = getattr(exc, "value", None)
             if isinstance(exc, self._error_class("NVMLError_FunctionNotFound")):
                 self._missing.add(fn_name)
             elif key is not None and isinstance(exc, self._error_class("NVMLError_NotSupported")):
                 self._unsupported.add(key)
             self.last_error = f"{fn_name}: {_describe(exc)}"
             return default
+
+    @property
+    def gpu_lost(self) -> bool:
+        """The last call failed because the GPU fell off the bus (or needs a reset)."""
+        return self.last_code is not None and self.last_code == self.const("NVML_ERROR_GPU_IS_LOST")
 
     def const(self, name: str, default: Any = None) -> Any:
         """An NVML constant from the loaded module (only meaningful after `init`)."""

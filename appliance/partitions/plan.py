@@ -117,6 +117,10 @@ def plan_partition(inv: Inventory, tp: int = 1, split: str = "auto", mode: str =
 
     islands = _usable_islands(inv, gpus)
     groups, spanning = _pack(islands, tp, workers)
+    phase_note = None
+    if mode == "disagg":
+        groups, spanning, phase_note = _by_phase_economics(groups, spanning, prefill_n,
+                                                           {d.id: d for d in gpus})
     if mode == "agg":
         agg = tuple(WorkerSlot(f"agg{i}", "agg", g) for i, g in enumerate(groups))
         prefill: tuple[WorkerSlot, ...] = ()
@@ -127,10 +131,60 @@ def plan_partition(inv: Inventory, tp: int = 1, split: str = "auto", mode: str =
         decode = tuple(WorkerSlot(f"decode{i}", "decode", g) for i, g in enumerate(groups[prefill_n:]))
 
     parts = [f"{label}, tp={tp}: {counts}"]
+    if phase_note:
+        parts.append(phase_note)
     parts += _topology_notes(inv, islands, tp, prefill, decode, agg, spanning)
     if lost:
         parts.append(f"{lost} lost GPU{'s' if lost != 1 else ''} excluded")
     return PartitionPlan(mode=mode, prefill=prefill, decode=decode, agg=agg, tp=tp, reason="; ".join(parts))
+
+
+def phase_economics(spec) -> dict[str, float]:
+    """What a GPU type offers each phase per dollar (catalogue figures): prefill is
+    compute-bound (dense BF16 FLOP/s per $/h), decode bandwidth-bound (bytes/s per $/h)."""
+    usd = spec.usd_per_hour or float("nan")
+    return {"flops_per_usd": spec.flops_bf16 / usd, "bandwidth_per_usd": spec.mem_bw / usd,
+            "flops_per_bandwidth": spec.flops_bf16 / spec.mem_bw}
+
+
+def rank_for_prefill(specs) -> tuple[list, str]:
+    """GPU types ordered from the best prefill choice to the best decode choice, and why.
+
+    Splitwise (Patel et al., ISCA 2024): put the highest FLOP/s per $ on prefill and the
+    highest memory bandwidth per $ on decode. When one type is best at both, the one
+    with the most FLOP/s per byte/s (a price-free comparative advantage) takes prefill."""
+    specs = list({s.name: s for s in specs}.values())
+    econ = {s.name: phase_economics(s) for s in specs}
+    top_f = max(specs, key=lambda s: econ[s.name]["flops_per_usd"])
+    top_b = max(specs, key=lambda s: econ[s.name]["bandwidth_per_usd"])
+    if top_f is not top_b:
+        order = sorted(specs, key=lambda s: -econ[s.name]["flops_per_usd"])
+        rule = "highest FLOP/s per $ on prefill, highest bandwidth per $ on decode (Splitwise)"
+    else:
+        order = sorted(specs, key=lambda s: -econ[s.name]["flops_per_bandwidth"])
+        rule = (f"{top_f.name} is best per $ at both; prefill takes the most FLOP/s per byte/s "
+                "of bandwidth")
+    figures = ", ".join(f"{s.name} {econ[s.name]['flops_per_usd'] / 1e12:.0f} TFLOP/s and "
+                        f"{econ[s.name]['bandwidth_per_usd'] / 1e12:.2f} TB/s per $/h"
+                        for s in order)
+    return order, f"{rule}: {figures}"
+
+
+def _by_phase_economics(groups, spanning, prefill_n, devices):
+    """On a box of mixed GPU types, give prefill the groups whose type ranks best for it
+    (`rank_for_prefill`); one type: unchanged."""
+    specs = [devices[g[0]].spec for g in groups]
+    if any(s is None for s in specs) or len({s.name for s in specs}) < 2 or prefill_n == 0:
+        return groups, spanning, None
+    order, why = rank_for_prefill(specs)
+    rank = {s.name: i for i, s in enumerate(order)}
+    idx = sorted(range(len(groups)), key=lambda i: rank[specs[i].name])
+    new_groups = [groups[i] for i in idx]
+    new_spanning = sorted(idx.index(i) for i in spanning)
+    pre = sorted({specs[i].name for i in idx[:prefill_n]})
+    dec = sorted({specs[i].name for i in idx[prefill_n:]})
+    note = f"mixed GPUs: prefill on {'+'.join(pre)}, decode on {'+'.join(dec)} ({why})"
+    return new_groups, new_spanning, note
 
 
 def _parse_split(split: str) -> tuple[int, int]:

@@ -1,0 +1,44 @@
+"""`applianced tui`: the live console, for one appliance or several (`--url` repeated,
+or `[tui] urls` in the config)."""
+from __future__ import annotations
+
+import os
+
+from appliance.commands.client import ADMIN_KEY_ENV, DEFAULT_URL
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("tui", help="live console for one appliance or a fleet",
+                       description="A live console: the prefill:decode ratio, devices, "
+                                   "tenants, carbon, and a fleet view with several --url.")
+    p.add_argument("--url", action="append", default=None, metavar="URL",
+                   help=f"an appliance; repeat for a fleet (default: [tui] urls, else {DEFAULT_URL})")
+    p.add_argument("--admin-key", default=None,
+                   help=f"admin key (default: ${ADMIN_KEY_ENV}; none needed on loopback "
+                        "while no [auth] admin_keys are configured)")
+    p.add_argument("--config", help="TOML config with [tui] urls "
+                                    "(default /etc/applianced/config.toml if present)")
+    p.set_defaults(run=cmd_tui)
+
+
+def resolve_urls(cli_urls: list[str] | None, config_path: str | None) -> list[str]:
+    """--url wins; then the config's [tui] urls; then the local daemon."""
+    if cli_urls:
+        urls = cli_urls
+    else:
+        from appliance import config
+        urls = config.load(config_path).tui.urls or [DEFAULT_URL]
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--url {url!r}: expected http://host:port or https://host:port")
+    return list(dict.fromkeys(u.rstrip("/") for u in urls))
+
+
+def cmd_tui(args) -> int:
+    urls = resolve_urls(args.url, args.config)
+    try:
+        from appliance.tui.app import run
+    except ImportError as exc:            # textual missing from a stripped install
+        raise ValueError(f"the console needs textual ({exc})") from None
+    key = args.admin_key if args.admin_key is not None else os.environ.get(ADMIN_KEY_ENV)
+    return run(urls, key)

@@ -1,0 +1,69 @@
+"""`/admin/v1/stream`: the live status snapshot as server-sent events (the TUI reads it).
+
+Each event is `data: {the /admin/v1/status JSON}`; `?interval=` seconds between
+snapshots, 0.25-1 (1-4 per second, default 0.5). A `: keepalive` comment opens the stream
+and repeats every 15 s. There is no `[DONE]`: the client closes it, and the daemon ends it
+when it starts draining.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import orjson
+from aiohttp import web
+
+from appliance.daemon.auth import require_admin
+from appliance.daemon.openai_api import ApiError
+from appliance.daemon.responses import SERVICE
+
+if TYPE_CHECKING:
+    from appliance.daemon.app import Service
+
+MIN_INTERVAL_S = 0.25
+MAX_INTERVAL_S = 1.0
+DEFAULT_INTERVAL_S = 0.5
+KEEPALIVE_S = 15.0
+
+
+def _interval(request: web.Request) -> float:
+    raw = request.query.get("interval")
+    if raw is None:
+        return DEFAULT_INTERVAL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not MIN_INTERVAL_S <= value <= MAX_INTERVAL_S:   # also false for nan
+        raise ApiError(400, f"interval must be a number of seconds within {MIN_INTERVAL_S}.."
+                            f"{MAX_INTERVAL_S} (1-4 snapshots per second), got {raw!r}",
+                       param="interval", code="invalid_interval")
+    return value
+
+
+async def stream(request: web.Request):
+    require_admin(request)
+    svc: Service = request.app[SERVICE]
+    interval = _interval(request)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    try:
+        await resp.write(b": keepalive\n\n")
+        last_keepalive = time.monotonic()
+        while not svc.draining:
+            started = time.monotonic()
+            await resp.write(b"data: " + orjson.dumps(svc.status()) + b"\n\n")
+            if started - last_keepalive >= KEEPALIVE_S:
+                await resp.write(b": keepalive\n\n")
+                last_keepalive = started
+            # Keep the rate even when a snapshot takes a while to build.
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+    except (ConnectionResetError, ConnectionError):
+        pass        # the client went away: that is how a stream ends
+    return resp
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/v1/stream", stream)

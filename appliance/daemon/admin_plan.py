@@ -1,0 +1,167 @@
+"""`GET /admin/v1/plan`: the capacity planner's answer, and its Prometheus gauges.
+
+The planner itself (`appliance.planner`) knows nothing of HTTP; this module builds it
+from the Service, feeds it (the Service's `finished` hook), runs its periodic tick, and
+hands it the one daemon action it may take: starting the repartition workflow, which is
+a POST to this daemon's own `/admin/v1/workflows`.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import socket
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client.core import GaugeMetricFamily
+
+from appliance.config import parse_duration
+from appliance.daemon.auth import require_admin
+from appliance.daemon.openai_api import ApiError
+from appliance.daemon.responses import SERVICE, json_response
+
+log = logging.getLogger("applianced.planner")
+
+PLANNER = web.AppKey("planner", object)
+TICK_S = 60.0
+FIRST_TICK_S = 5.0
+QUERY_PARAMS = {"horizon", "gpu", "ttft_slo", "itl_slo", "traffic_x", "prompt_tokens",
+                "output_tokens"}
+
+
+async def plan(request: web.Request):
+    require_admin(request)
+    planner = request.app[PLANNER]
+    if planner is None:
+        raise ApiError(503, "the planner is not available on this daemon (see its log)",
+                       code="planner_unavailable")
+    from appliance.planner.planner import MAX_HORIZON_S, parse_whatif
+    q = request.query
+    unknown = sorted(set(q) - QUERY_PARAMS)
+    if unknown:
+        raise ApiError(400, f"unknown parameter {unknown[0]!r}; known: "
+                            f"{', '.join(sorted(QUERY_PARAMS))}", param=unknown[0],
+                       code="invalid_parameter")
+    horizon = None
+    if "horizon" in q:
+        try:
+            horizon = parse_duration(q["horizon"])
+        except ValueError as exc:
+            raise ApiError(400, f"horizon: {exc}", param="horizon", code="invalid_parameter") from None
+        if horizon > MAX_HORIZON_S:
+            raise ApiError(400, f"horizon {q['horizon']!r} is longer than 8 weeks",
+                           param="horizon", code="invalid_parameter")
+    try:
+        whatif = parse_whatif(dict(q))
+    except ValueError as exc:
+        param = next((k for k in QUERY_PARAMS if str(exc).startswith(k)), "gpu")
+        raise ApiError(400, str(exc), param=param, code="invalid_parameter") from None
+    loop = asyncio.get_running_loop()
+    result = await loop.run_in_executor(None, functools.partial(planner.plan, horizon, whatif))
+    return json_response(result)
+
+
+class PlannerCollector:
+    """applianced_planner_recommended_workers{group}; the current count per group,
+    `applianced_group_workers`, comes with the live telemetry series."""
+
+    def __init__(self, planner, labels: dict[str, str]):
+        self.planner = planner
+        self.labels = labels
+
+    def collect(self):
+        names = ["group", *self.labels]
+        rec = GaugeMetricFamily("applianced_planner_recommended_workers",
+                                "Workers the capacity planner recommends per group "
+                                "(upper forecast quantile, at the SLOs)", labels=names)
+        if self.planner.last_recommended is not None:
+            for group, n in zip(("prefill", "decode"), self.planner.last_recommended):
+                rec.add_metric([group, *self.labels.values()], float(n))
+        return [rec]
+
+
+def _register_gauges(svc, planner) -> None:
+    site = svc.cfg.site
+    labels = {"site": site.name, "appliance": site.appliance or socket.gethostname(),
+              "simulated": "true" if svc.simulated else "false"}
+    svc.metrics.registry.register(PlannerCollector(planner, labels))
+
+
+def _repartition_starter(svc):
+    """The one action the planner may take: POST the repartition workflow to this daemon
+    (with $APPLIANCED_ADMIN_KEY when admin keys are configured)."""
+    async def start(split: str) -> dict:
+        import aiohttp
+        host = svc.cfg.server.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        url = f"http://{host}:{svc.cfg.server.port}/admin/v1/workflows"
+        headers = {}
+        if key := os.environ.get("APPLIANCED_ADMIN_KEY"):
+            headers["Authorization"] = f"Bearer {key}"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async with session.post(url, json={"kind": "repartition", "params": {"split": split}},
+                                    headers=headers) as resp:
+                body = await resp.json(content_type=None)
+                if resp.status >= 300:
+                    msg = (body or {}).get("error", {}).get("message", resp.reason)
+                    raise RuntimeError(f"HTTP {resp.status}: {msg}")
+                return body
+    return start
+
+
+def build_planner(svc):
+    from appliance.planner.planner import Planner, box_from_setup
+    state_dir: Path | None = getattr(svc, "state_dir", None)
+    box = box_from_setup(svc.setup, svc.cfg.engine)
+    db = state_dir / "ledger.db" if state_dir else ":memory:"
+    if state_dir:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    return Planner(svc.cfg.planner, box, db, engine=svc.cfg.engine,
+                   profile_dir=state_dir / "profiles" if state_dir else None,
+                   start_repartition=_repartition_starter(svc), model_name=svc.model_name)
+
+
+async def _ticker(planner) -> None:
+    await asyncio.sleep(FIRST_TICK_S)
+    while True:
+        try:
+            await planner.auto_apply_tick()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("planner tick failed")
+        await asyncio.sleep(TICK_S)
+
+
+async def _lifecycle(app: web.Application):
+    planner = app[PLANNER]
+    task = None
+    if planner is not None:
+        planner.trends.start()
+        task = asyncio.create_task(_ticker(planner))
+    yield
+    if task is not None:
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+    if planner is not None:
+        await asyncio.get_running_loop().run_in_executor(None, planner.close)
+
+
+def add_routes(app: web.Application) -> None:
+    svc = app[SERVICE]
+    try:
+        planner = build_planner(svc)
+    except Exception as exc:    # a model we cannot size must not stop serving
+        log.warning("capacity planner disabled: %s", exc)
+        planner = None
+    app[PLANNER] = planner
+    svc.planner = planner
+    if planner is not None:
+        _register_gauges(svc, planner)
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_get("/admin/v1/plan", plan)

@@ -1,0 +1,301 @@
+"""Per-model, per-minute trends of finished requests, kept in SQLite (WAL).
+
+The daemon's hot path only appends the record to a queue (`observe`); a writer thread
+folds the queue into minute rows once a second, in one transaction. Means are exact
+(sums); percentiles come from log-spaced histograms (bins 2^(1/8) wide, ~9%), which
+merge by addition, so hours and days roll up from minutes without keeping requests.
+
+GPU-seconds per phase are not in the request records (the ledger has the measured
+ones): they are estimated per request from the profile by the `estimate` callable,
+and every row says so in `gpu_source`.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from appliance.accounting.records import RequestRecord
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS planner_minutes (
+    model TEXT NOT NULL,
+    minute INTEGER NOT NULL,          -- unix time // 60
+    requests INTEGER NOT NULL,
+    prompt_sum REAL NOT NULL,
+    output_sum REAL NOT NULL,
+    cached_sum REAL NOT NULL,
+    prefill_gpu_s REAL NOT NULL,
+    decode_gpu_s REAL NOT NULL,
+    ttft_sum REAL NOT NULL, ttft_n INTEGER NOT NULL,
+    itl_sum REAL NOT NULL, itl_n INTEGER NOT NULL,
+    hist TEXT NOT NULL,               -- {"prompt"|"output"|"ttft"|"itl": {bin: count}}
+    gpu_source TEXT NOT NULL,
+    PRIMARY KEY (model, minute)
+);
+"""
+
+BIN_RATIO = 2 ** (1 / 8)
+_LOG_RATIO = math.log(BIN_RATIO)
+# Bin origins: token counts from 1, seconds from 10 µs.
+_ORIGIN = {"prompt": 1.0, "output": 1.0, "ttft": 1e-5, "itl": 1e-5}
+
+
+def _bin(kind: str, value: float) -> int:
+    return max(0, int(math.floor(math.log(max(value, _ORIGIN[kind]) / _ORIGIN[kind]) / _LOG_RATIO)))
+
+
+def hist_quantile(kind: str, hist: dict, q: float) -> float | None:
+    """The q-quantile of a binned distribution (geometric interpolation in the bin)."""
+    total = sum(hist.values())
+    if total == 0:
+        return None
+    target = q * total
+    run = 0.0
+    for b in sorted(hist, key=int):
+        c = hist[b]
+        if run + c >= target:
+            frac = (target - run) / c if c else 0.0
+            return _ORIGIN[kind] * BIN_RATIO ** (int(b) + frac)
+        run += c
+    return _ORIGIN[kind] * BIN_RATIO ** (int(max(hist, key=int)) + 1)
+
+
+@dataclass
+class Bucket:
+    start: float                # unix seconds
+    width_s: float
+    requests: int
+    rate: float                 # requests/s
+    prompt_mean: float | None
+    prompt_p50: float | None
+    prompt_p90: float | None
+    output_mean: float | None
+    output_p50: float | None
+    output_p90: float | None
+    prefix_hit: float | None    # cached prompt tokens / prompt tokens
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p90_s: float | None
+    itl_p99_s: float | None
+    prefill_gpu_s: float
+    decode_gpu_s: float
+    rho: float | None           # prefill GPU-seconds / decode GPU-seconds
+    gpu_source: str
+
+    def to_json(self) -> dict:
+        from dataclasses import asdict
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def _empty_row() -> dict:
+    return {"requests": 0, "prompt_sum": 0.0, "output_sum": 0.0, "cached_sum": 0.0,
+            "prefill_gpu_s": 0.0, "decode_gpu_s": 0.0, "ttft_sum": 0.0, "ttft_n": 0,
+            "itl_sum": 0.0, "itl_n": 0,
+            "hist": {"prompt": {}, "output": {}, "ttft": {}, "itl": {}}}
+
+
+def _merge(into: dict, row: dict) -> None:
+    for k, v in row.items():
+        if k == "hist":
+            for kind, h in v.items():
+                dst = into["hist"].setdefault(kind, {})
+                for b, c in h.items():
+                    dst[str(b)] = dst.get(str(b), 0) + c
+        elif k in into:
+            into[k] += v
+
+
+def request_row(rec: RequestRecord, prefill_gpu_s: float, decode_gpu_s: float) -> dict:
+    row = _empty_row()
+    row["requests"] = 1
+    row["prompt_sum"] = float(rec.prompt_tokens)
+    row["output_sum"] = float(rec.output_tokens)
+    row["cached_sum"] = float(rec.cached_tokens)
+    row["prefill_gpu_s"] = prefill_gpu_s
+    row["decode_gpu_s"] = decode_gpu_s
+    h = row["hist"]
+    if rec.status != "rejected":
+        h["prompt"][str(_bin("prompt", rec.prompt_tokens))] = 1
+        h["output"][str(_bin("output", rec.output_tokens / max(1, rec.choices)))] = 1
+    if rec.first_token is not None:
+        ttft = max(0.0, rec.first_token - rec.arrival)
+        row["ttft_sum"], row["ttft_n"] = ttft, 1
+        h["ttft"][str(_bin("ttft", ttft))] = 1
+        per_choice = rec.output_tokens / max(1, rec.choices)
+        if per_choice > 1 and rec.status == "ok":
+            itl = max(0.0, rec.finish - rec.first_token) / (per_choice - 1)
+            row["itl_sum"], row["itl_n"] = itl, 1
+            h["itl"][str(_bin("itl", itl))] = 1
+    return row
+
+
+Estimate = Callable[[RequestRecord], tuple[float, float]]
+
+
+class TrendStore:
+    """Minute rows in `path` (the ledger's database file, own tables, own connection)."""
+
+    def __init__(self, path: str | Path, estimate: Estimate | None = None,
+                 gpu_source: str = "estimated", flush_interval_s: float = 1.0):
+        self.path = str(path)
+        self.estimate = estimate or (lambda rec: (0.0, 0.0))
+        self.gpu_source = gpu_source
+        self.flush_interval_s = flush_interval_s
+        self._queue: collections.deque = collections.deque()
+        self._db_lock = threading.Lock()
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(SCHEMA)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- writing ----------------------------------------------------------------------
+    def observe(self, rec: RequestRecord) -> None:
+        """Hot path: O(1), no I/O."""
+        self._queue.append(rec)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="planner-trends", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_interval_s):
+            try:
+                self.flush()
+            except sqlite3.Error:   # a locked or full disk must not kill the thread
+                pass
+
+    def flush(self) -> int:
+        """Fold queued records into their minute rows; returns how many were written."""
+        batch: dict[tuple[str, int], dict] = {}
+        n = 0
+        while self._queue:
+            rec = self._queue.popleft()
+            try:
+                pre, dec = self.estimate(rec)
+            except Exception:
+                pre, dec = 0.0, 0.0
+            key = (rec.model, int(rec.arrival // 60))
+            _merge(batch.setdefault(key, _empty_row()), request_row(rec, pre, dec))
+            n += 1
+        if not batch:
+            return 0
+        with self._db_lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for (model, minute), row in batch.items():
+                    old = db.execute("SELECT requests, prompt_sum, output_sum, cached_sum, "
+                                     "prefill_gpu_s, decode_gpu_s, ttft_sum, ttft_n, itl_sum, "
+                                     "itl_n, hist FROM planner_minutes WHERE model=? AND minute=?",
+                                     (model, minute)).fetchone()
+                    if old:
+                        merged = dict(zip(("requests", "prompt_sum", "output_sum", "cached_sum",
+                                           "prefill_gpu_s", "decode_gpu_s", "ttft_sum", "ttft_n",
+                                           "itl_sum", "itl_n"), old[:10]))
+                        merged["hist"] = json.loads(old[10])
+                        _merge(merged, row)
+                        row = merged
+                    db.execute("INSERT OR REPLACE INTO planner_minutes VALUES "
+                               "(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                               (model, minute, row["requests"], row["prompt_sum"],
+                                row["output_sum"], row["cached_sum"], row["prefill_gpu_s"],
+                                row["decode_gpu_s"], row["ttft_sum"], row["ttft_n"],
+                                row["itl_sum"], row["itl_n"], json.dumps(row["hist"]),
+                                self.gpu_source))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return n
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.flush()
+        with self._db_lock:
+            self._db.close()
+
+    # -- reading ----------------------------------------------------------------------
+    def models(self) -> list[str]:
+        with self._db_lock:
+            return [r[0] for r in self._db.execute(
+                "SELECT DISTINCT model FROM planner_minutes ORDER BY model")]
+
+    def span(self, model: str) -> tuple[float, float] | None:
+        with self._db_lock:
+            lo, hi = self._db.execute("SELECT MIN(minute), MAX(minute) FROM planner_minutes "
+                                      "WHERE model=?", (model,)).fetchone()
+        return None if lo is None else (lo * 60.0, (hi + 1) * 60.0)
+
+    def buckets(self, model: str, width_s: float, since: float, until: float) -> list[Bucket]:
+        """Contiguous buckets of `width_s` (a multiple of 60) from `since` to `until`;
+        empty ones have rate 0 and no distributions."""
+        width_m = max(1, int(round(width_s / 60)))
+        first = int(since // 60) // width_m * width_m
+        last = int(math.ceil(until / 60))
+        with self._db_lock:
+            rows = self._db.execute(
+                "SELECT minute, requests, prompt_sum, output_sum, cached_sum, prefill_gpu_s, "
+                "decode_gpu_s, ttft_sum, ttft_n, itl_sum, itl_n, hist, gpu_source "
+                "FROM planner_minutes WHERE model=? AND minute>=? AND minute<? ORDER BY minute",
+                (model, first, last)).fetchall()
+        agg: dict[int, dict] = {}
+        sources: dict[int, set] = {}
+        for r in rows:
+            k = (r[0] - first) // width_m
+            row = dict(zip(("requests", "prompt_sum", "output_sum", "cached_sum", "prefill_gpu_s",
+                            "decode_gpu_s", "ttft_sum", "ttft_n", "itl_sum", "itl_n"), r[1:11]))
+            row["hist"] = json.loads(r[11])
+            _merge(agg.setdefault(k, _empty_row()), row)
+            sources.setdefault(k, set()).add(r[12])
+        n = max(1, int(math.ceil((last - first) / width_m)))
+        return [self._bucket(first * 60.0 + k * width_m * 60.0, width_m * 60.0,
+                             agg.get(k, _empty_row()), sources.get(k, {self.gpu_source}))
+                for k in range(n)]
+
+    @staticmethod
+    def _bucket(start: float, width: float, row: dict, sources: set) -> Bucket:
+        h = row["hist"]
+        q = lambda kind, p: hist_quantile(kind, h.get(kind, {}), p)  # noqa: E731
+        req = row["requests"]
+        pre, dec = row["prefill_gpu_s"], row["decode_gpu_s"]
+        return Bucket(
+            start=start, width_s=width, requests=req, rate=req / width,
+            prompt_mean=row["prompt_sum"] / req if req else None,
+            prompt_p50=q("prompt", 0.5), prompt_p90=q("prompt", 0.9),
+            output_mean=row["output_sum"] / req if req else None,
+            output_p50=q("output", 0.5), output_p90=q("output", 0.9),
+            prefix_hit=row["cached_sum"] / row["prompt_sum"] if row["prompt_sum"] else None,
+            ttft_p50_s=q("ttft", 0.5), ttft_p90_s=q("ttft", 0.9), ttft_p99_s=q("ttft", 0.99),
+            itl_p50_s=q("itl", 0.5), itl_p90_s=q("itl", 0.9), itl_p99_s=q("itl", 0.99),
+            prefill_gpu_s=pre, decode_gpu_s=dec, rho=pre / dec if dec > 0 else None,
+            gpu_source=",".join(sorted(sources)))
+
+
+def series(buckets: list[Bucket], field: str, fill: float | None = None) -> np.ndarray:
+    """One field over buckets; empty buckets carry the last seen value (or `fill`)."""
+    out, last = [], fill
+    for b in buckets:
+        v = getattr(b, field)
+        if v is None:
+            v = last if last is not None else 0.0
+        last = v
+        out.append(v)
+    return np.asarray(out, dtype=float)
