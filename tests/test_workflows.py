@@ -313,6 +313,9 @@ def test_repartition_under_load_keeps_serving_and_persists(tmp_path):
         assert [s["status"] for s in wf["steps"]] == ["succeeded"] * len(REPARTITION_STEPS)
         assert load.ok > 5 and load.errors == []        # unaffected workers served throughout
         check_workers(d, PLAN_6_2)
+        groups = d.status()["groups"]                   # telemetry follows the partition
+        assert groups["prefill"]["devices"] == [f"sim{i}" for i in range(6)]
+        assert groups["decode"]["devices"] == ["sim6", "sim7"] and groups["decode"]["workers"] == 2
         # back again: fresh names for the decode workers, no clash with live ones
         wf = wait_finished(d, start(d, "repartition", {"split": "4+4"}))
         assert wf["status"] == "succeeded"

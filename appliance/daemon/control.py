@@ -119,6 +119,15 @@ class Control:
     # ---- actions ----------------------------------------------------------------
     def set_plan(self, plan: PartitionPlan) -> None:
         self.svc.plan = plan
+        telemetry = getattr(self.svc, "telemetry", None)
+        if telemetry is not None:
+            from appliance.telemetry.setup import telemetry_workers
+            try:
+                telemetry.set_workers(telemetry_workers(
+                    self.svc.setup.inventory, plan,
+                    {n: w.spec.cpu_cores for n, w in self.svc.pool.workers.items()}))
+            except Exception:   # telemetry must never break a workflow step
+                log.exception("telemetry: cannot follow the new partition")
 
     def set_admission(self, open_: bool) -> None:
         self.svc.admission_open = open_
