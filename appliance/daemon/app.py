@@ -450,6 +450,9 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     svc.workflows = WorkflowEngine(journal, Control(svc),
                                    Options(drain_timeout_s=cfg.workflows.drain_timeout_s),
                                    max_recoveries=cfg.workflows.max_recoveries)
+    unfinished = len(journal.list(1000, unfinished=True))
+    if unfinished:
+        systemd.notify(f"STATUS=reconciling {unfinished} unfinished workflow(s)")
     svc.recovery = {"orphans_killed": orphans, "decisions": svc.workflows.recover()}
     app = build_app(svc, cfg.server.max_body_bytes)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
