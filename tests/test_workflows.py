@@ -589,3 +589,35 @@ def test_swap_model_to_a_checkpoint_directory_on_one_worker_per_role(tmp_path):
         assert d.status()["model"] == "other-llama"
     finally:
         d.stop()
+
+
+def test_cancel_a_swap_after_the_switch_reloads_the_old_model(tmp_path):
+    """Cancelled once half the workers run the new model and serve it: the undo steps
+    route the old model's half back, reload the other half with the old model, and the
+    appliance ends as it began."""
+    d = start_daemon(tmp_path / "a", MODEL_DIR, *SIM, config="[workflows]\ndrain_timeout_s = 1.5\n")
+    try:
+        streams = long_streams(d, 8, max_tokens=30000)
+        wid = start(d, "swap-model", {"model": "llama-3.1-8b"})
+        deadline = time.monotonic() + 30
+        while workflow(d, wid)["steps"][SWAP_STEPS.index("wait_second")]["status"] != "running":
+            assert time.monotonic() < deadline, workflow(d, wid)
+            time.sleep(0.02)
+        assert http("GET", d.url + "/v1/models")[2]["data"][0]["id"] == "llama-3.1-8b"
+        code, _, body = d.post(f"/admin/v1/workflows/{wid}/cancel", {})
+        assert code == 200
+        wf = wait_finished(d, wid)
+        close_all(streams)
+        assert wf["status"] == "cancelled", wf
+        steps = {s["name"]: s for s in wf["steps"]}
+        assert steps["load_second"]["status"] == "skipped"
+        first = steps["validate"]["result"]["first"]
+        assert sorted(steps["undo_reload"]["result"]["loaded"]) == sorted(first)
+        assert all(steps[n]["status"] == "succeeded" for n in
+                   ("undo_route_old", "undo_reload", "undo_route_all", "undo_persist"))
+        assert [m["id"] for m in http("GET", d.url + "/v1/models")[2]["data"]] == [MODEL]
+        check_workers(d, PLAN_4_4)
+        assert journal_state(tmp_path / "a", "model")["name"] == MODEL
+        serve_ok(d)
+    finally:
+        d.stop()
