@@ -621,3 +621,25 @@ def test_cancel_a_swap_after_the_switch_reloads_the_old_model(tmp_path):
         serve_ok(d)
     finally:
         d.stop()
+
+
+def test_a_model_that_cannot_load_is_rolled_back(tmp_path):
+    """llama-3.1-70b in bf16 (140 GB) does not fit one 80 GB H100: the first half's
+    workers refuse to start, the workflow compensates, the old model serves on."""
+    d = boot(tmp_path / "a")
+    try:
+        load = Load(d)
+        wf = wait_finished(d, start(d, "swap-model", {"model": "llama-3.1-70b"}))
+        load.stop()
+        assert wf["status"] == "compensated", wf
+        assert "load_first failed" in wf["error"] and "no room for KV" in wf["error"]
+        steps = {s["name"]: s for s in wf["steps"]}
+        assert steps["load_first"]["status"] == "failed"
+        assert steps["switch_routing"]["status"] == "skipped"
+        assert [m["id"] for m in http("GET", d.url + "/v1/models")[2]["data"]] == [MODEL]
+        check_workers(d, PLAN_4_4)
+        assert journal_state(tmp_path / "a", "model")["name"] == MODEL    # undo_persist
+        assert load.ok > 0 and load.errors == []    # the other half served throughout
+        serve_ok(d)
+    finally:
+        d.stop()
