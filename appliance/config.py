@@ -69,6 +69,16 @@ class WorkersConfig:
 
 
 @dataclass
+class WorkflowsConfig:
+    # repartition / swap-model / drain: how long in-flight requests may take to finish on
+    # the workers being changed before they are cut off (with a clear 503).
+    drain_timeout_s: float = 30.0
+    # A workflow interrupted by this many daemon deaths is rolled back (compensated)
+    # instead of resumed again: a step that kills the daemon must not crash-loop it.
+    max_recoveries: int = 3
+
+
+@dataclass
 class AuthConfig:
     # SHA-256 hex digest of an API key -> tenant (the microservice that holds the key).
     keys: dict[str, str] = field(default_factory=dict)
@@ -176,6 +186,7 @@ class Config:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     tui: TuiConfig = field(default_factory=TuiConfig)
+    workflows: WorkflowsConfig = field(default_factory=WorkflowsConfig)
     state_dir: str = ""
 
 
@@ -260,6 +271,12 @@ def validate(cfg: Config) -> Config:
     for key in ("cpu_idle_w_per_core", "cpu_busy_w_per_core"):
         if getattr(t, key) < 0:
             raise ConfigError(f"config: telemetry.{key} must be 0 or more, got {getattr(t, key)}")
+    if cfg.workflows.drain_timeout_s < 0:
+        raise ConfigError(f"config: workflows.drain_timeout_s must be 0 or more, "
+                          f"got {cfg.workflows.drain_timeout_s}")
+    if cfg.workflows.max_recoveries < 1:
+        raise ConfigError(f"config: workflows.max_recoveries must be 1 or more, "
+                          f"got {cfg.workflows.max_recoveries}")
     if not 0 < cfg.server.port < 65536:
         raise ConfigError(f"config: server.port must be 1-65535, got {cfg.server.port}")
     if cfg.engine.prefill_chunk_tokens < 0:

@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from appliance.accounting.records import LogSink, RecordSink
 from appliance.config import Config
 from appliance.daemon import chargeback, systemd
 from appliance.daemon.auth import Auth
+from appliance.daemon.control import Control, kill_orphans
 from appliance.daemon.metrics import Metrics
 from appliance.daemon.prepare import PreparePool
 from appliance.daemon.protocol import ApplianceRunner
@@ -34,6 +36,10 @@ from appliance.daemon.server import build_app
 from appliance.daemon.tokenizer import ServedTokenizer
 from appliance.daemon.workers import WorkerGone, WorkerPool, program_command
 from appliance.partitions import Inventory, PartitionPlan, discover, inventory_json, plan_partition
+from appliance.workflows.engine import WorkflowEngine
+from appliance.workflows.journal import Journal
+from appliance.workflows.kinds import Options
+from appliance.workflows.machine import ModelRef, split_of
 from appliance.telemetry import build_telemetry
 from appliance.worker.spec import WorkerSpec
 
@@ -97,10 +103,45 @@ def default_model(state_dir: Path, progress=None) -> Path:
     return path
 
 
-def plan_setup(cfg: Config, state_dir: Path, progress=None) -> Setup:
+def persisted_plan(inv: Inventory, cfg: Config, data: dict | None) -> PartitionPlan | None:
+    """The partition a workflow persisted, if it still fits this machine and config
+    (the same mode and tp, every device present): it overrides devices.split."""
+    if not data:
+        return None
+    from appliance.workflows.machine import plan_from_json
+    try:
+        plan = plan_from_json(data)
+    except (KeyError, TypeError, ValueError):
+        log.warning("ignoring a malformed persisted partition")
+        return None
+    usable = {d.id for d in inv.devices if not d.lost}
+    missing = sorted({d for s in plan.workers() for d in s.devices} - usable)
+    if plan.mode != cfg.devices.mode or plan.tp != cfg.devices.tp or missing:
+        why = f"devices {missing} are not here" if missing else \
+            f"it is {plan.mode} tp={plan.tp}, the config says {cfg.devices.mode} tp={cfg.devices.tp}"
+        log.warning("ignoring the persisted partition (%s): planning from the config", why)
+        return None
+    return plan
+
+
+def plan_setup(cfg: Config, state_dir: Path, progress=None, persisted: dict | None = None) -> Setup:
+    """What to run. `persisted` (from the workflow journal: partition, model) overrides
+    the config's devices.split and engine.model/model_spec: a workflow's change survives
+    restarts."""
+    persisted = persisted or {}
     inv = discover(cfg.devices.spec)
-    plan = plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode)
+    plan = persisted_plan(inv, cfg, persisted.get("partition")) or \
+        plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode)
     engine = resolve_engine(cfg.engine.kind, inv)
+    model = persisted.get("model")
+    if model and not (Path(model["model_dir"]) / "config.json").exists():
+        log.warning("ignoring the persisted model: %s has no config.json", model["model_dir"])
+        model = None
+    if model:
+        import dataclasses
+        cfg.engine = dataclasses.replace(cfg.engine, model=model["model_dir"],
+                                         model_spec=model.get("model_spec") or "",
+                                         model_name=model["name"])
     if cfg.engine.model:
         model_dir = Path(cfg.engine.model).expanduser()
         if not (model_dir / "config.json").exists():
@@ -239,6 +280,12 @@ class Service:
         self.preparing = 0                # requests being parsed and tokenized right now
         self.draining = False
         self.started_at = time.time()
+        self.plan = setup.plan                 # the live partition (workflows change it)
+        self.model = ModelRef(setup.model_name, str(setup.model_dir), cfg.engine.model_spec or None)
+        self.admission_open = True             # False: drained by an operator (workflow)
+        self.journal: Journal | None = None
+        self.workflows: WorkflowEngine | None = None
+        self.recovery: dict = {}               # what start-up found and decided
         self._prefix = secrets.token_hex(4)
         self._ids = itertools.count(1)
 
@@ -258,6 +305,24 @@ class Service:
         if limits and min(limits)[0] < self.max_context:
             self.max_context, why = min(limits)
             log.info("context capped to %d tokens by %s", self.max_context, why)
+
+    def set_model(self, model: ModelRef, workers: list[str]) -> None:
+        """Serve `model` from now on (the routing switch of swap-model): its name on
+        /v1/models, its tokenizer, its context capped by the pools of `workers`."""
+        if model.model_dir != self.model.model_dir:
+            self.tokenizer = ServedTokenizer(Path(model.model_dir))
+        self.setup.model_dir = Path(model.model_dir)
+        self.model_name = self.setup.model_name = self.metrics.model = model.name
+        self.model = model
+        try:
+            self.max_context = _max_context(Path(model.model_dir), model.model_spec or "")
+        except (ValueError, OSError):
+            pass
+        limits = [lim for n in workers if (w := self.pool.workers.get(n)) and w.hello
+                  for lim in (w.hello.kv_blocks_total * w.hello.block_size, w.hello.max_context)
+                  if lim]
+        if limits:
+            self.max_context = min(self.max_context, min(limits))
 
     def next_request_id(self) -> str:
         return f"{self._prefix}{next(self._ids):08x}"
@@ -293,24 +358,29 @@ class Service:
         """The inventory, plan and workers, with the telemetry hub's live keys; each device
         row gets its live readings merged in."""
         s = self.setup
-        workers = [w.status() for w in self.pool.workers.values()]
+        workers = [{**w.status(), "routed": w.id in self.router.routed}
+                   for w in self.pool.workers.values()]
         try:
             live = self.telemetry.status_fields(workers)
         except Exception:   # the inventory and workers are still worth showing
             log.exception("telemetry: live status failed")
             live = {"devices": []}
         live_devices = {d["id"]: d for d in live.pop("devices")}
-        inv = inventory_json(s.inventory, s.plan)
+        inv = inventory_json(s.inventory, self.plan)
         inv["devices"] = [{**d, **live_devices.get(d["id"], {})} for d in inv["devices"]]
         return {
             "version": __version__, "simulated": self.simulated, "engine": s.engine,
             "model": self.model_name, "model_dir": str(s.model_dir), "max_context": self.max_context,
-            "mode": s.plan.mode, "uptime_s": round(time.time() - self.started_at, 3),
-            "ready": self.router.ready(), "draining": self.draining, "inflight": self.inflight,
+            "mode": self.plan.mode, "uptime_s": round(time.time() - self.started_at, 3),
+            "ready": self.router.ready(), "draining": self.draining or not self.admission_open,
+            "admission": "open" if self.admission_open else "closed", "inflight": self.inflight,
             "preparing": self.preparing,
             **inv,
+            "partition": split_of(self.plan),
             "workers": workers,
             **live,
+            **({"workflows": {**self.workflows.summary(), "recovery": self.recovery}}
+               if self.workflows else {}),
         }
 
 
@@ -377,8 +447,18 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     state_dir.mkdir(parents=True, exist_ok=True)
     systemd.notify("STATUS=preparing the model")
     try:
+        journal = Journal(state_dir / "workflows.db")
+    except sqlite3.Error as exc:
+        raise StartupError(f"cannot open the workflow journal {state_dir / 'workflows.db'}: "
+                           f"{exc}") from None
+    # Workers a previous daemon left behind (it died without taking them along): none
+    # should survive PR_SET_PDEATHSIG; any that did would hold devices twice.
+    orphans = kill_orphans(journal.recorded_workers())
+    journal.forget_workers()
+    persisted = {k: v for k in ("partition", "model") if (v := journal.get_state(k)) is not None}
+    try:
         with systemd.KeepExtending():   # may generate the default model (seconds to minutes)
-            setup = plan_setup(cfg, state_dir, progress=_progress_printer())
+            setup = plan_setup(cfg, state_dir, progress=_progress_printer(), persisted=persisted)
     except ValueError as exc:   # bad device spec, impossible split, unknown model spec
         raise StartupError(str(exc)) from None
     if setup.inventory.note:
@@ -386,6 +466,10 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     log.info("plan: %s", setup.plan.reason)
     svc = Service(cfg, setup, sink)
     svc.state_dir = state_dir
+    svc.journal = journal
+    svc.admission_open = journal.get_state("admission") != "closed"
+    svc.pool.ready_listeners.append(
+        lambda w: journal.worker_started(w.id, w.proc.pid, list(w.spec.devices)))
     try:
         accountant = chargeback.attach(svc, state_dir)
     except ValueError as exc:   # a bad carbon intensity file, an unusable ledger
@@ -404,6 +488,15 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
             accountant.stop()
         raise StartupError(str(exc)) from None
     svc.fit_context_to_pools()
+    # Before serving: every unfinished workflow is reconciled against the workers just
+    # started (redo / skip / compensate); they continue once the daemon listens.
+    svc.workflows = WorkflowEngine(journal, Control(svc),
+                                   Options(drain_timeout_s=cfg.workflows.drain_timeout_s),
+                                   max_recoveries=cfg.workflows.max_recoveries)
+    unfinished = len(journal.list(1000, unfinished=True))
+    if unfinished:
+        systemd.notify(f"STATUS=reconciling {unfinished} unfinished workflow(s)")
+    svc.recovery = {"orphans_killed": orphans, "decisions": svc.workflows.recover()}
     app = build_app(svc, cfg.server.max_body_bytes)
     runner = ApplianceRunner(app, svc.next_request_id, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -442,7 +535,9 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     watchdog = asyncio.create_task(systemd.watchdog_loop())
     sampler = asyncio.create_task(svc.telemetry.run(), name="telemetry")
     ticker = asyncio.create_task(chargeback.tick_loop(accountant)) if accountant else None
+    svc.workflows.resume_all()
     await stop.wait()
+    await svc.workflows.close()
     # Drain: refuse new work, let in-flight requests finish, then stop workers.
     if status:
         status.cancel()
@@ -461,6 +556,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     for site in sites:
         await site.stop()
     await svc.pool.stop()
+    journal.forget_workers()
     await runner.cleanup()
     svc.prepare_pool.close()
     if accountant is not None:
@@ -468,6 +564,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         # finished request's final row, one commit
         await asyncio.to_thread(accountant.stop)
     sampler.cancel()
+    journal.close()
     # One line for the operator: what the drain did and how the daemon ends.
     log.log(logging.WARNING if cut else logging.INFO,
             "stopped: drained %d of %d in-flight generations in %.1f s%s; exit 0",

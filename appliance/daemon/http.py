@@ -31,6 +31,8 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
 # Engine refusals that are the request's fault (the daemon checks first; engines check again).
+DRAINED = ("the appliance is drained for maintenance and takes no new requests "
+           "(an operator resumes it: applianced workflow start resume)")
 CLIENT_ENGINE_ERRORS = {"kv_capacity", "invalid_request", "context_length_exceeded"}
 
 
@@ -65,6 +67,9 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
     comp.prompt, comp.max_tokens = prompt, max_tokens
     if svc.draining:
         raise ApiError(503, "the appliance is shutting down", code="draining",
+                       headers={"Retry-After": RETRY_AFTER_S, **headers})
+    if not svc.admission_open:
+        raise ApiError(503, DRAINED, code="draining",
                        headers={"Retry-After": RETRY_AFTER_S, **headers})
     n = len(comp.choices)   # each choice is a generation of its own on the workers
     if svc.inflight + n > svc.max_inflight:
@@ -177,6 +182,8 @@ async def ready(request: web.Request):
     svc: Service = request.app[SERVICE]
     if svc.draining:
         raise ApiError(503, "the appliance is shutting down", code="draining")
+    if not svc.admission_open:
+        raise ApiError(503, DRAINED, code="draining", headers={"Retry-After": RETRY_AFTER_S})
     if not svc.router.ready():
         raise ApiError(503, "workers are not ready", code="no_worker",
                        headers={"Retry-After": RETRY_AFTER_S})

@@ -74,10 +74,22 @@ class Router:
         self.pool = pool
         self.mode = mode
         self.conditional_tokens = conditional_tokens
-        self.prefill = pool.by_role("prefill")
-        self.decode = pool.by_role("decode")
-        self.agg = pool.by_role("agg")
+        self.routed: set[str] = set(pool.workers)
+        self.refresh()
         self._turns: dict[str, itertools.count] = {}
+
+    def set_routing(self, names) -> None:
+        """Switch the workers new requests may go to, all at once (one event-loop turn:
+        no request ever sees half a switch). Requests already placed stay where they are."""
+        self.routed = set(names)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the pool (workers added, removed or replaced) under the routing set."""
+        links = [w for w in self.pool.workers.values() if w.id in self.routed]
+        self.prefill = [w for w in links if w.role == "prefill"]
+        self.decode = [w for w in links if w.role == "decode"]
+        self.agg = [w for w in links if w.role == "agg"]
 
     def ready(self) -> bool:
         if self.mode == "agg":
@@ -97,6 +109,21 @@ class Router:
 
     def _most_free(self, workers: list[WorkerLink]) -> WorkerLink:
         return max(self._ready(workers, "decode"), key=lambda w: (_free_blocks(w), -w.inflight))
+
+    def _decode_for(self, pw: WorkerLink) -> WorkerLink:
+        """A decode worker that can import pw's KV. Across a model swap the routing set
+        may have switched to the new model while this request was in its prefill on the
+        old one: it then finishes on an old-model decode worker (draining, not routed; the
+        swap waits for it) rather than one whose KV layout differs."""
+        layout = pw.hello.layout if pw.hello else None
+        routed = [w for w in self.decode if w.hello is None or w.hello.layout == layout]
+        if routed or layout is None:
+            return self._most_free(routed or self.decode)
+        same = [w for w in self.pool.workers.values() if w.role == "decode" and w.ready
+                and w.hello and w.hello.layout == layout]
+        if not same:
+            raise NoWorker("no decode worker holds this request's model any more")
+        return self._most_free(same)
 
     async def generate(self, trace: Trace, prompt: list[int],
                        params: SamplingParams) -> AsyncIterator[Step]:
@@ -176,14 +203,16 @@ class Router:
         if ev.handle is None:
             yield [ev.first_token], ev.finish_reason or "length", ev.logprobs
             return
-        # From here the prefill worker holds KV for us until we release it.
+        # From here the prefill worker holds KV for us until we release it (and a
+        # workflow waiting for it to be idle must wait for that too).
         released = False
+        pw.kv_holds += 1
         done = False
         dw: WorkerLink | None = None
         pending = 0
         try:
             yield [ev.first_token], None, ev.logprobs
-            dw = self._most_free(self.decode)
+            dw = self._decode_for(pw)
             trace.decode_worker = dw.id
             dqueue = dw.open(rid)
             pending = len(ev.handle.block_ids) + 1
@@ -199,6 +228,7 @@ class Router:
                 elif isinstance(dev, KvImported):
                     pw.send(Release(rid))
                     released = True
+                    pw.kv_holds = max(0, pw.kv_holds - 1)
                     dw.pending_kv_blocks = max(0, dw.pending_kv_blocks - pending)
                     pending = 0
                 else:
@@ -206,6 +236,7 @@ class Router:
         finally:
             if not released:
                 pw.send(Release(rid))
+                pw.kv_holds = max(0, pw.kv_holds - 1)
             if dw is not None:
                 # Clamped: a worker that died meanwhile has already reset its counters.
                 dw.pending_kv_blocks = max(0, dw.pending_kv_blocks - pending)

@@ -96,8 +96,10 @@ class WorkerLink:
         self.pending_prefill_tokens = 0   # router's own count, fresher than stats
         self.pending_kv_blocks = 0        # handoffs sent here and not yet imported
         self.inflight = 0
+        self.kv_holds = 0                 # handed-off requests whose KV is still here
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self.stop_reason: str | None = None   # what requests cut off by a stop are told
         self._outbox: list = []
 
     # ---- lifecycle --------------------------------------------------------
@@ -149,8 +151,9 @@ class WorkerLink:
         rc = self.proc.returncode
         return f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
 
-    async def stop(self, timeout: float = 10.0) -> None:
+    async def stop(self, timeout: float = 10.0, reason: str | None = None) -> None:
         self._stopping = True
+        self.stop_reason = reason
         if self.proc is None or self.proc.returncode is not None:
             self.state = "stopped"
             return
@@ -212,12 +215,13 @@ class WorkerLink:
     async def _died(self) -> None:
         code = await self._reap()
         self.writer = None
-        gone = WorkerGone(f"worker {self.id} stopped" if self._stopping
+        gone = WorkerGone((self.stop_reason or f"worker {self.id} stopped") if self._stopping
                           else f"worker {self.id} died ({code})")
         for channel in self.channels.values():
             channel.put(gone)
         self.channels.clear()
         self.inflight = 0
+        self.kv_holds = 0
         self.pending_prefill_tokens = 0
         self.pending_kv_blocks = 0
         self.stats = None
@@ -279,6 +283,23 @@ class WorkerPool:
         self.backoff_max_s = backoff_max_s
         self.start_timeout_s = start_timeout_s
         self.death_listeners: list[Callable[[WorkerLink], None]] = []
+        self.ready_listeners: list[Callable[[WorkerLink], None]] = []
+
+    def add(self, spec: WorkerSpec) -> WorkerLink:
+        """A new worker slot (not started): a workflow starts workers in new roles."""
+        if spec.worker in self.workers:
+            raise ValueError(f"worker {spec.worker} exists")
+        link = self.workers[spec.worker] = WorkerLink(spec, self)
+        return link
+
+    async def remove(self, name: str, reason: str | None = None, timeout: float = 10.0) -> bool:
+        """Stop a worker and forget it (its requests get `reason`). False: no such worker."""
+        link = self.workers.get(name)
+        if link is None:
+            return False
+        await link.stop(timeout, reason)
+        self.workers.pop(name, None)
+        return True
 
     def by_role(self, role: str) -> list[WorkerLink]:
         return [w for w in self.workers.values() if w.role == role]
@@ -292,6 +313,8 @@ class WorkerPool:
 
     def on_ready(self, worker: WorkerLink) -> None:
         """Introduce a (re)started worker's KV pool to its peers, and theirs to it."""
+        for listener in self.ready_listeners:
+            listener(worker)
         for other in self.workers.values():
             if other is worker or not other.ready:
                 continue

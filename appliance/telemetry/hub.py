@@ -184,6 +184,33 @@ class Telemetry:
         self.requests_total = 0
         self._task: asyncio.Task | None = None
 
+    def set_workers(self, workers: list[TelemetryWorker]) -> None:
+        """The partition changed (a repartition workflow): re-index workers, groups and
+        devices. Workers that stay keep their history; new ones start empty; a worker that
+        left drops out of the windows (its past busy time with it)."""
+        self.workers = {w.id: w for w in workers}
+        self.groups = {}
+        for w in workers:
+            self.groups.setdefault(w.role, []).append(w.id)
+        self._dev_workers = {d: [] for d in self.devices}
+        for w in workers:
+            total = sum(w.share(i) for i in range(len(w.devices))) or 1.0
+            for i, d in enumerate(w.devices):
+                self._dev_workers.setdefault(d, []).append((w.id, w.share(i) / total))
+        self.device_groups = {d: sorted({self.workers[w].role for w, _ in ws})
+                              for d, ws in self._dev_workers.items()}
+        self.group_devices = {g: sorted({d for w in ws for d in self.workers[w].devices},
+                                        key=list(self.devices).index)
+                              for g, ws in self.groups.items()}
+        self._bins = {w: self._bins.get(w) or Bins(self.bin_s, self.retain_s, _COLUMNS)
+                      for w in self.workers}
+        self._share_sum = {w.id: w.share_sum for w in workers}
+        self._sim_models = {w.id: w.sim_models(self.devices) for w in workers}
+        self._cpu = {w: self._cpu.get(w) or _Series() for w in self.workers}
+        for g in self.groups:
+            self.group_busy_total.setdefault(g, 0.0)
+            self.group_energy_total.setdefault(g, 0.0)
+
     # ------------------------------------------------------------------ feeding
     def observe_iteration(self, rec) -> None:
         w = self.workers.get(rec.worker)

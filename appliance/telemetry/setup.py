@@ -49,6 +49,15 @@ def build_telemetry(inventory, plan, *, worker_cores: dict[str, list[int]] | Non
             idle = cpu_samplers[d.id].idle_w
         devices.append(TelemetryDevice(d.id, d.name, d.kind, d.simulated, d.memory_bytes,
                                        idle, model))
+    return Telemetry(devices, telemetry_workers(inventory, plan, worker_cores), samplers,
+                     mode=plan.mode, site=site,
+                     appliance=appliance_name(appliance), sample_interval_s=sample_interval_s,
+                     retain_s=retain_s)
+
+
+def telemetry_workers(inventory, plan, worker_cores: dict[str, list[int]] | None = None):
+    """Each worker of the plan with its share of each of its devices."""
+    worker_cores = worker_cores or {}
     by_id = {d.id: d for d in inventory.devices}
     workers = []
     for slot in plan.workers():
@@ -62,6 +71,4 @@ def build_telemetry(inventory, plan, *, worker_cores: dict[str, list[int]] | Non
             else:
                 shares.append(1.0)
         workers.append(TelemetryWorker(slot.worker, slot.role, tuple(slot.devices), tuple(shares)))
-    return Telemetry(devices, workers, samplers, mode=plan.mode, site=site,
-                     appliance=appliance_name(appliance), sample_interval_s=sample_interval_s,
-                     retain_s=retain_s)
+    return workers
