@@ -1,12 +1,12 @@
 """The console's live figures: the ratio following the load mix, tenants ordered by GPU
 budget, carbon, the fleet.
 
-These figures come from parts of the daemon built in parallel (telemetry, ledger), so
-for now the `live_admin` fixture is `FixtureAdmin`: a real aiohttp server on loopback
-answering the admin API contract with snapshots the fixture sets. The tests only assert
-what they can also read from that API over HTTP (`live.status()`, `live.usage()`), never
-a figure of the fixture's, so pointing them at the real daemon is one change:
-`LIVE_DEFAULT` below becomes "daemon" (or run them with APPLIANCED_TUI_LIVE=daemon).
+They run against a real daemon on a simulated 8xH100 with two tenant keys and a steady
+load of each mix (`DaemonLive`). The tests only assert what they can also read from the
+admin API over HTTP (`live.status()`, `live.usage()`), so the same tests also run against
+`FixtureAdmin`, a loopback server answering the contract with snapshots a test sets
+(APPLIANCED_TUI_LIVE=fixture), which pins the console's behaviour on figures a live
+daemon would take long to reach.
 """
 from __future__ import annotations
 
@@ -133,9 +133,8 @@ class DaemonLive:
         self._stop_load()
 
 
-# Which server the live tests talk to. "fixture" until the telemetry (live status keys,
-# /admin/v1/stream) and ledger (/admin/v1/usage) streams are merged; then "daemon".
-LIVE_DEFAULT = "fixture"
+# Which server the live tests talk to: the real daemon, or APPLIANCED_TUI_LIVE=fixture.
+LIVE_DEFAULT = "daemon"
 
 
 @pytest.fixture
