@@ -296,8 +296,10 @@ def test_fleet_sums_the_ratio_lists_sites_and_merges_tenants():
             app = ApplianceConsole([a.url, b.url], backoff=(0.1, 0.5))
             async with app.run_test(size=(100, 30)) as pilot:
                 await pilot.press("6")
-                text = await wait_screen(app, pilot, lambda t: "search" in t and "paris" in t,
-                                         what="the fleet")
+                # both boxes' usage in: each box's tenants answer on their own schedule
+                text = await wait_screen(
+                    app, pilot, lambda t: all(w in t for w in ("search", "batch-etl", "paris")),
+                    what="the fleet")
                 assert f"FLEET PREFILL:DECODE {fmt_ratio(pre / dec)}" in text
                 assert "2/2 appliances reachable" in text
                 tenants = section(text, "tenant", "q Quit")
