@@ -100,6 +100,9 @@ def profile_for(box: BoxShape, gpu, profile_dir: Path | None, engine: EngineConf
     return p
 
 
+RHO_HISTORY = 240        # past buckets of rho in a plan: what the TUI's trend shows
+
+
 class Planner:
     def __init__(self, cfg: PlannerConfig, box: BoxShape, db_path: str | Path,
                  engine: EngineConfig | None = None, profile_dir: Path | None = None,
@@ -182,8 +185,13 @@ class Planner:
 
         def workload_at(i: int, which: str) -> Workload:
             rate = getattr(rate_fc, which)[i] * scale
-            pt = whatif.prompt_tokens or out_fc["prompt_tokens"].mean[i] or now_w.prompt_tokens
-            ot = whatif.output_tokens or out_fc["output_tokens"].mean[i] or now_w.output_tokens
+            # Without history the token forecasts are zeros: use the last 15 minutes. With
+            # it, a trend run down to the forecaster's floor of 0 is still one token, not
+            # a jump back to today's mix.
+            pt = whatif.prompt_tokens or (max(1.0, out_fc["prompt_tokens"].mean[i]) if have_history
+                                          else now_w.prompt_tokens)
+            ot = whatif.output_tokens or (max(1.0, out_fc["output_tokens"].mean[i]) if have_history
+                                          else now_w.output_tokens)
             hit = min(0.99, max(0.0, out_fc["prefix_hit"].mean[i]))
             return Workload(rate, pt, ot, hit)
 
@@ -234,6 +242,7 @@ class Planner:
                          "recommended": sz_now.headroom_recommended},
             "fits": sz_now.fits,
             "rho": {"now": sz_obs.rho if now_w.rate > 0 else None,
+                    "history": [{"t": b.start, "value": b.rho} for b in buckets[-RHO_HISTORY:]],
                     "forecast": [{"t": t, "value": r} for t, r in zip(times, rho_series)],
                     "source": self.gpu_source},
             "workload": {"now": now_w.__dict__, "upper_now": upper_now.__dict__,
