@@ -123,6 +123,7 @@ class Planner:
         self.last_recommended: tuple[int, int] | None = None
         self.differs_since: float | None = None
         self.applied: list[dict] = []
+        self.batch_tokens: dict | None = None     # engine.max_batch_tokens as the daemon applied it
 
     # -- trends -----------------------------------------------------------------------
     def observe(self, rec) -> None:
@@ -257,6 +258,9 @@ class Planner:
             "cost": cost,
             "tuning": {"prefill_token_budget": knee,
                        "configured_max_batch_tokens": self.engine.max_batch_tokens,
+                       "max_batch_tokens": self.batch_tokens or {
+                           "configured": self.engine.max_batch_tokens,
+                           "value": self.engine.max_batch_tokens, "source": "configured"},
                        "why": (f"the smallest prefill batch reaching 90% of the best prefill "
                                f"throughput in the {pp.source} profile "
                                f"({pp.prefill_tokens_per_s(knee):.0f} tok/s at {knee} tokens); "
