@@ -50,7 +50,7 @@ class EngineConfig:
     model_spec: str = ""              # simulator shape (llama-3.1-70b-fp8 ...); "" = model's config.json
     sim_speed: float = 1.0            # simulated time runs this many times faster than real
     block_size: int = 16
-    max_batch_tokens: int = 8192      # prefill token budget per iteration
+    max_batch_tokens: int = 8192      # prefill token budget per iteration; 0 = the profile's knee
     max_seqs: int = 256               # sequences per batch
     kv_cache_bytes: int = 1 << 30     # KV pool per worker on the CPU
     cpu_threads: int = 0              # CPU workers: torch threads (and cores) each; 0 = split the cores
@@ -256,7 +256,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config: engine.kind must be auto, sim, torch or trtllm, got {cfg.engine.kind!r}")
     positive = [("server.port", cfg.server.port), ("devices.tp", cfg.devices.tp),
                 ("engine.block_size", cfg.engine.block_size),
-                ("engine.max_batch_tokens", cfg.engine.max_batch_tokens),
                 ("engine.max_seqs", cfg.engine.max_seqs), ("engine.sim_speed", cfg.engine.sim_speed),
                 ("server.max_inflight", cfg.server.max_inflight),
                 ("server.max_body_bytes", cfg.server.max_body_bytes)]
@@ -279,6 +278,9 @@ def validate(cfg: Config) -> Config:
                           f"got {cfg.workflows.max_recoveries}")
     if not 0 < cfg.server.port < 65536:
         raise ConfigError(f"config: server.port must be 1-65535, got {cfg.server.port}")
+    if cfg.engine.max_batch_tokens < 0:
+        raise ConfigError("config: engine.max_batch_tokens must be 0 (auto: the knee of the "
+                          f"prefill profile) or positive, got {cfg.engine.max_batch_tokens}")
     if cfg.engine.prefill_chunk_tokens < 0:
         raise ConfigError("config: engine.prefill_chunk_tokens must be 0 (off) or more, "
                           f"got {cfg.engine.prefill_chunk_tokens}")

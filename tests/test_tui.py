@@ -260,12 +260,13 @@ def test_screens_keys_and_not_available_yet():
                     await pilot.press(key)
                     await wait_screen(app, pilot, lambda t: f"not available yet (this daemon "
                                       f"has no {path})" in t, what=path)
-                srv.set(plan={"groups": [{"group": "prefill", "recommended_workers": 3}]})
+                srv.set(plan={"recommended": {"split": "3+5", "prefill": {"gpus": 3}}})
                 await pilot.press("4")
                 await pilot.press("r")
-                text = await wait_screen(app, pilot, lambda t: "recommended_workers" in t,
-                                         what="the plan table")
-                assert any(ln.split()[:2] == ["prefill", "3"] for ln in text.splitlines())
+                text = await wait_screen(app, pilot, lambda t: "3+5" in t, what="the plan")
+                assert any(ln.split() == ["P+D", "n/a", "3+5", "n/a"] for ln in text.splitlines())
+                assert any(ln.split()[:4] == ["prefill", "GPUs", "n/a", "3"]
+                           for ln in text.splitlines())
                 await pilot.press("2")
                 await wait_screen(app, pilot, lambda t: "batch-etl" in t, what="tenants")
                 await pilot.press("t")

@@ -109,8 +109,12 @@ def format_plan(d: dict) -> str:
     c = d["cost"]
     lines.append(f"cost: ${c['usd_per_day']:.2f}/day, {c['kwh_per_day']:.1f} kWh/day (estimated)")
     t = d["tuning"]
-    lines.append(f"prefill token budget: {t['prefill_token_budget']} (configured "
-                 f"{t['configured_max_batch_tokens']}): {t['why']}")
+    lines.append(f"prefill token budget: {t['prefill_token_budget']}: {t['why']}")
+    applied = t.get("max_batch_tokens") or {}
+    if applied:
+        auto = " (auto)" if applied.get("configured") == 0 else ""
+        lines.append(f"engine.max_batch_tokens: {applied.get('value')}{auto}, "
+                     f"{applied.get('source')}: {applied.get('why', 'from the config')}")
     if d.get("placement"):
         lines.append(f"placement: {d['placement']['why']}")
     f = d["forecast"]

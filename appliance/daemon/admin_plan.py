@@ -118,9 +118,11 @@ def build_planner(svc):
     db = state_dir / "ledger.db" if state_dir else ":memory:"
     if state_dir:
         state_dir.mkdir(parents=True, exist_ok=True)
-    return Planner(svc.cfg.planner, box, db, engine=svc.cfg.engine,
-                   profile_dir=state_dir / "profiles" if state_dir else None,
-                   start_repartition=_repartition_starter(svc), model_name=svc.model_name)
+    planner = Planner(svc.cfg.planner, box, db, engine=svc.cfg.engine,
+                      profile_dir=state_dir / "profiles" if state_dir else None,
+                      start_repartition=_repartition_starter(svc), model_name=svc.model_name)
+    planner.batch_tokens = getattr(svc.setup, "batch_tokens", None)
+    return planner
 
 
 async def _ticker(planner) -> None:

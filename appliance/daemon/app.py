@@ -61,6 +61,7 @@ class Setup:
     model_name: str
     max_context: int
     specs: list[WorkerSpec]
+    batch_tokens: dict | None = None     # engine.max_batch_tokens as applied (status, plan)
 
     @property
     def simulated(self) -> bool:
@@ -152,13 +153,45 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None, persisted: dict | No
         raise StartupError(f"model directory {model_dir} has no tokenizer.json")
     e = cfg.engine
     name = e.model_name or e.model_spec or model_dir.name
-    specs = worker_specs(cfg, inv, plan, engine, model_dir)
     try:
         max_context = _max_context(model_dir, e.model_spec)
     except (ValueError, OSError) as exc:
         raise StartupError(str(exc)) from None
+    budgets = (token_budgets(cfg, inv, plan, engine, model_dir, state_dir / "profiles", max_context)
+               if e.max_batch_tokens == 0 else {})
+    specs = worker_specs(cfg, inv, plan, engine, model_dir, budgets=budgets)
     check_cpu_memory(specs, model_dir, psutil.virtual_memory().available)
-    return Setup(inv, plan, engine, model_dir, name, max_context, specs)
+    from appliance.planner.tuning import batch_tokens_json
+    applied = batch_tokens_json(e.max_batch_tokens, {s.worker: (s.role, s.max_batch_tokens)
+                                                     for s in specs}, budgets)
+    return Setup(inv, plan, engine, model_dir, name, max_context, specs, applied)
+
+
+def token_budgets(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
+                  model_dir: Path, profile_dir: Path | None, max_context: int) -> dict:
+    """`engine.max_batch_tokens = 0`: each worker's prefill token budget from the profile
+    of its device (`appliance.planner.tuning`), worker name -> TokenBudget."""
+    from appliance.models.specs import lookup_model_spec, spec_from_hf_config
+    from appliance.planner.tuning import token_budget
+    e = cfg.engine
+    try:
+        model = (lookup_model_spec(e.model_spec) if e.model_spec
+                 else spec_from_hf_config(model_dir / "config.json"))
+    except (ValueError, OSError, KeyError) as exc:
+        raise StartupError(f"engine.max_batch_tokens = 0 needs the model's shape: {exc}") from None
+    # TensorRT-LLM's max_num_tokens bounds one step: a longer prompt fails unless chunked.
+    floor = max_context if engine == "trtllm" and e.prefill_chunk_tokens == 0 else 0
+    devices = {d.id: d for d in inv.devices}
+    by_device: dict = {}
+    out = {}
+    for slot in plan.workers():
+        spec = devices[slot.devices[0]].spec
+        key = spec.name if spec is not None else "cpu"
+        if key not in by_device:
+            by_device[key] = token_budget(model, spec, plan.tp, profile_dir,
+                                          mem_fraction=e.gpu_mem_fraction, floor=floor)
+        out[slot.worker] = by_device[key]
+    return out
 
 
 # What a torch CPU worker holds besides its weights and KV pool: the interpreter, torch,
@@ -211,9 +244,12 @@ def cpu_core_sets(workers: int, threads: int, cores: list[int]) -> list[list[int
 
 
 def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
-                 model_dir: Path, cores: list[int] | None = None) -> list[WorkerSpec]:
+                 model_dir: Path, cores: list[int] | None = None,
+                 budgets: dict | None = None) -> list[WorkerSpec]:
     """One WorkerSpec per slot of the plan; CPU workers get their own cores
-    (`cpu_core_sets` over `cores`, by default the ones this process may use)."""
+    (`cpu_core_sets` over `cores`, by default the ones this process may use). `budgets`:
+    the prefill token budget per worker when `engine.max_batch_tokens` is 0 (auto)."""
+    from appliance.planner.tuning import DEFAULT_MAX_BATCH_TOKENS
     e = cfg.engine
     devices = {d.id: d for d in inv.devices}
     specs = []
@@ -231,7 +267,9 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
             device_uuids=[devices[d].uuid or "" for d in slot.devices],
             cpu_cores=pinned, cpu_threads=e.cpu_threads or max(1, len(pinned)),
             model_spec=e.model_spec or None, sim_speed=e.sim_speed, block_size=e.block_size,
-            max_batch_tokens=e.max_batch_tokens, max_seqs=e.max_seqs,
+            max_batch_tokens=(e.max_batch_tokens if e.max_batch_tokens > 0 else
+                              budgets[slot.worker].tokens if budgets and slot.worker in budgets
+                              else DEFAULT_MAX_BATCH_TOKENS), max_seqs=e.max_seqs,
             kv_cache_bytes=e.kv_cache_bytes, gpu_mem_fraction=e.gpu_mem_fraction,
             handoff_timeout_s=e.handoff_timeout_s, reserve_ratio=e.reserve_ratio,
             prefill_chunk_tokens=e.prefill_chunk_tokens))
@@ -375,6 +413,7 @@ class Service:
             "ready": self.router.ready(), "draining": self.draining or not self.admission_open,
             "admission": "open" if self.admission_open else "closed", "inflight": self.inflight,
             "preparing": self.preparing,
+            "max_batch_tokens": s.batch_tokens,
             **inv,
             "partition": split_of(self.plan),
             "workers": workers,

@@ -100,6 +100,9 @@ def profile_for(box: BoxShape, gpu, profile_dir: Path | None, engine: EngineConf
     return p
 
 
+RHO_HISTORY = 240        # past buckets of rho in a plan: what the TUI's trend shows
+
+
 class Planner:
     def __init__(self, cfg: PlannerConfig, box: BoxShape, db_path: str | Path,
                  engine: EngineConfig | None = None, profile_dir: Path | None = None,
@@ -120,6 +123,7 @@ class Planner:
         self.last_recommended: tuple[int, int] | None = None
         self.differs_since: float | None = None
         self.applied: list[dict] = []
+        self.batch_tokens: dict | None = None     # engine.max_batch_tokens as the daemon applied it
 
     # -- trends -----------------------------------------------------------------------
     def observe(self, rec) -> None:
@@ -182,8 +186,13 @@ class Planner:
 
         def workload_at(i: int, which: str) -> Workload:
             rate = getattr(rate_fc, which)[i] * scale
-            pt = whatif.prompt_tokens or out_fc["prompt_tokens"].mean[i] or now_w.prompt_tokens
-            ot = whatif.output_tokens or out_fc["output_tokens"].mean[i] or now_w.output_tokens
+            # Without history the token forecasts are zeros: use the last 15 minutes. With
+            # it, a trend run down to the forecaster's floor of 0 is still one token, not
+            # a jump back to today's mix.
+            pt = whatif.prompt_tokens or (max(1.0, out_fc["prompt_tokens"].mean[i]) if have_history
+                                          else now_w.prompt_tokens)
+            ot = whatif.output_tokens or (max(1.0, out_fc["output_tokens"].mean[i]) if have_history
+                                          else now_w.output_tokens)
             hit = min(0.99, max(0.0, out_fc["prefix_hit"].mean[i]))
             return Workload(rate, pt, ot, hit)
 
@@ -234,6 +243,7 @@ class Planner:
                          "recommended": sz_now.headroom_recommended},
             "fits": sz_now.fits,
             "rho": {"now": sz_obs.rho if now_w.rate > 0 else None,
+                    "history": [{"t": b.start, "value": b.rho} for b in buckets[-RHO_HISTORY:]],
                     "forecast": [{"t": t, "value": r} for t, r in zip(times, rho_series)],
                     "source": self.gpu_source},
             "workload": {"now": now_w.__dict__, "upper_now": upper_now.__dict__,
@@ -248,6 +258,9 @@ class Planner:
             "cost": cost,
             "tuning": {"prefill_token_budget": knee,
                        "configured_max_batch_tokens": self.engine.max_batch_tokens,
+                       "max_batch_tokens": self.batch_tokens or {
+                           "configured": self.engine.max_batch_tokens,
+                           "value": self.engine.max_batch_tokens, "source": "configured"},
                        "why": (f"the smallest prefill batch reaching 90% of the best prefill "
                                f"throughput in the {pp.source} profile "
                                f"({pp.prefill_tokens_per_s(knee):.0f} tok/s at {knee} tokens); "
