@@ -76,11 +76,6 @@ class OptionalApiScreen(FetchingScreen):
                         key=json.dumps(self.data[url], sort_keys=True, default=str))
 
 
-class CapacityScreen(OptionalApiScreen):
-    TITLE = "Capacity"
-    PATH = "/admin/v1/plan"
-
-
 class WorkflowsScreen(OptionalApiScreen):
     TITLE = "Workflows"
     PATH = "/admin/v1/workflows"
