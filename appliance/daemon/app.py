@@ -291,7 +291,8 @@ class Service:
         self.simulated = setup.simulated
         self.fingerprint = f"applianced-{__version__}-{setup.engine}"
         self.tokenizer = ServedTokenizer(setup.model_dir)
-        self.prepare_pool = PreparePool(setup.model_dir)
+        self.prepare_pool = PreparePool(setup.model_dir, tokenizer=self.tokenizer,
+                                        inline_bytes=cfg.server.prepare_inline_bytes)
         self.sink = sink or LogSink(enabled=cfg.server.log_requests)
         self.accountant = None          # chargeback.attach sets it (accounting enabled)
         self.pool = WorkerPool(setup.specs, self._on_iteration,
@@ -413,6 +414,8 @@ class Service:
             "ready": self.router.ready(), "draining": self.draining or not self.admission_open,
             "admission": "open" if self.admission_open else "closed", "inflight": self.inflight,
             "preparing": self.preparing,
+            "prepared": {"inline": self.prepare_pool.inline, "pooled": self.prepare_pool.pooled,
+                         "inline_bytes": self.prepare_pool.inline_bytes},
             "max_batch_tokens": s.batch_tokens,
             **inv,
             "partition": split_of(self.plan),
