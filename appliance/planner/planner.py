@@ -2,8 +2,11 @@
 repartition started when the plan has disagreed with the box for long enough.
 
 It knows the box as `BoxShape` (the workers of each phase and their GPU type), never
-the daemon; the one thing it may ask of the daemon is the `start_repartition` callable
-the daemon hands it (the workflow engine's repartition), so this package has no HTTP.
+the daemon. The daemon hands it three callables, so this package has no HTTP and no
+daemon imports: `box_source` (the live partition, which workflows change),
+`start_repartition` (submit the repartition workflow to the workflow engine) and
+`workers_changing` (is a workflow that changes the workers running: then the box is in
+flux, and the auto-apply clock waits).
 """
 from __future__ import annotations
 
@@ -100,6 +103,17 @@ def profile_for(box: BoxShape, gpu, profile_dir: Path | None, engine: EngineConf
     return p
 
 
+def _plain(x):
+    """numpy scalars (the forecasters' output) as Python numbers: the plan is JSON."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
 RHO_HISTORY = 240        # past buckets of rho in a plan: what the TUI's trend shows
 
 
@@ -107,9 +121,13 @@ class Planner:
     def __init__(self, cfg: PlannerConfig, box: BoxShape, db_path: str | Path,
                  engine: EngineConfig | None = None, profile_dir: Path | None = None,
                  start_repartition: Callable[[str], Awaitable[dict]] | None = None,
-                 model_name: str | None = None, clock: Callable[[], float] = time.time):
+                 model_name: str | None = None, clock: Callable[[], float] = time.time,
+                 box_source: Callable[[], BoxShape] | None = None,
+                 workers_changing: Callable[[], bool] | None = None):
         self.cfg = cfg
         self.box = box
+        self.box_source = box_source
+        self.workers_changing = workers_changing
         self.engine = engine or EngineConfig()
         self.profile_dir = profile_dir
         self.model_name = model_name or box.model.name
@@ -145,9 +163,29 @@ class Planner:
         return pre, dec
 
     # -- planning ---------------------------------------------------------------------
+    def follow_box(self) -> None:
+        """Take the live partition from `box_source`: after a repartition the current
+        split is the new one (else auto-apply would keep "fixing" a box already fixed).
+        Profiles are rebuilt only when a phase's GPU type changed."""
+        if self.box_source is None:
+            return
+        try:
+            box = self.box_source()
+        except Exception:       # a box mid-change: plan on the last one seen
+            log.exception("planner: cannot read the live partition")
+            return
+        if box == self.box:
+            return
+        old, self.box = self.box, box
+        if box.prefill_gpu is not old.prefill_gpu or box.tp != old.tp:
+            self.prefill_profile = profile_for(box, box.prefill_gpu, self.profile_dir, self.engine)
+        if box.decode_gpu is not old.decode_gpu or box.tp != old.tp:
+            self.decode_profile = profile_for(box, box.decode_gpu, self.profile_dir, self.engine)
+
     def plan(self, horizon_s: float | None = None, whatif: WhatIf | None = None,
              now: float | None = None, use_statsmodels: bool = True) -> dict:
         self.trends.flush()
+        self.follow_box()
         now = self.clock() if now is None else now
         horizon_s = horizon_s or parse_duration(self.cfg.horizon)
         whatif = whatif or WhatIf()
@@ -194,7 +232,8 @@ class Planner:
             ot = whatif.output_tokens or (max(1.0, out_fc["output_tokens"].mean[i]) if have_history
                                           else now_w.output_tokens)
             hit = min(0.99, max(0.0, out_fc["prefix_hit"].mean[i]))
-            return Workload(rate, pt, ot, hit)
+            # Plain floats: numpy scalars are not JSON (the plan is served as JSON).
+            return Workload(float(rate), float(pt), float(ot), float(hit))
 
         have_history = bool(buckets) and any(b.requests for b in buckets)
         # Recommended now: the upper quantile of the next bucket (or, with no history
@@ -227,7 +266,7 @@ class Planner:
         cost = self._cost_per_day(box, pp, dp, sz_now.recommended, mean_day, slo)
         knee = pp.prefill_knee_tokens()
         rec, peak = sz_now.recommended, sz_peak.recommended
-        return {
+        return _plain({
             "model": self.model_name, "simulated": box.simulated, "generated_at": now,
             "horizon_s": horizon_s, "bucket_s": bucket_s, "quantile": q,
             "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
@@ -269,7 +308,7 @@ class Planner:
             "auto_apply": {"enabled": self.cfg.auto_apply,
                            "after_s": self.cfg.auto_apply_after_s,
                            "differs_since": self.differs_since, "applied": self.applied[-5:]},
-        }
+        })
 
     def _workload(self, recent, whatif: WhatIf) -> Workload:
         n = sum(b.requests for b in recent)
@@ -351,6 +390,11 @@ class Planner:
         if rec is None or rec == self.box.current:
             self.differs_since = None
             return None
+        if self.workers_changing is not None and self.workers_changing():
+            # A repartition (ours or an operator's) or a model swap is under way: the
+            # box is in flux, and a second one would be refused anyway.
+            self.differs_since = None
+            return None
         if self.differs_since is None:
             self.differs_since = now
             return None
@@ -374,13 +418,15 @@ class Planner:
         self.trends.close()
 
 
-def box_from_setup(setup, cfg_engine: EngineConfig) -> BoxShape:
-    """The BoxShape of a daemon's Setup (inventory + partition plan + model)."""
+def box_from_setup(setup, cfg_engine: EngineConfig, plan=None, model=None) -> BoxShape:
+    """The BoxShape of a daemon's Setup (inventory + partition plan + model); `plan`
+    (default: the start-up one) is the live partition when a workflow changed it."""
     from appliance.models.specs import lookup_model_spec, spec_from_hf_config
-    model = (lookup_model_spec(cfg_engine.model_spec) if cfg_engine.model_spec
-             else spec_from_hf_config(setup.model_dir / "config.json"))
+    if model is None:
+        model = (lookup_model_spec(cfg_engine.model_spec) if cfg_engine.model_spec
+                 else spec_from_hf_config(setup.model_dir / "config.json"))
     devices = {d.id: d for d in setup.inventory.devices}
-    plan = setup.plan
+    plan = plan if plan is not None else setup.plan
 
     def gpu_of(slots):
         if not slots:
