@@ -105,6 +105,8 @@ def format_plan(d: dict) -> str:
     h = d["headroom"]["recommended"]
     lines.append(f"headroom at the recommended split: prefill {_num(h['prefill'])}x, decode "
                  f"{_num(h['decode'])}x")
+    if b := d.get("burstiness"):
+        lines.append(format_burstiness(b, d["current"]["split"], d["recommended"]["split"]))
     lines.append(f"bottleneck: {d['bottleneck']['why']}")
     c = d["cost"]
     lines.append(f"cost: ${c['usd_per_day']:.2f}/day, {c['kwh_per_day']:.1f} kWh/day (estimated)")
@@ -126,6 +128,22 @@ def format_plan(d: dict) -> str:
                      f"[{rate[0]['lower']:.2f}, {rate[0]['upper']:.2f}], peak upper "
                      f"{peak['upper']:.2f} req/s")
     return "\n".join(lines)
+
+
+def format_burstiness(b: dict, current: str, recommended: str) -> str:
+    """One line: c_a², c_s², where they came from, and whether they moved the answer."""
+    line = (f"burstiness: c_a² {b['arrival_scv']:.2f} (inter-arrival, Poisson = 1), c_s² "
+            f"{b['service_scv']:.2f} (prefill time, from the prompt spread)")
+    if b.get("source"):
+        line += f", {b['source']}"
+    t = b.get("ttft_bound") or {}
+    if t.get("current_s") is not None or t.get("recommended_s") is not None:
+        sec = lambda v: "saturated" if v is None else f"{v:.2f} s"  # noqa: E731
+        line += (f"; bound's mean TTFT {sec(t.get('current_s'))} at {current}, "
+                 f"{sec(t.get('recommended_s'))} at {recommended}")
+    if b.get("drives"):
+        line += f"; burstiness drives the recommendation (Poisson arrivals: {b['poisson_split']})"
+    return line
 
 
 def cmd_replay(args) -> int:
@@ -165,21 +183,27 @@ def format_replay(r: dict) -> str:
              f"p{round(r['quantile'] * 100)} minute; prompt {w['mean']['prompt_tokens']:.0f}, "
              f"output {w['mean']['output_tokens']:.1f} tokens; rho {_num(r['rho'])} "
              f"({'prefill' if (r['rho'] or 0) > 1 else 'decode'}-heavy)",
+             format_burstiness(r["burstiness"], r["current"], r["recommended"]),
              f"planner: current {r['current']}, recommended {r['recommended']}; {r['why']}",
              f"prefill token budget (profile knee): {r['prefill_token_budget']}",
              f"per {r['window_s'] / 60:g}-minute window:"]
     for x in r["windows"]:
         lines.append(f"  t+{x['t'] / 60:5.0f} min {x['requests']:6d} req {x['rate']:6.2f} req/s "
-                     f"(upper {x['rate_upper']:.2f})  rho {_num(x['rho']):>6}  -> {x['recommended']}")
+                     f"(upper {x['rate_upper']:.2f})  c_a² {x['arrival_scv']:6.1f}  "
+                     f"rho {_num(x['rho']):>6}  -> {x['recommended']}")
     s = r["slo"]
     lines.append(f"SLO: TTFT {s['ttft_s']:g} s, ITL {s['itl_s'] * 1000:g} ms ({s['checked_at']})")
-    lines.append(f"{'split':<8}{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'ITL p50':>10}{'p90':>9}"
-                 f"{'p99':>9}  meets SLO")
+    lines.append(f"{'split':<8}{'TTFT mean':>10}{'p50':>9}{'p90':>9}{'p99':>9}{'ITL p50':>10}"
+                 f"{'p90':>9}{'p99':>9}  meets SLO  | bound's mean TTFT (M/D/1)")
     for split, x in r["replay"].items():
         ms = lambda v: "-" if v is None else f"{v * 1000:.0f}ms"  # noqa: E731
-        lines.append(f"{split:<8}{ms(x['ttft_p50_s']):>10}{ms(x['ttft_p90_s']):>9}"
-                     f"{ms(x['ttft_p99_s']):>9}{ms(x['itl_p50_s']):>10}{ms(x['itl_p90_s']):>9}"
-                     f"{ms(x['itl_p99_s']):>9}  {'yes' if x['meets_slo'] else 'NO'}")
+        bound = x.get("bound") or {}
+        lines.append(f"{split:<8}{ms(x['ttft_mean_s']):>10}{ms(x['ttft_p50_s']):>9}"
+                     f"{ms(x['ttft_p90_s']):>9}{ms(x['ttft_p99_s']):>9}{ms(x['itl_p50_s']):>10}"
+                     f"{ms(x['itl_p90_s']):>9}{ms(x['itl_p99_s']):>9}  "
+                     f"{'yes' if x['meets_slo'] else 'NO ':<9}  | "
+                     f"{ms(bound.get('ttft_mean_s')) if bound.get('ttft_mean_s') else 'saturated'} "
+                     f"({ms(bound.get('ttft_mean_poisson_s'))})")
     return "\n".join(lines)
 
 

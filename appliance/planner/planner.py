@@ -29,6 +29,7 @@ log = logging.getLogger("applianced.planner")
 
 MAX_HORIZON_S = 8 * 604800
 NOW_WINDOW_S = 900.0             # "now" = the last 15 minutes of trends
+MIN_GAPS = 30                    # inter-arrival gaps needed to trust a measured c_a²
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,9 @@ class Planner:
 
         # Now: the last 15 minutes (or what there is), at one-minute resolution.
         recent = (self.trends.buckets(self.model_name, 60.0, now - NOW_WINDOW_S, now) if span else [])
-        now_w = self._workload(recent, whatif)
+        burst = self._burstiness(recent, buckets)
+        now_w = replace(self._workload(recent, whatif), arrival_scv=burst["arrival_scv"],
+                        prompt_scv=burst["prompt_scv"])
 
         level = 2 * q - 1
         out_fc: dict[str, fc.Forecast] = {}
@@ -233,7 +236,8 @@ class Planner:
                                           else now_w.output_tokens)
             hit = min(0.99, max(0.0, out_fc["prefix_hit"].mean[i]))
             # Plain floats: numpy scalars are not JSON (the plan is served as JSON).
-            return Workload(float(rate), float(pt), float(ot), float(hit))
+            return Workload(float(rate), float(pt), float(ot), float(hit),
+                            now_w.arrival_scv, now_w.prompt_scv)
 
         have_history = bool(buckets) and any(b.requests for b in buckets)
         # Recommended now: the upper quantile of the next bucket (or, with no history
@@ -293,6 +297,10 @@ class Planner:
                          "prompt_tokens": fseries(out_fc["prompt_tokens"]),
                          "output_tokens": fseries(out_fc["output_tokens"])},
             "bottleneck": {"phase": sz_now.bottleneck, "why": sz_now.why},
+            "burstiness": {**burst, "service_scv": sz_now.burstiness["service_scv"],
+                           "drives": sz_now.burstiness["drives"],
+                           "poisson_split": sz_now.burstiness["poisson_split"],
+                           "ttft_bound": sz_now.ttft},
             "sizing": {"now": sz_now.to_json(), "peak": sz_peak.to_json()},
             "cost": cost,
             "tuning": {"prefill_token_budget": knee,
@@ -309,6 +317,25 @@ class Planner:
                            "after_s": self.cfg.auto_apply_after_s,
                            "differs_since": self.differs_since, "applied": self.applied[-5:]},
         })
+
+    @staticmethod
+    def _burstiness(recent, history) -> dict:
+        """c_a² (inter-arrival) and c_L² (prompt length) measured over the last 15
+        minutes, else over the forecast's history, else assumed Poisson with equal
+        prompts (the M/D/1 case), and which it was. Not forecast: a service's
+        burstiness is taken to be what it has been."""
+        for label, bs in (("the last 15 minutes", recent), ("the history", history)):
+            gaps = sum(b.arrival_gaps for b in bs)
+            if gaps >= MIN_GAPS:
+                ca2 = sum(b.arrival_scv * b.arrival_gaps for b in bs if b.arrival_gaps) / gaps
+                req = [(b.prompt_scv, b.requests) for b in bs if b.prompt_scv is not None]
+                cl2 = sum(c * n for c, n in req) / sum(n for _, n in req) if req else 0.0
+                return {"arrival_scv": round(ca2, 4), "prompt_scv": round(cl2, 4),
+                        "gaps": gaps, "source": f"measured over {label} (c_a² per minute, "
+                                                 "weighted by inter-arrival gaps)"}
+        return {"arrival_scv": 1.0, "prompt_scv": 0.0, "gaps": 0,
+                "source": f"assumed Poisson arrivals, equal prompts (M/D/1): fewer than "
+                          f"{MIN_GAPS} inter-arrival gaps measured"}
 
     def _workload(self, recent, whatif: WhatIf) -> Workload:
         n = sum(b.requests for b in recent)

@@ -27,7 +27,7 @@ import heapq
 import itertools
 import random
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -450,8 +450,24 @@ def replay_trace(trace: list[TraceRequest], model, devices: str, split: str, tp:
 
 # ---- what the planner would have said over a trace ------------------------------------
 
+def arrival_scv(times: list[float], t0: float = 0.0) -> tuple[float, int]:
+    """(c_a², gaps) as the trends measure it: per minute from t0, the squared CV of the
+    gaps ending in that minute, averaged weighted by gaps (planner/trends.py)."""
+    from appliance.planner.trends import gap_stats, scv
+    by_min: dict[int, list[float]] = {}
+    for t in sorted(times):
+        by_min.setdefault(int((t - t0) // 60), []).append(t)
+    wsum, total = 0.0, 0
+    for ts in by_min.values():
+        n, s, sq = gap_stats(ts)
+        if (c2 := scv(n, s, sq)) is not None:
+            wsum, total = wsum + n * c2, total + n
+    return (wsum / total if total else 1.0), total
+
+
 def trace_workload(trace: list[TraceRequest], t0: float, t1: float, quantile: float):
-    """(mean Workload, Workload at the q-quantile of per-minute rates) over [t0, t1)."""
+    """(mean Workload, Workload at the q-quantile of per-minute rates) over [t0, t1),
+    both with the window's burstiness: c_a² of arrivals, c_L² of prompt lengths."""
     from appliance.planner.sizing import Workload
     rows = [r for r in trace if t0 <= r.t < t1]
     width = max(1e-9, t1 - t0)
@@ -463,9 +479,13 @@ def trace_workload(trace: list[TraceRequest], t0: float, t1: float, quantile: fl
         counts[min(minutes - 1, int((r.t - t0) // 60))] += 1
     pt = statistics.fmean(r.prompt for r in rows)
     ot = statistics.fmean(max(1, r.output) for r in rows)
+    ca2, gaps = arrival_scv([r.t for r in rows], t0)
+    ca2 = ca2 if gaps >= 30 else 1.0          # as the planner: too few gaps, assume Poisson
+    cl2 = statistics.pvariance([r.prompt for r in rows]) / (pt * pt) if pt > 0 else 0.0
     per_min = sorted(c / 60.0 for c in counts)
     upper = per_min[min(len(per_min) - 1, int(quantile * len(per_min)))]
-    return Workload(len(rows) / width, pt, ot), Workload(max(upper, len(rows) / width), pt, ot)
+    return (Workload(len(rows) / width, pt, ot, 0.0, ca2, cl2),
+            Workload(max(upper, len(rows) / width), pt, ot, 0.0, ca2, cl2))
 
 
 def plan_replay(trace: list[TraceRequest], model, devices: str, split: str, tp: int, slo,
@@ -474,7 +494,7 @@ def plan_replay(trace: list[TraceRequest], model, devices: str, split: str, tp: 
     """Replays `trace` on the current split and on the planner's recommendation for it,
     and says what the planner would have recommended window by window."""
     from appliance.planner.profiles import simulated_profile
-    from appliance.planner.sizing import size
+    from appliance.planner.sizing import prefill_ttft, size
     engine = engine or EngineConfig()
     shapes = box_workers(devices, split, tp)
     pre = next(s for s in shapes if s.role == "prefill")
@@ -493,6 +513,7 @@ def plan_replay(trace: list[TraceRequest], model, devices: str, split: str, tp: 
         sz = size(upper_w, slo, pp, dp, current, total, engine.max_seqs)
         windows.append({"t": round(t, 3), "requests": sum(1 for r in trace if t <= r.t < t + window_s),
                         "rate": round(mean_w.rate, 4), "rate_upper": round(upper_w.rate, 4),
+                        "arrival_scv": round(upper_w.arrival_scv, 3),
                         "prompt_tokens": round(mean_w.prompt_tokens, 1),
                         "output_tokens": round(mean_w.output_tokens, 1), "rho": sz.rho,
                         "recommended": f"{sz.recommended[0]}+{sz.recommended[1]}",
@@ -506,6 +527,16 @@ def plan_replay(trace: list[TraceRequest], model, devices: str, split: str, tp: 
         if progress:
             progress(f"replaying {len(trace)} requests on {devices} split {s} (virtual clock)")
         results[s] = replay_trace(trace, model, devices, s, tp, engine, slo.ttft_s, slo.itl_s).to_json()
+        # What the bound predicted for this split at the p90 minute, beside what ran.
+        n_pre = int(s.split("+")[0])
+        bound = prefill_ttft(upper_all, pp, n_pre)
+        poisson = prefill_ttft(replace(upper_all, arrival_scv=1.0, prompt_scv=0.0), pp, n_pre)
+        results[s]["bound"] = {
+            "ttft_mean_s": round(bound, 4) if bound is not None and bound != float("inf") else None,
+            "ttft_mean_poisson_s": (round(poisson, 4) if poisson is not None
+                                    and poisson != float("inf") else None),
+            "meets_ttft_slo": bound is not None and bound <= slo.ttft_s,
+            "basis": "Kingman G/G/1 per prefill worker at the p90 minute's rate"}
     return {
         "simulated": True, "devices": devices, "model": model.name, "tp": tp,
         "requests": len(trace), "duration_s": round(end, 3),
@@ -515,6 +546,7 @@ def plan_replay(trace: list[TraceRequest], model, devices: str, split: str, tp: 
         "rho": overall.rho, "rho_source": "estimated from the simulated (roofline) profile",
         "current": split, "recommended": rec, "bottleneck": overall.bottleneck,
         "why": overall.why, "sizing": overall.to_json(),
+        "burstiness": overall.burstiness,
         "prefill_token_budget": pp.prefill_knee_tokens(),
         "windows": windows, "window_s": window_s, "replay": results,
     }
