@@ -35,11 +35,13 @@ restart_backoff_s = 0.1
 """
 
 
-def seed_trends(state: Path, minutes: int = 15, rate: float = 4.0) -> None:
+def seed_trends(state: Path, minutes: int = 15, rate: float = 4.0, model: str = MODEL,
+                devices: int = 8) -> None:
     """`minutes` of code-completion traffic up to now (long prompts, short answers,
     Poisson arrivals), written as the daemon's planner writes finished requests."""
     h100 = lookup_gpu("H100")
-    box = BoxShape(lookup_model_spec(MODEL), h100, h100, 4, 4, 1, 8, True)
+    box = BoxShape(lookup_model_spec(model), h100, h100, devices // 2, devices // 2, 1,
+                   devices, True)
     pl = Planner(PlannerConfig(), box, state / "ledger.db")
     rng = random.Random(7)
     now = time.time()
@@ -49,7 +51,7 @@ def seed_trends(state: Path, minutes: int = 15, rate: float = 4.0) -> None:
         if t >= now - 1:
             break
         out = rng.randint(10, 40)
-        pl.observe(RequestRecord(f"seed{i}", "t", MODEL, "completions", rng.randint(1500, 2600),
+        pl.observe(RequestRecord(f"seed{i}", "t", model, "completions", rng.randint(1500, 2600),
                                  out, 0, t, t + 0.3, t + 0.3 + 0.03 * out, "prefill0", "decode0",
                                  "ok", "length", simulated=True))
         i += 1

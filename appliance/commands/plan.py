@@ -1,19 +1,26 @@
-"""`applianced plan`, `applianced plan replay TRACE.csv`, `applianced profile`."""
+"""`applianced plan` (one appliance, or a fleet with several --url), `applianced plan
+replay TRACE.csv`, `applianced profile`."""
 from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from appliance.commands.client import AdminClient, add_client_args
+from appliance.commands.client import ADMIN_KEY_ENV, DEFAULT_URL, AdminClient, AdminError
 
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("plan", help="capacity plan: prefill/decode split at the SLOs",
                        description="Ask the daemon for its capacity plan (forecast, "
-                                   "recommended prefill/decode split, bottleneck), or replay "
-                                   "a trace through the simulator: plan replay TRACE.csv.")
-    add_client_args(p)
+                                   "recommended prefill/decode split, bottleneck); with several "
+                                   "--url, the fleet's, per site and in total; or replay a "
+                                   "trace through the simulator: plan replay TRACE.csv.")
+    p.add_argument("--url", action="append", default=None, metavar="URL",
+                   help=f"an appliance (default {DEFAULT_URL}); repeat for a fleet view per site")
+    p.add_argument("--admin-key", default=None,
+                   help=f"admin key (default: ${ADMIN_KEY_ENV}; none needed on loopback "
+                        "while no [auth] admin_keys are configured)")
     _plan_args(p)
     psub = p.add_subparsers(dest="plan_command", metavar="SUBCOMMAND")
     r = psub.add_parser("replay", help="replay an Azure LLM trace in virtual time (no daemon)",
@@ -67,15 +74,79 @@ def _num(x) -> str:
 
 
 def cmd_plan(args) -> int:
+    from appliance.commands.tui import resolve_urls
     params = {"horizon": args.horizon, "gpu": args.gpu, "ttft_slo": args.ttft_slo,
               "itl_slo": args.itl_slo, "traffic_x": args.traffic_x,
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
-    data = AdminClient.from_args(args).get("/admin/v1/plan", params)
+    urls = resolve_urls(args.url or [DEFAULT_URL], None)
+    if len(urls) > 1:
+        return cmd_fleet_plan(urls, args.admin_key, params, args.json)
+    data = AdminClient(urls[0], args.admin_key).get("/admin/v1/plan", params)
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
     print(format_plan(data))
     return 0
+
+
+def fetch_plans(urls: list[str], admin_key: str | None, params: dict):
+    """(url, plan or None, one-line error or None) per appliance, fetched in parallel:
+    one slow or dead appliance costs its own timeout, not the sum."""
+    def one(url: str):
+        try:
+            return url, AdminClient(url, admin_key).get("/admin/v1/plan", params), None
+        except AdminError as exc:
+            return url, None, str(exc)
+    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
+        return list(pool.map(one, urls))
+
+
+def cmd_fleet_plan(urls: list[str], admin_key: str | None, params: dict, as_json: bool) -> int:
+    from appliance.planner.fleet import fleet_plan
+    fleet = fleet_plan(fetch_plans(urls, admin_key, params))
+    if as_json:
+        print(json.dumps(fleet, indent=2))
+    else:
+        print(format_fleet(fleet))
+    if fleet["fleet"] is None:
+        raise AdminError("no appliance answered")
+    return 0
+
+
+def format_fleet(f: dict) -> str:
+    n = len(f["appliances"])
+    sim = " [SIMULATED]" if f["simulated"] else ""
+    lines = [f"fleet capacity plan{sim}: {n} appliance{'s' * (n != 1)} at {len(f['sites'])} "
+             f"site{'s' * (len(f['sites']) != 1)} (each sized on its own box, estimated)"]
+    if f["appliances"]:
+        lines.append(f"{'appliance':<26}{'site':<12}{'model':<20}{'current':>8}{'recommended':>13}"
+                     f"{'at peak':>9}  {'bottleneck':<11}{'c_a²':>6}")
+        for r in f["appliances"]:
+            ca2 = "-" if r["arrival_scv"] is None else f"{r['arrival_scv']:.1f}"
+            lines.append(f"{_cut(r['appliance'], 25):<26}{_cut(r['site'], 11):<12}"
+                         f"{_cut(str(r['model']), 19):<20}{r['split']['current']:>8}"
+                         f"{r['split']['recommended']:>13}{r['split']['at_peak']:>9}  "
+                         f"{str(r['bottleneck']):<11}{ca2:>6}")
+        lines.append("GPUs per phase: current -> recommended now / at the forecast peak "
+                     "(needed now); rho = prefill / decode GPU demand")
+        rows = [(f"site {name} ({s['appliances']})", s) for name, s in f["sites"].items()]
+        rows.append((f"fleet ({f['fleet']['appliances']})", f["fleet"]))
+        for label, s in rows:
+            cells = []
+            for ph in ("prefill", "decode"):
+                need = s["needed"][ph]
+                cells.append(f"{ph} {s['current'][ph]} -> {s['recommended'][ph]}/{s['at_peak'][ph]} "
+                             f"(need {'n/a' if need is None else f'{need:.2f}'})")
+            lines.append(f"  {label:<24}{cells[0]:<34}{cells[1]:<34}rho {_num(s['rho']['now'])} "
+                         f"now, {_num(s['rho']['at_peak'])} at peak")
+            lines.append(f"  {'':<24}{s['why']}")
+    for u in f["unreachable"]:
+        lines.append(f"note: {u['url']} left out: {u['error']}")
+    return "\n".join(lines)
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def format_plan(d: dict) -> str:

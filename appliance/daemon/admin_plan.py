@@ -61,6 +61,8 @@ async def plan(request: web.Request):
         raise ApiError(400, str(exc), param=param, code="invalid_parameter") from None
     loop = asyncio.get_running_loop()
     result = await loop.run_in_executor(None, functools.partial(planner.plan, horizon, whatif))
+    site = request.app[SERVICE].cfg.site           # a fleet view groups plans by site
+    result["site"] = {"name": site.name, "appliance": site.appliance or socket.gethostname()}
     return json_response(result)
 
 

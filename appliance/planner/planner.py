@@ -286,6 +286,11 @@ class Planner:
                          "recommended": sz_now.headroom_recommended},
             "fits": sz_now.fits,
             "rho": {"now": sz_obs.rho if now_w.rate > 0 else None,
+                    "at_peak": sz_peak.rho if upper_peak.rate > 0 else None,
+                    # GPU-seconds per second behind ρ: what a fleet view adds up
+                    "demand": {k: {"prefill_gpu_s_per_s": z.prefill.gpu_seconds_per_s,
+                                   "decode_gpu_s_per_s": z.decode.gpu_seconds_per_s}
+                               for k, z in (("now", sz_obs), ("peak", sz_peak))},
                     "history": [{"t": b.start, "value": b.rho} for b in buckets[-RHO_HISTORY:]],
                     "forecast": [{"t": t, "value": r} for t, r in zip(times, rho_series)],
                     "source": self.gpu_source},
