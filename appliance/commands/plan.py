@@ -40,6 +40,10 @@ def add_parsers(sub) -> None:
     r.add_argument("--start", type=int, default=0, help="first trace row to replay")
     r.add_argument("--count", type=int, help="rows to replay (default: all)")
     r.add_argument("--window", default="5m", help="window of the per-window recommendation")
+    r.add_argument("--max-batch-tokens", metavar="auto|N[,...]",
+                   help="prefill token budget to replay with: auto (the profile's knee, what "
+                        "engine.max_batch_tokens = 0 does), a number, or several to compare, "
+                        "e.g. auto,8192 (default: the config's engine.max_batch_tokens)")
     r.add_argument("--json", action="store_true")
     r.set_defaults(run=cmd_replay)
     p.set_defaults(run=cmd_plan)
@@ -233,17 +237,34 @@ def cmd_replay(args) -> int:
         if v is not None and not v > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {v}")
     slo = Slo(args.ttft_slo or cfg.planner.ttft_slo_s, args.itl_slo or cfg.planner.itl_slo_s)
+    budgets = parse_budgets(args.max_batch_tokens) if args.max_batch_tokens else None
     model = lookup_model_spec(args.model_spec)
     trace = load_azure_trace(Path(args.trace), args.start, args.count)
     progress = (lambda line: print(f"  {line}", file=sys.stderr, flush=True)) \
         if not args.json else None
     out = plan_replay(trace, model, args.devices, args.split, args.tp, slo,
-                      cfg.planner.quantile, parse_duration(args.window), cfg.engine, progress)
+                      cfg.planner.quantile, parse_duration(args.window), cfg.engine, progress,
+                      budgets)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
     print(format_replay(out))
     return 0
+
+
+def parse_budgets(text: str) -> list[int]:
+    """`auto`, `8192` or `auto,8192` -> [0, 8192] (0 = auto); one ValueError line else."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item == "auto":
+            out.append(0)
+        elif item.isdigit() and int(item) > 0:
+            out.append(int(item))
+        else:
+            raise ValueError(f"--max-batch-tokens: expected auto, a positive whole number, or "
+                             f"several of them comma-separated (auto,8192), got {text!r}")
+    return out
 
 
 def format_replay(r: dict) -> str:
@@ -275,6 +296,24 @@ def format_replay(r: dict) -> str:
                      f"{'yes' if x['meets_slo'] else 'NO ':<9}  | "
                      f"{ms(bound.get('ttft_mean_s')) if bound.get('ttft_mean_s') else 'saturated'} "
                      f"({ms(bound.get('ttft_mean_poisson_s'))})")
+    by_budget = r.get("by_budget") or {}
+    if len(by_budget) > 1:
+        lines.append("prefill token budget (engine.max_batch_tokens; auto = the profile's knee):")
+        lines.append(f"{'budget':<14}{'split':<7}{'TTFT mean':>10}{'p50':>9}{'p90':>9}{'p99':>9}"
+                     f"{'ITL p50':>9}{'p90':>8}  prompts/prefill step  meets SLO")
+        for label, results in by_budget.items():
+            for split, x in results.items():
+                budget = f"{label} ({x['max_batch_tokens']})" if label == "auto" else label
+                lines.append(f"{budget:<14}{split:<7}{ms(x['ttft_mean_s']):>10}"
+                             f"{ms(x['ttft_p50_s']):>9}{ms(x['ttft_p90_s']):>9}"
+                             f"{ms(x['ttft_p99_s']):>9}{ms(x['itl_p50_s']):>9}"
+                             f"{ms(x['itl_p90_s']):>8}  "
+                             f"{x['prefill_batching']['prompts_per_step']:>20.2f}  "
+                             f"{'yes' if x['meets_slo'] else 'NO'}")
+    elif by_budget:
+        x = next(iter(next(iter(by_budget.values())).values()))
+        lines.append(f"replayed with max_batch_tokens {r['max_batch_tokens']}"
+                     + (f" ({x['max_batch_tokens']} tokens)" if r["max_batch_tokens"] == "auto" else ""))
     return "\n".join(lines)
 
 
