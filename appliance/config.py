@@ -32,6 +32,7 @@ class ServerConfig:
     max_inflight: int = 1024          # requests admitted at once; more get 503 + Retry-After
     drain_timeout_s: float = 30.0     # SIGTERM: how long in-flight requests may finish
     log_requests: bool = False        # one JSON line per finished request on stderr
+    prepare_inline_bytes: int = 4096  # bodies up to this are prepared on the event loop
 
 
 @dataclass
@@ -262,6 +263,9 @@ def validate(cfg: Config) -> Config:
     for key, value in positive:
         if value <= 0:
             raise ConfigError(f"config: {key} must be positive, got {value}")
+    if not 0 <= cfg.server.prepare_inline_bytes <= 65536:
+        raise ConfigError("config: server.prepare_inline_bytes must be within 0..65536 (bigger "
+                          f"bodies stall the event loop), got {cfg.server.prepare_inline_bytes}")
     t = cfg.telemetry
     if not 0.05 <= t.sample_interval_s <= 60:
         raise ConfigError(f"config: telemetry.sample_interval_s must be within 0.05..60, got {t.sample_interval_s}")

@@ -372,6 +372,34 @@ def test_ledger_recovers_unfinished_rows_and_counts_each_request_once(tmp_path):
     ledger.stop()
 
 
+@pytest.mark.parametrize("n", [1, 7, 73, 900, 1700])
+def test_many_rows_per_statement_write_every_row_and_keep_final_rows(tmp_path, n):
+    """The writer packs rows into multi-row statements (sizes 819, 64, 8, 1): every row of
+    a batch lands whatever its count, a provisional and a final row of the same request
+    in one batch leave the final one, and a final row is never overwritten."""
+    from appliance.accounting.ledger import REQUEST_COLUMNS, _REQ_CONFLICT, connect, write_rows
+    Ledger(tmp_path / "ledger.db").stop()          # the schema
+    conn = connect(tmp_path / "ledger.db")
+    idx = {c: i for i, c in enumerate(REQUEST_COLUMNS)}
+
+    def row(i: int, final: int, gpu_s: float) -> tuple:
+        r = [0] * len(REQUEST_COLUMNS)
+        r[idx["request_id"]], r[idx["tenant"]] = f"R{i}", f"t{i % 3}"
+        r[idx["finish"]], r[idx["prefill_gpu_s"]], r[idx["final"]] = T0 + i, gpu_s, final
+        return tuple(r)
+
+    batch = [row(i, 0, 0.0) for i in range(n)] + [row(i, 1, i + 0.5) for i in range(0, n, 2)]
+    with conn:
+        write_rows(conn, "INSERT", "requests", REQUEST_COLUMNS, batch, _REQ_CONFLICT)
+    with conn:      # late provisional rows must not undo final ones
+        write_rows(conn, "INSERT", "requests", REQUEST_COLUMNS,
+                   [row(i, 0, -1.0) for i in range(n)], _REQ_CONFLICT)
+    got = dict(conn.execute("SELECT request_id, prefill_gpu_s FROM requests").fetchall())
+    assert len(got) == n
+    assert got == {f"R{i}": (i + 0.5 if i % 2 == 0 else -1.0) for i in range(n)}
+    conn.close()
+
+
 def test_budgets_fed_by_final_rows(tmp_path):
     b = Budgets("month", {"gpu_hours": {"ta": 2.4 / 3600}}, now=T0)
     seen = []

@@ -100,6 +100,9 @@ def test_config_defaults_and_types():
     assert cfg.server.host == "127.0.0.1" and cfg.devices.mode == "disagg"
     with pytest.raises(config.ConfigError, match="server.port must be"):
         config.parse("[server]\nport = true\n")
+    assert cfg.server.prepare_inline_bytes == 4096
+    with pytest.raises(config.ConfigError, match="prepare_inline_bytes must be within 0..65536"):
+        config.parse("[server]\nprepare_inline_bytes = 1000000\n")
 
 
 def test_state_dir_resolution(monkeypatch, tmp_path):

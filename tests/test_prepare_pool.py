@@ -96,3 +96,34 @@ def test_prompts_that_cannot_fit_are_refused_before_tokenizing(tiny_model):
     prompt, max_tokens = prepare_prompt(ctok, fits, "m", 4096)
     assert CountingTokenizer.calls == 1 and prompt == tok.encode("hello " * 1000)
     assert max_tokens == 4096 - len(prompt)
+
+
+def test_small_bodies_are_prepared_inline_and_big_ones_in_the_pool(daemon_factory, tiny_model):
+    """Below `server.prepare_inline_bytes` the executor's round trip costs more than the
+    work: those bodies are prepared on the event loop, with the same result."""
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", model=tiny_model,
+                       config="[server]\nprepare_inline_bytes = 2048\n")
+    model = http("GET", d.url + "/v1/models")[2]["data"][0]["id"]
+
+    def usage(words: int) -> tuple[int, dict]:
+        body = json.dumps({"model": model, "max_tokens": 1,
+                           "messages": [{"role": "user", "content": "hello " * words}]})
+        status, _, out = d.post("/v1/chat/completions", raw=body.encode())
+        assert status == 200, out
+        return len(body), out["usage"]
+
+    assert d.status()["prepared"] == {"inline": 0, "pooled": 0, "inline_bytes": 2048}
+    size, small = usage(10)
+    assert size <= 2048 and d.status()["prepared"]["inline"] == 1
+    size, big = usage(400)
+    assert size > 2048 and d.status()["prepared"] == {"inline": 1, "pooled": 1,
+                                                      "inline_bytes": 2048}
+    # Same tokenizer, same chat template either way.
+    tok = ServedTokenizer(tiny_model)
+    for words, got in ((10, small), (400, big)):
+        expected = tok.encode_chat([{"role": "user", "content": "hello " * words}], limit=4096)
+        assert got["prompt_tokens"] == len(expected)
+    # An error prepared inline is the same OpenAI error JSON as from the pool.
+    status, _, out = d.post("/v1/chat/completions",
+                            raw=json.dumps({"model": "nope", "messages": []}).encode())
+    assert status in (400, 404) and out["error"]["message"]

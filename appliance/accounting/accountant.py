@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from appliance.accounting.attribution import (
@@ -44,20 +44,24 @@ class Site:
     intensity: CarbonIntensity
 
 
-@dataclass(slots=True)
 class Charge:
-    """What one request has accrued, per phase, from closed windows."""
+    """What one request has accrued, per phase ([prefill, decode]), from closed windows.
+    A plain class: one is made per request inside the once-a-second tick."""
 
-    gpu_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    joules: list[float | None] = field(default_factory=lambda: [0.0, 0.0])
-    cost_usage: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    cost_allocation: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    embodied_g: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    energy_known: bool = True
-    energy_source: str = ""
-    approximate: bool = False
-    simulated: bool = False
-    last_seen: float = 0.0
+    __slots__ = ("gpu_s", "joules", "cost_usage", "cost_allocation", "embodied_g",
+                 "energy_known", "energy_source", "approximate", "simulated", "last_seen")
+
+    def __init__(self) -> None:
+        self.gpu_s = [0.0, 0.0]
+        self.joules: list[float | None] = [0.0, 0.0]
+        self.cost_usage = [0.0, 0.0]
+        self.cost_allocation = [0.0, 0.0]
+        self.embodied_g = [0.0, 0.0]
+        self.energy_known = True
+        self.energy_source = ""
+        self.approximate = False
+        self.simulated = False
+        self.last_seen = 0.0
 
 
 @dataclass(slots=True)
@@ -164,24 +168,32 @@ class Accountant:
         spare_j = ((w.idle_j or 0.0) + (w.unattributed_j or 0.0)) if w.measured_j is not None else 0.0
         idle_cost = spare_s * rate + spare_j * kwh_price
         share = prices.idle_policy == "share" and w.attributed_gpu_s > 0
-        for (rid, phase), (gpu_s, joules) in w.shares.items():
-            c = self._charges.get(rid)
-            if c is None:
-                c = self._charges[rid] = Charge()
-            i = _PH[phase]
-            c.gpu_s[i] += gpu_s
-            usage = gpu_s * rate + (joules or 0.0) * kwh_price
-            c.cost_usage[i] += usage
-            c.cost_allocation[i] += usage + (idle_cost * gpu_s / w.attributed_gpu_s if share else 0.0)
-            c.embodied_g[i] += gpu_s * emb_rate
-            if joules is None:
-                c.energy_known = False
-            else:
-                c.joules[i] = (c.joules[i] or 0.0) + joules
-            c.energy_source = _worse(c.energy_source, w.energy_source)
-            c.approximate |= w.approximate
-            c.simulated |= w.simulated
-            c.last_seen = w.end
+        idle_per_s = idle_cost / w.attributed_gpu_s if share else 0.0
+        j_per_s = w.j_per_s
+        source, approximate, simulated, end = (w.energy_source, w.approximate, w.simulated,
+                                               w.end)
+        charges = self._charges
+        for i, acc in ((0, w.prefill), (1, w.decode)):
+            for rid, gpu_s in acc.items():
+                c = charges.get(rid)
+                if c is None:
+                    c = charges[rid] = Charge()
+                c.gpu_s[i] += gpu_s
+                usage = gpu_s * rate
+                if j_per_s is None:
+                    c.energy_known = False
+                else:
+                    joules = gpu_s * j_per_s
+                    usage += joules * kwh_price
+                    c.joules[i] = (c.joules[i] or 0.0) + joules
+                c.cost_usage[i] += usage
+                c.cost_allocation[i] += usage + gpu_s * idle_per_s
+                c.embodied_g[i] += gpu_s * emb_rate
+                if c.energy_source != source:
+                    c.energy_source = _worse(c.energy_source, source)
+                c.approximate |= approximate
+                c.simulated |= simulated
+                c.last_seen = end
         self.ledger.put_window((
             w.device, w.start, w.end, self.site.name, self.site.appliance, w.model,
             w.measured_gpu_s, w.attributed_gpu_s, w.idle_gpu_s, w.unattributed_gpu_s,

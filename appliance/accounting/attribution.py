@@ -203,8 +203,19 @@ class DeviceWindow:
     iterations: int
     simulated: bool
     approximate: bool
-    # (request id, phase) -> [gpu_s, joules or None]
-    shares: dict[tuple[str, str], list] = field(default_factory=dict)
+    # request id -> GPU-seconds, per phase; each request's joules are its GPU-seconds ×
+    # `j_per_s` (active energy per busy second; None: energy not measured)
+    prefill: dict[str, float] = field(default_factory=dict)
+    decode: dict[str, float] = field(default_factory=dict)
+    j_per_s: float | None = None
+
+    @property
+    def shares(self) -> dict[tuple[str, str], list]:
+        """(request id, phase) -> [gpu_s, joules or None]: the window's split, whole."""
+        j = self.j_per_s
+        return {(rid, ph): [g, g * j if j is not None else None]
+                for ph, acc in ((PREFILL, self.prefill), (DECODE, self.decode))
+                for rid, g in acc.items()}
 
 
 class Attributor:
@@ -376,10 +387,6 @@ class Attributor:
         j_per_s = None
         if energy is not None:
             j_per_s = active_e / busy_scaled if busy_scaled > 0 else 0.0
-        shares: dict[tuple[str, str], list] = {}
-        for ph, acc in ((PREFILL, pre), (DECODE, dec)):
-            for rid, g in acc.items():
-                shares[(rid, ph)] = [g, g * j_per_s if j_per_s is not None else None]
         att_e = unatt_e = None
         if energy is not None:
             att_e = attributed * j_per_s
@@ -390,4 +397,5 @@ class Attributor:
             unattributed_gpu_s=unattributed, measured_j=energy,
             attributed_j=att_e, idle_j=idle_e,
             unattributed_j=unatt_e, energy_source=source, iterations=len(its),
-            simulated=info.simulated, approximate=approximate, shares=shares)
+            simulated=info.simulated, approximate=approximate, prefill=pre, decode=dec,
+            j_per_s=j_per_s)

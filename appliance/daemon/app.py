@@ -5,6 +5,7 @@ The only module that knows every other; nothing imports it but the CLI.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import itertools
 import json
@@ -291,7 +292,8 @@ class Service:
         self.simulated = setup.simulated
         self.fingerprint = f"applianced-{__version__}-{setup.engine}"
         self.tokenizer = ServedTokenizer(setup.model_dir)
-        self.prepare_pool = PreparePool(setup.model_dir)
+        self.prepare_pool = PreparePool(setup.model_dir, tokenizer=self.tokenizer,
+                                        inline_bytes=cfg.server.prepare_inline_bytes)
         self.sink = sink or LogSink(enabled=cfg.server.log_requests)
         self.accountant = None          # chargeback.attach sets it (accounting enabled)
         self.pool = WorkerPool(setup.specs, self._on_iteration,
@@ -413,6 +415,8 @@ class Service:
             "ready": self.router.ready(), "draining": self.draining or not self.admission_open,
             "admission": "open" if self.admission_open else "closed", "inflight": self.inflight,
             "preparing": self.preparing,
+            "prepared": {"inline": self.prepare_pool.inline, "pooled": self.prepare_pool.pooled,
+                         "inline_bytes": self.prepare_pool.inline_bytes},
             "max_batch_tokens": s.batch_tokens,
             **inv,
             "partition": split_of(self.plan),
@@ -570,6 +574,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
                       "model": svc.model_name, "engine": setup.engine,
                       "simulated": svc.simulated}), file=sys.stderr, flush=True)
     phase[0] = "serving"
+    tune_gc()
     systemd.notify("READY=1", f"STATUS={status_line(svc, 'serving')}")
     watchdog = asyncio.create_task(systemd.watchdog_loop())
     sampler = asyncio.create_task(svc.telemetry.run(), name="telemetry")
@@ -620,6 +625,23 @@ def _host_port(sock) -> tuple[str, int | None]:
 def _sock_name(sock) -> str:
     host, port = _host_port(sock)
     return f"{host}:{port}" if port is not None else host
+
+
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def tune_gc() -> None:
+    """Once serving starts: freeze what start-up built (models, config, tables: never
+    garbage) out of the collector's sight, and collect the young generation every 10,000
+    allocations instead of 700. A request's objects live for one round trip, tens of
+    milliseconds, in which the loop allocates thousands of objects: at 700 they were
+    scanned and promoted while still alive, and the ledger's windows (seconds of
+    iteration records) were scanned again and again. Measured at 2,000 requests/s: the
+    collector's time per request fell from ~50 to ~15 µs (bench/bench_serving.py). Only
+    cyclic garbage waits longer to be freed; reference counting frees the rest at once."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
 
 
 def serve(cfg: Config, state_dir: Path) -> int:

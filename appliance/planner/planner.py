@@ -10,6 +10,7 @@ flux, and the auto-apply clock waits).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -150,18 +151,30 @@ class Planner:
 
     def _estimate(self, rec) -> tuple[float, float]:
         """Busy GPU-seconds one request costs each phase at the profiles' operating
-        points: prefill at the knee throughput, decode at the SLO's batch B*."""
+        points: prefill at the knee throughput, decode at the SLO's batch B*.
+
+        Runs for every request the daemon serves (in the trends thread, which shares
+        the GIL with the event loop), so both operating points are looked up once per
+        distinct shape, not searched again per request."""
         if rec.status == "rejected":
             return 0.0, 0.0
-        pp, dp = self.prefill_profile, self.decode_profile
         uncached = max(0, rec.prompt_tokens - rec.cached_tokens)
-        tput = pp.prefill_tokens_per_s(pp.prefill_knee_tokens())
-        pre = pp.tp * uncached / tput if tput else 0.0
         per_choice = rec.output_tokens / max(1, rec.choices)
-        b, itl, _ = decode_batch(dp, self.cfg.itl_slo_s, rec.prompt_tokens, per_choice,
+        return (uncached * self._prefill_gpu_s_per_token(),
+                rec.output_tokens * self._decode_gpu_s_per_token(rec.prompt_tokens, per_choice))
+
+    @functools.cache
+    def _prefill_gpu_s_per_token(self) -> float:
+        pp = self.prefill_profile
+        tput = pp.prefill_tokens_per_s(pp.prefill_knee_tokens())
+        return pp.tp / tput if tput else 0.0
+
+    @functools.lru_cache(maxsize=8192)
+    def _decode_gpu_s_per_token(self, prompt_tokens: int, per_choice: float) -> float:
+        dp = self.decode_profile
+        b, itl, _ = decode_batch(dp, self.cfg.itl_slo_s, prompt_tokens, per_choice,
                                  self.engine.max_seqs)
-        dec = dp.tp * rec.output_tokens * itl / max(1, b)
-        return pre, dec
+        return dp.tp * itl / max(1, b)
 
     # -- planning ---------------------------------------------------------------------
     def follow_box(self) -> None:

@@ -7,6 +7,7 @@ when, and everything derived from it carries that `source`.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -55,6 +56,8 @@ class Profile:
         return tokens / self.prefill_s(tokens) if tokens > 0 else 0.0
 
     def _decode_grid(self):
+        """(batches, contexts, rows) as plain lists: `decode_s` runs for every request
+        the trends see, and scalar lookups on lists cost a tenth of numpy's."""
         if self._grid is None:
             pts = np.asarray(self.decode, dtype=float)
             batches = np.unique(pts[:, 0])
@@ -62,26 +65,27 @@ class Profile:
             grid = np.full((len(batches), len(ctxs)), np.nan)
             for b, c, s in pts:
                 grid[np.searchsorted(batches, b), np.searchsorted(ctxs, c)] = s
-            self._grid = (batches, ctxs, grid)
+            self._grid = (batches.tolist(), ctxs.tolist(), grid.tolist(),
+                          float(np.nanmax(grid)) if grid.size else 0.0)
         return self._grid
 
     def decode_s(self, batch: float, context: float) -> float:
         """Seconds for one decode step of `batch` sequences at mean context `context`
         (bilinear on the grid; linear extrapolation past its edges)."""
-        batches, ctxs, grid = self._decode_grid()
+        batches, ctxs, grid, worst = self._decode_grid()
 
         def along(axis_vals, x):
-            i = int(np.clip(np.searchsorted(axis_vals, x) - 1, 0, len(axis_vals) - 2))
+            i = min(max(bisect.bisect_left(axis_vals, x) - 1, 0), len(axis_vals) - 2)
             x0, x1 = axis_vals[i], axis_vals[i + 1]
             return i, (x - x0) / (x1 - x0)
 
         if len(batches) < 2 or len(ctxs) < 2:
-            return float(np.nanmax(grid))
+            return worst
         i, fb = along(batches, batch)
         j, fc = along(ctxs, context)
-        g = grid[i:i + 2, j:j + 2]
-        top = g[0, 0] + fc * (g[0, 1] - g[0, 0])
-        bottom = g[1, 0] + fc * (g[1, 1] - g[1, 0])
+        g0, g1 = grid[i], grid[i + 1]
+        top = g0[j] + fc * (g0[j + 1] - g0[j])
+        bottom = g1[j] + fc * (g1[j + 1] - g1[j])
         return float(max(1e-6, top + fb * (bottom - top)))
 
     def prefill_knee_tokens(self) -> int:
