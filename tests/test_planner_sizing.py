@@ -300,6 +300,26 @@ def test_auto_apply_after_the_configured_time(tmp_path):
     off.close()
 
 
+def test_planner_follows_the_live_box(tmp_path):
+    """After a repartition the planner plans on the split that runs; when a phase's GPU
+    type changes its profile (and the cached per-request estimate) follows."""
+    from dataclasses import replace as dc_replace
+    pl = _planner(tmp_path)
+    live = [pl.box]
+    pl.box_source = lambda: live[0]
+    rec = _record(1, 1_700_000_000, 2000, 100, pl.model_name)
+    before = pl._estimate(rec)
+    live[0] = dc_replace(pl.box, prefill_workers=6, decode_workers=2)
+    out = pl.plan(now=1_700_000_100.0, use_statsmodels=False)
+    assert out["current"]["split"] == "6+2" and pl._estimate(rec) == before
+    h200 = lookup_gpu("H200")
+    live[0] = dc_replace(pl.box, prefill_gpu=h200, decode_gpu=h200)
+    out = pl.plan(now=1_700_000_100.0, use_statsmodels=False)
+    assert out["profile_source"]["prefill"]["device"] == "H200"
+    assert pl._estimate(rec) != before                    # H200 decodes faster
+    pl.close()
+
+
 def test_planner_config_section():
     from appliance import config
     cfg = config.parse('[planner]\nttft_slo_s = 0.5\nitl_slo_s = 0.02\nhorizon = "7d"\n'

@@ -191,10 +191,13 @@ class Planner:
         if box == self.box:
             return
         old, self.box = self.box, box
-        if box.prefill_gpu is not old.prefill_gpu or box.tp != old.tp:
-            self.prefill_profile = profile_for(box, box.prefill_gpu, self.profile_dir, self.engine)
-        if box.decode_gpu is not old.decode_gpu or box.tp != old.tp:
-            self.decode_profile = profile_for(box, box.decode_gpu, self.profile_dir, self.engine)
+        if (box.prefill_gpu, box.decode_gpu, box.tp) == (old.prefill_gpu, old.decode_gpu, old.tp):
+            return
+        self.prefill_profile = profile_for(box, box.prefill_gpu, self.profile_dir, self.engine)
+        self.decode_profile = profile_for(box, box.decode_gpu, self.profile_dir, self.engine)
+        # The per-request estimates are cached per operating point of the old profiles.
+        Planner._prefill_gpu_s_per_token.cache_clear()
+        Planner._decode_gpu_s_per_token.cache_clear()
 
     def plan(self, horizon_s: float | None = None, whatif: WhatIf | None = None,
              now: float | None = None, use_statsmodels: bool = True) -> dict:
