@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from appliance.accounting.records import RequestRecord
-from appliance.planner.trends import BIN_RATIO, TrendStore
+from appliance.planner.trends import BIN_RATIO, MinuteGaps, TrendStore, gap_stats
 
 
 def rec(i, t, prompt, output, cached=0, ttft=0.2, itl=0.02, status="ok", model="m", choices=1):
@@ -188,3 +188,18 @@ def test_old_ledger_gains_the_burstiness_columns(tmp_path):
     b = store.buckets("m", 60, t0 + 60, t0 + 119)[0]
     assert b.arrival_gaps == 2 and b.arrival_scv == pytest.approx(((1 - 1.5) ** 2 + 0.25) / 2 / 1.5 ** 2)
     store.close()
+
+
+def test_minute_gaps_kept_up_to_date_in_any_order():
+    """Inserting arrivals one by one in random order (ties too) keeps the same gap sums
+    as a pass over the sorted minute."""
+    rng = random.Random(2)
+    for _ in range(200):
+        ts = [rng.uniform(0, 60) for _ in range(rng.randint(0, 40))]
+        ts += ts[:rng.randint(0, 3)]
+        g = MinuteGaps()
+        for t in ts:
+            g.add(t)
+        n, total, sq = gap_stats(sorted(ts))
+        assert g.times == sorted(ts)
+        assert g.n == n and g.sum == pytest.approx(total) and g.stats()[2] == pytest.approx(sq)

@@ -13,9 +13,9 @@ Burstiness: each minute row also keeps the inter-arrival gaps of its requests (c
 sum, sum of squares), from which the squared coefficient of variation c_a² of that
 minute follows (1 for Poisson arrivals, 0 for evenly spaced ones, far above 1 for
 bursts). Records come in finish order, not arrival order, so the writer keeps the
-arrival times of the last `ARRIVAL_MEMORY_MIN` minutes in memory, sorted, and rewrites
-a minute's gap sums from them; a minute it has no memory of (older, or written by
-another process) keeps the sums it has. A bucket's c_a² is the mean of its minutes'
+arrival times of the last `ARRIVAL_MEMORY_MIN` minutes in memory, sorted, with each
+minute's gap sums kept up to date as arrivals slot in (`MinuteGaps`); a minute it has
+no memory of (older, or written by another process) keeps the sums it has. A bucket's c_a² is the mean of its minutes'
 weighted by their gaps (Kingman's wait is linear in c_a², so that is the c_a² of the
 mean wait); per minute, so a rate that changes from minute to minute (which the
 forecast follows) is not counted as burstiness. The sum of squared prompt lengths
@@ -144,6 +144,38 @@ def gap_stats(arrivals: list[float]) -> tuple[int, float, float]:
     return len(gaps), float(sum(gaps)), float(sum(g * g for g in gaps))
 
 
+class MinuteGaps:
+    """One minute's arrival times, sorted, with the gap sums kept up to date as arrivals
+    come in any order: an arrival between two others replaces their gap by two, so
+    each insertion costs a bisection, not a pass over the minute."""
+
+    __slots__ = ("times", "n", "sum", "sq")
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.n, self.sum, self.sq = 0, 0.0, 0.0
+
+    def _gap(self, a: float, b: float, sign: int) -> None:
+        g = b - a
+        self.n += sign
+        self.sum += sign * g
+        self.sq += sign * g * g
+
+    def add(self, t: float) -> None:
+        ts = self.times
+        i = bisect.bisect_right(ts, t)
+        if 0 < i < len(ts):
+            self._gap(ts[i - 1], ts[i], -1)
+        if i > 0:
+            self._gap(ts[i - 1], t, +1)
+        if i < len(ts):
+            self._gap(t, ts[i], +1)
+        ts.insert(i, t)
+
+    def stats(self) -> tuple[int, float, float]:
+        return self.n, self.sum, max(0.0, self.sq)
+
+
 def scv(n: int, total: float, sq: float) -> float | None:
     """Squared coefficient of variation from a count, sum and sum of squares."""
     if n < 1 or total <= 0:
@@ -214,7 +246,7 @@ class TrendStore:
         self._thread: threading.Thread | None = None
         # (model, minute) -> sorted arrival times seen by this process, or None for a
         # minute that had a row before this process touched it (its gaps are not ours).
-        self._arrivals: dict[tuple[str, int], list[float] | None] = {}
+        self._arrivals: dict[tuple[str, int], MinuteGaps | None] = {}
 
     def _migrate(self) -> None:
         have = {r[1] for r in self._db.execute("PRAGMA table_info(planner_minutes)")}
@@ -266,17 +298,17 @@ class TrendStore:
                                      "WHERE model=? AND minute=?", (model, minute)).fetchone()
                     key = (model, minute)
                     if key not in self._arrivals:
-                        self._arrivals[key] = None if old else []
+                        self._arrivals[key] = None if old else MinuteGaps()
                     if old:
                         merged = dict(zip(ROW_FIELDS, old[:-1]))
                         merged["hist"] = json.loads(old[-1])
                         _merge(merged, row)
                         row = merged
-                    times = self._arrivals[key]
-                    if times is not None:
+                    gaps = self._arrivals[key]
+                    if gaps is not None:
                         for t in arrived[key]:
-                            bisect.insort(times, t)
-                        row["gap_n"], row["gap_sum"], row["gap_sq"] = gap_stats(times)
+                            gaps.add(t)
+                        row["gap_n"], row["gap_sum"], row["gap_sq"] = gaps.stats()
                     db.execute(f"INSERT OR REPLACE INTO planner_minutes (model, minute, {cols}, "
                                f"hist, gpu_source) VALUES ({', '.join('?' * (len(ROW_FIELDS) + 4))})",
                                (model, minute, *(row[k] for k in ROW_FIELDS),
