@@ -138,7 +138,7 @@ class BudgetsConfig:
 @dataclass
 class PlannerConfig:
     # The SLOs the capacity planner sizes the prefill and decode pools for.
-    ttft_slo_s: float = 2.0           # time to first token (mean, M/D/1)
+    ttft_slo_s: float = 2.0           # time to first token (mean, Kingman G/G/1 per worker)
     itl_slo_s: float = 0.05           # inter-token latency of a decode step
     quantile: float = 0.9             # plan on this upper quantile of the forecast
     horizon: str = "24h"              # default forecast horizon (e.g. 90m, 24h, 7d)

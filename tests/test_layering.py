@@ -10,6 +10,9 @@ BELOW = {
     "engines": ("appliance.worker", "appliance.daemon", "appliance.commands", "appliance.cli"),
     "kv": ("appliance.engines", "appliance.worker", "appliance.daemon"),
     "models": ("appliance.engines", "appliance.kv", "appliance.worker", "appliance.daemon"),
+    # The planner gets callables from the daemon; it never speaks HTTP itself.
+    "planner": ("appliance.daemon", "appliance.commands", "appliance.cli", "appliance.tui",
+                "aiohttp", "urllib.request", "http.client"),
 }
 
 

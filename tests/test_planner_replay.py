@@ -49,6 +49,57 @@ def test_azure_trace_prefill_heavy_and_recommended_split_meets_slos():
     assert rec["busy_share"]["prefill"] < cur["busy_share"]["prefill"]
 
 
+@needs_trace
+def test_whole_azure_trace_bound_agrees_with_replay_on_burstiness():
+    """The whole hour: M/D/1 gave the default 4+4 a prefill headroom of 2.05x, yet its
+    replayed p90 TTFT is twice the SLO. With the trace's measured c_a² (per minute, ~22)
+    the bound's mean TTFT at the p90 minute fails 4+4 and passes the recommendation,
+    which is what the replay finds."""
+    trace = load_azure_trace(TRACE)
+    model = lookup_model_spec("llama-3.1-70b-fp8")
+    r = plan_replay(trace, model, "sim:8xH100", "4+4", 1, SLO, quantile=0.9, window_s=600)
+    b = r["burstiness"]
+    assert b["arrival_scv"] > 10 and 0.5 < b["service_scv"] < 1.5
+    assert r["sizing"]["headroom_current"]["prefill"] < 1 <= r["sizing"]["headroom_recommended"]["prefill"]
+    assert b["current_short"] is True and "Burstiness is why the current 4+4" in r["why"]
+    cur, rec = r["replay"]["4+4"], r["replay"][r["recommended"]]
+    assert r["recommended"] != "4+4"
+    # The bound and the replay agree in direction: 4+4 fails, the recommendation meets.
+    assert cur["bound"]["meets_ttft_slo"] is False and cur["meets_slo"] is False
+    assert rec["bound"]["meets_ttft_slo"] is True and rec["meets_slo"] is True
+    # Poisson arrivals (M/D/1) would have called 4+4 fine: what changed is burstiness.
+    assert cur["bound"]["ttft_mean_poisson_s"] < SLO.ttft_s < cur["bound"]["ttft_mean_s"]
+
+
+@needs_trace
+def test_auto_prefill_budget_changes_the_batching():
+    """`engine.max_batch_tokens = 0` (auto) in replay: each worker's scheduler gets the
+    knee of its roofline profile (256 tokens for Llama-3.1-70B FP8 on an H100), so a
+    prefill step batches several prompts only while they fit 256 tokens; at 8192 it
+    batches 2,000-token prompts together, and every one of them waits for the batch."""
+    from appliance.partitions.catalogue import lookup_gpu
+    from appliance.planner.tuning import token_budget
+    trace = load_azure_trace(TRACE, START, 1500)
+    model = lookup_model_spec("llama-3.1-70b-fp8")
+    knee = token_budget(model, lookup_gpu("H100"), 1, None).tokens
+    r = plan_replay(trace, model, "sim:8xH100", "4+4", 1, SLO, budgets=[0, 8192])
+    assert list(r["by_budget"]) == ["auto", "8192"] and r["max_batch_tokens"] == "auto"
+    auto, fixed = r["by_budget"]["auto"]["4+4"], r["by_budget"]["8192"]["4+4"]
+    assert r["replay"]["4+4"] == auto                     # the first budget is the one reported
+    assert auto["max_batch_tokens"] == knee == 256 and fixed["max_batch_tokens"] == 8192
+    assert auto["requests"] == fixed["requests"] == 1500
+    a, f = auto["prefill_batching"], fixed["prefill_batching"]
+    assert a["multi_prompt_max_tokens"] <= knee < f["multi_prompt_max_tokens"] <= 8192
+    assert f["multi_prompt_steps"] > 10 * max(1, a["multi_prompt_steps"])
+    assert f["prompts_per_step"] > a["prompts_per_step"] >= 1.0
+    assert a["steps"] > f["steps"]                         # the same prompts, more steps
+    # One prompt per step: the first token comes out sooner for the median request.
+    assert auto["ttft_p50_s"] < fixed["ttft_p50_s"]
+    # Default: the engine config's budget (8192), as before.
+    d = plan_replay(trace[:200], model, "sim:8xH100", "4+4", 1, SLO)
+    assert list(d["by_budget"]) == ["8192"] and d["replay"]["4+4"]["max_batch_tokens"] == 8192
+
+
 def test_replay_refuses_what_does_not_fit_and_bad_traces(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b\n1,2\n")
@@ -84,9 +135,12 @@ def test_cli_plan_replay_end_to_end():
     assert out["requests"] == 400 and out["current"] == "4+4" and out["rho"] > 1
     assert set(out["replay"]) >= {"4+4", out["recommended"]}
     assert out["slo"] == {"ttft_s": 2.0, "itl_s": 0.05, "checked_at": "p90 TTFT and p90 ITL"}
-    text = _cli("plan", "replay", str(TRACE), "--start", "3000", "--count", "200")
+    text = _cli("plan", "replay", str(TRACE), "--start", "3000", "--count", "200",
+                "--max-batch-tokens", "auto,8192")
     assert text.returncode == 0, text.stderr
     assert "SIMULATED" in text.stdout and "recommended" in text.stdout
+    assert "auto (256)" in text.stdout and "prompts/prefill step" in text.stdout
+    assert "burstiness: c_a²" in text.stdout
     assert "replaying 200 requests" in text.stderr            # progress on stderr
     for args, message in [
         (("plan", "replay", "/nonexistent.csv"), "cannot read"),
@@ -96,6 +150,10 @@ def test_cli_plan_replay_end_to_end():
         (("plan", "replay", str(TRACE), "--count", "5", "--devices", "sim:8xV100"), "V100"),
         (("plan", "replay", str(TRACE), "--count", "5", "--split", "9+9"), "9+9"),
         (("plan", "replay", str(TRACE), "--count", "0"), "--count"),
+        (("plan", "replay", str(TRACE), "--count", "5", "--max-batch-tokens", "lots"),
+         "--max-batch-tokens: expected auto"),
+        (("plan", "replay", str(TRACE), "--count", "5", "--max-batch-tokens", "auto,0"),
+         "--max-batch-tokens"),
     ]:
         bad = _cli(*args)
         assert bad.returncode == 1, (args, bad.stdout, bad.stderr)

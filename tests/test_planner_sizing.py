@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 
 import pytest
 
@@ -14,7 +15,8 @@ from appliance.partitions.catalogue import lookup_gpu
 from appliance.planner.planner import BoxShape, Planner, WhatIf, parse_whatif
 from appliance.planner.profiles import Profile, load_profile, save_profile, simulated_profile
 from appliance.planner.sizing import (
-    Slo, Workload, best_split, decode_batch, mdl1_max_rate, size, workers_for,
+    Slo, Workload, best_split, decode_batch, kingman_max_rate, kingman_ttft, mdl1_max_rate,
+    prefill_ttft, service_scv, size, workers_for,
 )
 
 
@@ -39,6 +41,42 @@ def test_mdl1_bound_hand_computed():
     assert workers_for(6.0, 3.0) == 2 and workers_for(0.0, 3.0) == 0
     with pytest.raises(ValueError):
         workers_for(1.0, 0.0)
+
+
+def test_kingman_bound_reduces_to_mdl1_and_hand_computed():
+    # c_a² = 1, c_s² = 0: exactly the M/D/1 cases above.
+    assert kingman_max_rate(1.0, 0.25, 1.0, 0.0) == pytest.approx(1.5 / 0.4375)
+    assert kingman_max_rate(2.0, 0.5) == pytest.approx(mdl1_max_rate(2.0, 0.5))
+    # S = 1, D = 0.25, c_a² = 3, c_s² = 1: k = 2, R = 0.75 / (0.25 (0.5 + 0.75)) = 2.4
+    assert kingman_max_rate(1.0, 0.25, 3.0, 1.0) == pytest.approx(2.4)
+    # ... where the mean time in system D + k·ρ/(1-ρ)·D is the SLO: ρ = 0.6
+    assert kingman_ttft(2.4, 0.25, 3.0, 1.0) == pytest.approx(0.25 + 2 * 0.6 / 0.4 * 0.25)
+    assert kingman_ttft(2.4, 0.25, 3.0, 1.0) == pytest.approx(1.0)
+    assert kingman_ttft(4.0, 0.25) == math.inf                    # saturated
+    # Evenly spaced arrivals and equal prompts never queue: R = 1/D.
+    assert kingman_max_rate(1.0, 0.25, 0.0, 0.0) == pytest.approx(4.0)
+    assert kingman_max_rate(1.0, 1.0, 5.0, 1.0) == 0.0
+    # c_s² from the prompt spread: 10 ms + 1 ms per token at 400 tokens has elasticity
+    # 400·0.001 / 0.41; c_L² = 0.5 -> c_s² = e²·0.5
+    p = hand_profile()
+    assert service_scv(p, 400, 0.5) == pytest.approx((0.4 / 0.41) ** 2 * 0.5, rel=1e-6)
+    assert service_scv(p, 400, 0.0) == 0.0
+    # N_p at the hand profile, 10 req/s of 400-token prompts, SLO 1 s, c_a² = 4, c_L² = 0.5
+    w = Workload(10.0, 400, 100, arrival_scv=4.0, prompt_scv=0.5)
+    s = size(w, Slo(1.0, 0.030), p, p, current=(4, 4), total_workers=8)
+    cs2 = (0.4 / 0.41) ** 2 * 0.5
+    r = (1.0 - 0.41) / (0.41 * ((4.0 + cs2) / 2 * 0.41 + 1.0 - 0.41))
+    assert s.prefill.per_worker == pytest.approx(r, rel=1e-6)
+    assert s.prefill.workers_needed == math.ceil(10.0 / r)
+    assert s.ttft["current_s"] is None                 # 2.5 req/s x 0.41 s: saturated
+    assert s.ttft["recommended_s"] == pytest.approx(
+        kingman_ttft(10.0 / s.recommended[0], 0.41, 4.0, cs2))
+    assert prefill_ttft(w, p, 0) is None
+    # The same workload, Poisson and equal prompts: M/D/1, fewer workers.
+    s0 = size(Workload(10.0, 400, 100), Slo(1.0, 0.030), p, p, current=(4, 4), total_workers=8)
+    assert s0.prefill.per_worker == pytest.approx(mdl1_max_rate(1.0, 0.41))
+    assert s0.prefill.workers < s.prefill.workers
+    assert s0.burstiness["drives"] is False and s0.burstiness["arrival_scv"] == 1.0
 
 
 def test_decode_batch_itl_and_kv_limits():
@@ -79,6 +117,40 @@ def test_size_hand_computed_case():
     best = max(range(1, 8), key=lambda k: min(k / need_p, (8 - k) / need_d))
     assert s.recommended == (best, 8 - best)
     assert s.fits and s.bottleneck in ("prefill", "decode") and s.bottleneck in s.why
+
+
+def test_bursty_arrivals_get_more_prefill_than_poisson(tmp_path):
+    """Two planners, the same mean rate and mix: Poisson arrivals vs on/off bursts (every
+    20 s, 2 s of arrivals at ten times the rate). The trends measure c_a² from the
+    arrival times; the bursty one gets more prefill GPUs, and the plan says why."""
+    from test_planner_trends import _onoff
+    rng = random.Random(11)
+    t0 = 1_700_000_000 // 60 * 60
+    now = t0 + 900
+    poisson, t = [], float(t0)
+    while (t := t + rng.expovariate(2.0)) < now:
+        poisson.append(t)
+    bursty = _onoff(rng, t0, 900, 2.0)
+    plans = {}
+    for name, times in (("poisson", poisson), ("bursty", bursty)):
+        pl = _planner(tmp_path / name)
+        for i, t in enumerate(times):
+            pl.observe(_record(i, t, 2048, 400, pl.model_name))
+        plans[name] = pl.plan(now=now, use_statsmodels=False)
+        pl.close()
+    p, b = plans["poisson"], plans["bursty"]
+    assert p["workload"]["now"]["rate"] == pytest.approx(b["workload"]["now"]["rate"], rel=0.1)
+    assert 0.8 < p["burstiness"]["arrival_scv"] < 1.2 and b["burstiness"]["arrival_scv"] > 4
+    assert "measured" in b["burstiness"]["source"]
+    gpus = lambda d: d["recommended"]["prefill"]["gpus"]  # noqa: E731
+    need = lambda d: d["recommended"]["prefill"]["gpus_needed"]  # noqa: E731
+    assert need(b) > need(p) and gpus(b) > gpus(p)
+    assert b["burstiness"]["drives"] is True
+    assert b["burstiness"]["poisson_split"] == p["recommended"]["split"]
+    assert "Burstiness drives this" in b["bottleneck"]["why"]
+    assert "Burstiness" not in p["bottleneck"]["why"]
+    tb = b["burstiness"]["ttft_bound"]
+    assert tb["recommended_s"] < tb["current_s"] or tb["current_s"] is None
 
 
 def test_best_split_hysteresis_and_no_traffic():
@@ -166,8 +238,11 @@ def test_mix_moves_from_prefill_to_decode(tmp_path):
 def test_whatif_changes_the_answer(tmp_path):
     pl = _planner(tmp_path)
     t0 = 1_700_000_000
+    rng = random.Random(3)          # Poisson arrivals (evenly spaced ones never queue)
+    t = float(t0)
     for k in range(600):
-        pl.observe(_record(k, t0 + k, 2000, 100, pl.model_name))
+        pl.observe(_record(k, t, 2000, 100, pl.model_name))
+        t = min(t0 + 599.0, t + rng.expovariate(1.0))
     base = pl.plan(now=t0 + 600, use_statsmodels=False)
     more = pl.plan(now=t0 + 600, whatif=WhatIf(traffic_x=20), use_statsmodels=False)
     need = lambda d: d["recommended"]["prefill"]["gpus_needed"]  # noqa: E731
@@ -176,8 +251,8 @@ def test_whatif_changes_the_answer(tmp_path):
     h200 = pl.plan(now=t0 + 600, whatif=WhatIf(gpu="H200"), use_statsmodels=False)
     assert h200["profile_source"]["decode"]["device"] == "H200"
     assert h200["cost"]["usd_per_day"] == pytest.approx(8 * 4.0 * 24)
-    tight = pl.plan(now=t0 + 600, whatif=WhatIf(ttft_slo=0.3), use_statsmodels=False)
-    assert tight["slo"]["ttft_s"] == 0.3 and need(tight) > need(base)
+    tight = pl.plan(now=t0 + 600, whatif=WhatIf(ttft_slo=0.28), use_statsmodels=False)
+    assert tight["slo"]["ttft_s"] == 0.28 and need(tight) > need(base)
     mix = pl.plan(now=t0 + 600, whatif=WhatIf(prompt_tokens=100, output_tokens=2000),
                   use_statsmodels=False)
     assert mix["rho"]["now"] < 1 < base["rho"]["now"]
@@ -223,6 +298,26 @@ def test_auto_apply_after_the_configured_time(tmp_path):
     assert calls == [late["split"]]                          # off by default: never called
     pl.close()
     off.close()
+
+
+def test_planner_follows_the_live_box(tmp_path):
+    """After a repartition the planner plans on the split that runs; when a phase's GPU
+    type changes its profile (and the cached per-request estimate) follows."""
+    from dataclasses import replace as dc_replace
+    pl = _planner(tmp_path)
+    live = [pl.box]
+    pl.box_source = lambda: live[0]
+    rec = _record(1, 1_700_000_000, 2000, 100, pl.model_name)
+    before = pl._estimate(rec)
+    live[0] = dc_replace(pl.box, prefill_workers=6, decode_workers=2)
+    out = pl.plan(now=1_700_000_100.0, use_statsmodels=False)
+    assert out["current"]["split"] == "6+2" and pl._estimate(rec) == before
+    h200 = lookup_gpu("H200")
+    live[0] = dc_replace(pl.box, prefill_gpu=h200, decode_gpu=h200)
+    out = pl.plan(now=1_700_000_100.0, use_statsmodels=False)
+    assert out["profile_source"]["prefill"]["device"] == "H200"
+    assert pl._estimate(rec) != before                    # H200 decodes faster
+    pl.close()
 
 
 def test_planner_config_section():

@@ -1,19 +1,26 @@
-"""`applianced plan`, `applianced plan replay TRACE.csv`, `applianced profile`."""
+"""`applianced plan` (one appliance, or a fleet with several --url), `applianced plan
+replay TRACE.csv`, `applianced profile`."""
 from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from appliance.commands.client import AdminClient, add_client_args
+from appliance.commands.client import ADMIN_KEY_ENV, DEFAULT_URL, AdminClient, AdminError
 
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("plan", help="capacity plan: prefill/decode split at the SLOs",
                        description="Ask the daemon for its capacity plan (forecast, "
-                                   "recommended prefill/decode split, bottleneck), or replay "
-                                   "a trace through the simulator: plan replay TRACE.csv.")
-    add_client_args(p)
+                                   "recommended prefill/decode split, bottleneck); with several "
+                                   "--url, the fleet's, per site and in total; or replay a "
+                                   "trace through the simulator: plan replay TRACE.csv.")
+    p.add_argument("--url", action="append", default=None, metavar="URL",
+                   help=f"an appliance (default {DEFAULT_URL}); repeat for a fleet view per site")
+    p.add_argument("--admin-key", default=None,
+                   help=f"admin key (default: ${ADMIN_KEY_ENV}; none needed on loopback "
+                        "while no [auth] admin_keys are configured)")
     _plan_args(p)
     psub = p.add_subparsers(dest="plan_command", metavar="SUBCOMMAND")
     r = psub.add_parser("replay", help="replay an Azure LLM trace in virtual time (no daemon)",
@@ -33,6 +40,10 @@ def add_parsers(sub) -> None:
     r.add_argument("--start", type=int, default=0, help="first trace row to replay")
     r.add_argument("--count", type=int, help="rows to replay (default: all)")
     r.add_argument("--window", default="5m", help="window of the per-window recommendation")
+    r.add_argument("--max-batch-tokens", metavar="auto|N[,...]",
+                   help="prefill token budget to replay with: auto (the profile's knee, what "
+                        "engine.max_batch_tokens = 0 does), a number, or several to compare, "
+                        "e.g. auto,8192 (default: the config's engine.max_batch_tokens)")
     r.add_argument("--json", action="store_true")
     r.set_defaults(run=cmd_replay)
     p.set_defaults(run=cmd_plan)
@@ -67,15 +78,79 @@ def _num(x) -> str:
 
 
 def cmd_plan(args) -> int:
+    from appliance.commands.tui import resolve_urls
     params = {"horizon": args.horizon, "gpu": args.gpu, "ttft_slo": args.ttft_slo,
               "itl_slo": args.itl_slo, "traffic_x": args.traffic_x,
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
-    data = AdminClient.from_args(args).get("/admin/v1/plan", params)
+    urls = resolve_urls(args.url or [DEFAULT_URL], None)
+    if len(urls) > 1:
+        return cmd_fleet_plan(urls, args.admin_key, params, args.json)
+    data = AdminClient(urls[0], args.admin_key).get("/admin/v1/plan", params)
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
     print(format_plan(data))
     return 0
+
+
+def fetch_plans(urls: list[str], admin_key: str | None, params: dict):
+    """(url, plan or None, one-line error or None) per appliance, fetched in parallel:
+    one slow or dead appliance costs its own timeout, not the sum."""
+    def one(url: str):
+        try:
+            return url, AdminClient(url, admin_key).get("/admin/v1/plan", params), None
+        except AdminError as exc:
+            return url, None, str(exc)
+    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
+        return list(pool.map(one, urls))
+
+
+def cmd_fleet_plan(urls: list[str], admin_key: str | None, params: dict, as_json: bool) -> int:
+    from appliance.planner.fleet import fleet_plan
+    fleet = fleet_plan(fetch_plans(urls, admin_key, params))
+    if as_json:
+        print(json.dumps(fleet, indent=2))
+    else:
+        print(format_fleet(fleet))
+    if fleet["fleet"] is None:
+        raise AdminError("no appliance answered")
+    return 0
+
+
+def format_fleet(f: dict) -> str:
+    n = len(f["appliances"])
+    sim = " [SIMULATED]" if f["simulated"] else ""
+    lines = [f"fleet capacity plan{sim}: {n} appliance{'s' * (n != 1)} at {len(f['sites'])} "
+             f"site{'s' * (len(f['sites']) != 1)} (each sized on its own box, estimated)"]
+    if f["appliances"]:
+        lines.append(f"{'appliance':<26}{'site':<12}{'model':<20}{'current':>8}{'recommended':>13}"
+                     f"{'at peak':>9}  {'bottleneck':<11}{'c_a²':>6}")
+        for r in f["appliances"]:
+            ca2 = "-" if r["arrival_scv"] is None else f"{r['arrival_scv']:.1f}"
+            lines.append(f"{_cut(r['appliance'], 25):<26}{_cut(r['site'], 11):<12}"
+                         f"{_cut(str(r['model']), 19):<20}{r['split']['current']:>8}"
+                         f"{r['split']['recommended']:>13}{r['split']['at_peak']:>9}  "
+                         f"{str(r['bottleneck']):<11}{ca2:>6}")
+        lines.append("GPUs per phase: current -> recommended now / at the forecast peak "
+                     "(needed now); rho = prefill / decode GPU demand")
+        rows = [(f"site {name} ({s['appliances']})", s) for name, s in f["sites"].items()]
+        rows.append((f"fleet ({f['fleet']['appliances']})", f["fleet"]))
+        for label, s in rows:
+            cells = []
+            for ph in ("prefill", "decode"):
+                need = s["needed"][ph]
+                cells.append(f"{ph} {s['current'][ph]} -> {s['recommended'][ph]}/{s['at_peak'][ph]} "
+                             f"(need {'n/a' if need is None else f'{need:.2f}'})")
+            lines.append(f"  {label:<24}{cells[0]:<34}{cells[1]:<34}rho {_num(s['rho']['now'])} "
+                         f"now, {_num(s['rho']['at_peak'])} at peak")
+            lines.append(f"  {'':<24}{s['why']}")
+    for u in f["unreachable"]:
+        lines.append(f"note: {u['url']} left out: {u['error']}")
+    return "\n".join(lines)
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def format_plan(d: dict) -> str:
@@ -105,6 +180,8 @@ def format_plan(d: dict) -> str:
     h = d["headroom"]["recommended"]
     lines.append(f"headroom at the recommended split: prefill {_num(h['prefill'])}x, decode "
                  f"{_num(h['decode'])}x")
+    if b := d.get("burstiness"):
+        lines.append(format_burstiness(b, d["current"]["split"], d["recommended"]["split"]))
     lines.append(f"bottleneck: {d['bottleneck']['why']}")
     c = d["cost"]
     lines.append(f"cost: ${c['usd_per_day']:.2f}/day, {c['kwh_per_day']:.1f} kWh/day (estimated)")
@@ -128,6 +205,22 @@ def format_plan(d: dict) -> str:
     return "\n".join(lines)
 
 
+def format_burstiness(b: dict, current: str, recommended: str) -> str:
+    """One line: c_a², c_s², where they came from, and whether they moved the answer."""
+    line = (f"burstiness: c_a² {b['arrival_scv']:.2f} (inter-arrival, Poisson = 1), c_s² "
+            f"{b['service_scv']:.2f} (prefill time, from the prompt spread)")
+    if b.get("source"):
+        line += f", {b['source']}"
+    t = b.get("ttft_bound") or {}
+    if t.get("current_s") is not None or t.get("recommended_s") is not None:
+        sec = lambda v: "saturated" if v is None else f"{v:.2f} s"  # noqa: E731
+        line += (f"; bound's mean TTFT {sec(t.get('current_s'))} at {current}, "
+                 f"{sec(t.get('recommended_s'))} at {recommended}")
+    if b.get("drives"):
+        line += f"; burstiness drives the recommendation (Poisson arrivals: {b['poisson_split']})"
+    return line
+
+
 def cmd_replay(args) -> int:
     from appliance import config
     from appliance.config import parse_duration
@@ -144,17 +237,34 @@ def cmd_replay(args) -> int:
         if v is not None and not v > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {v}")
     slo = Slo(args.ttft_slo or cfg.planner.ttft_slo_s, args.itl_slo or cfg.planner.itl_slo_s)
+    budgets = parse_budgets(args.max_batch_tokens) if args.max_batch_tokens else None
     model = lookup_model_spec(args.model_spec)
     trace = load_azure_trace(Path(args.trace), args.start, args.count)
     progress = (lambda line: print(f"  {line}", file=sys.stderr, flush=True)) \
         if not args.json else None
     out = plan_replay(trace, model, args.devices, args.split, args.tp, slo,
-                      cfg.planner.quantile, parse_duration(args.window), cfg.engine, progress)
+                      cfg.planner.quantile, parse_duration(args.window), cfg.engine, progress,
+                      budgets)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
     print(format_replay(out))
     return 0
+
+
+def parse_budgets(text: str) -> list[int]:
+    """`auto`, `8192` or `auto,8192` -> [0, 8192] (0 = auto); one ValueError line else."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item == "auto":
+            out.append(0)
+        elif item.isdigit() and int(item) > 0:
+            out.append(int(item))
+        else:
+            raise ValueError(f"--max-batch-tokens: expected auto, a positive whole number, or "
+                             f"several of them comma-separated (auto,8192), got {text!r}")
+    return out
 
 
 def format_replay(r: dict) -> str:
@@ -165,21 +275,45 @@ def format_replay(r: dict) -> str:
              f"p{round(r['quantile'] * 100)} minute; prompt {w['mean']['prompt_tokens']:.0f}, "
              f"output {w['mean']['output_tokens']:.1f} tokens; rho {_num(r['rho'])} "
              f"({'prefill' if (r['rho'] or 0) > 1 else 'decode'}-heavy)",
+             format_burstiness(r["burstiness"], r["current"], r["recommended"]),
              f"planner: current {r['current']}, recommended {r['recommended']}; {r['why']}",
              f"prefill token budget (profile knee): {r['prefill_token_budget']}",
              f"per {r['window_s'] / 60:g}-minute window:"]
     for x in r["windows"]:
         lines.append(f"  t+{x['t'] / 60:5.0f} min {x['requests']:6d} req {x['rate']:6.2f} req/s "
-                     f"(upper {x['rate_upper']:.2f})  rho {_num(x['rho']):>6}  -> {x['recommended']}")
+                     f"(upper {x['rate_upper']:.2f})  c_a² {x['arrival_scv']:6.1f}  "
+                     f"rho {_num(x['rho']):>6}  -> {x['recommended']}")
     s = r["slo"]
     lines.append(f"SLO: TTFT {s['ttft_s']:g} s, ITL {s['itl_s'] * 1000:g} ms ({s['checked_at']})")
-    lines.append(f"{'split':<8}{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'ITL p50':>10}{'p90':>9}"
-                 f"{'p99':>9}  meets SLO")
+    lines.append(f"{'split':<8}{'TTFT mean':>10}{'p50':>9}{'p90':>9}{'p99':>9}{'ITL p50':>10}"
+                 f"{'p90':>9}{'p99':>9}  meets SLO  | bound's mean TTFT (M/D/1)")
     for split, x in r["replay"].items():
         ms = lambda v: "-" if v is None else f"{v * 1000:.0f}ms"  # noqa: E731
-        lines.append(f"{split:<8}{ms(x['ttft_p50_s']):>10}{ms(x['ttft_p90_s']):>9}"
-                     f"{ms(x['ttft_p99_s']):>9}{ms(x['itl_p50_s']):>10}{ms(x['itl_p90_s']):>9}"
-                     f"{ms(x['itl_p99_s']):>9}  {'yes' if x['meets_slo'] else 'NO'}")
+        bound = x.get("bound") or {}
+        lines.append(f"{split:<8}{ms(x['ttft_mean_s']):>10}{ms(x['ttft_p50_s']):>9}"
+                     f"{ms(x['ttft_p90_s']):>9}{ms(x['ttft_p99_s']):>9}{ms(x['itl_p50_s']):>10}"
+                     f"{ms(x['itl_p90_s']):>9}{ms(x['itl_p99_s']):>9}  "
+                     f"{'yes' if x['meets_slo'] else 'NO ':<9}  | "
+                     f"{ms(bound.get('ttft_mean_s')) if bound.get('ttft_mean_s') else 'saturated'} "
+                     f"({ms(bound.get('ttft_mean_poisson_s'))})")
+    by_budget = r.get("by_budget") or {}
+    if len(by_budget) > 1:
+        lines.append("prefill token budget (engine.max_batch_tokens; auto = the profile's knee):")
+        lines.append(f"{'budget':<14}{'split':<7}{'TTFT mean':>10}{'p50':>9}{'p90':>9}{'p99':>9}"
+                     f"{'ITL p50':>9}{'p90':>8}  prompts/prefill step  meets SLO")
+        for label, results in by_budget.items():
+            for split, x in results.items():
+                budget = f"{label} ({x['max_batch_tokens']})" if label == "auto" else label
+                lines.append(f"{budget:<14}{split:<7}{ms(x['ttft_mean_s']):>10}"
+                             f"{ms(x['ttft_p50_s']):>9}{ms(x['ttft_p90_s']):>9}"
+                             f"{ms(x['ttft_p99_s']):>9}{ms(x['itl_p50_s']):>9}"
+                             f"{ms(x['itl_p90_s']):>8}  "
+                             f"{x['prefill_batching']['prompts_per_step']:>20.2f}  "
+                             f"{'yes' if x['meets_slo'] else 'NO'}")
+    elif by_budget:
+        x = next(iter(next(iter(by_budget.values())).values()))
+        lines.append(f"replayed with max_batch_tokens {r['max_batch_tokens']}"
+                     + (f" ({x['max_batch_tokens']} tokens)" if r["max_batch_tokens"] == "auto" else ""))
     return "\n".join(lines)
 
 

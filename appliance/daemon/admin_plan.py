@@ -2,15 +2,15 @@
 
 The planner itself (`appliance.planner`) knows nothing of HTTP; this module builds it
 from the Service, feeds it (the Service's `finished` hook), runs its periodic tick, and
-hands it the one daemon action it may take: starting the repartition workflow, which is
-a POST to this daemon's own `/admin/v1/workflows`.
+hands it the one daemon action it may take: starting the repartition workflow, a call
+to the daemon's workflow engine (`WorkflowEngine.submit`, what `POST
+/admin/v1/workflows` calls), in this process: no loopback request, no admin key.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
-import os
 import socket
 from pathlib import Path
 
@@ -27,6 +27,7 @@ log = logging.getLogger("applianced.planner")
 PLANNER = web.AppKey("planner", object)
 TICK_S = 60.0
 FIRST_TICK_S = 5.0
+MIN_TICK_S = 1.0
 QUERY_PARAMS = {"horizon", "gpu", "ttft_slo", "itl_slo", "traffic_x", "prompt_tokens",
                 "output_tokens"}
 
@@ -60,6 +61,8 @@ async def plan(request: web.Request):
         raise ApiError(400, str(exc), param=param, code="invalid_parameter") from None
     loop = asyncio.get_running_loop()
     result = await loop.run_in_executor(None, functools.partial(planner.plan, horizon, whatif))
+    site = request.app[SERVICE].cfg.site           # a fleet view groups plans by site
+    result["site"] = {"name": site.name, "appliance": site.appliance or socket.gethostname()}
     return json_response(result)
 
 
@@ -90,25 +93,41 @@ def _register_gauges(svc, planner) -> None:
 
 
 def _repartition_starter(svc):
-    """The one action the planner may take: POST the repartition workflow to this daemon
-    (with $APPLIANCED_ADMIN_KEY when admin keys are configured)."""
+    """The one action the planner may take: submit the repartition workflow to this
+    daemon's workflow engine, exactly as `POST /admin/v1/workflows` does. The engine's
+    refusals (ValueError: a split that does not fit; Refused: a workflow that changes
+    the workers already runs) reach the planner as exceptions, which it records."""
     async def start(split: str) -> dict:
-        import aiohttp
-        host = svc.cfg.server.host
-        host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-        url = f"http://{host}:{svc.cfg.server.port}/admin/v1/workflows"
-        headers = {}
-        if key := os.environ.get("APPLIANCED_ADMIN_KEY"):
-            headers["Authorization"] = f"Bearer {key}"
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-            async with session.post(url, json={"kind": "repartition", "params": {"split": split}},
-                                    headers=headers) as resp:
-                body = await resp.json(content_type=None)
-                if resp.status >= 300:
-                    msg = (body or {}).get("error", {}).get("message", resp.reason)
-                    raise RuntimeError(f"HTTP {resp.status}: {msg}")
-                return body
+        engine = svc.workflows
+        if engine is None:
+            raise RuntimeError("workflows are not available yet (the daemon is starting)")
+        wf = engine.submit("repartition", {"split": split})
+        return {"id": wf.id, "kind": wf.kind, "status": wf.status}
     return start
+
+
+def _workers_changing(svc):
+    """Is a workflow of the "workers" class (repartition, swap-model) unfinished?"""
+    def changing() -> bool:
+        engine = svc.workflows
+        return engine is not None and any(
+            w.exclusive == "workers" for w in engine.journal.list(20, unfinished=True))
+    return changing
+
+
+def _live_box(svc, model):
+    """The planner's view of the box as it runs now: `svc.plan` is what workflows change."""
+    from appliance.planner.planner import box_from_setup
+    return lambda: box_from_setup(svc.setup, svc.cfg.engine, plan=svc.plan, model=model)
+
+
+def tick_interval(cfg) -> float:
+    """How often the planner plans in the background: every minute, or often enough to
+    notice a difference within a quarter of `auto_apply_after_s` (at most once a second)
+    when auto-apply is on with a short delay."""
+    if not cfg.auto_apply:
+        return TICK_S
+    return max(MIN_TICK_S, min(TICK_S, cfg.auto_apply_after_s / 4))
 
 
 def build_planner(svc):
@@ -120,13 +139,16 @@ def build_planner(svc):
         state_dir.mkdir(parents=True, exist_ok=True)
     planner = Planner(svc.cfg.planner, box, db, engine=svc.cfg.engine,
                       profile_dir=state_dir / "profiles" if state_dir else None,
-                      start_repartition=_repartition_starter(svc), model_name=svc.model_name)
+                      start_repartition=_repartition_starter(svc), model_name=svc.model_name,
+                      box_source=_live_box(svc, box.model),
+                      workers_changing=_workers_changing(svc))
     planner.batch_tokens = getattr(svc.setup, "batch_tokens", None)
     return planner
 
 
 async def _ticker(planner) -> None:
-    await asyncio.sleep(FIRST_TICK_S)
+    every = tick_interval(planner.cfg)
+    await asyncio.sleep(min(FIRST_TICK_S, every))
     while True:
         try:
             await planner.auto_apply_tick()
@@ -134,7 +156,7 @@ async def _ticker(planner) -> None:
             raise
         except Exception:
             log.exception("planner tick failed")
-        await asyncio.sleep(TICK_S)
+        await asyncio.sleep(every)
 
 
 async def _lifecycle(app: web.Application):

@@ -2,8 +2,11 @@
 repartition started when the plan has disagreed with the box for long enough.
 
 It knows the box as `BoxShape` (the workers of each phase and their GPU type), never
-the daemon; the one thing it may ask of the daemon is the `start_repartition` callable
-the daemon hands it (the workflow engine's repartition), so this package has no HTTP.
+the daemon. The daemon hands it three callables, so this package has no HTTP and no
+daemon imports: `box_source` (the live partition, which workflows change),
+`start_repartition` (submit the repartition workflow to the workflow engine) and
+`workers_changing` (is a workflow that changes the workers running: then the box is in
+flux, and the auto-apply clock waits).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ log = logging.getLogger("applianced.planner")
 
 MAX_HORIZON_S = 8 * 604800
 NOW_WINDOW_S = 900.0             # "now" = the last 15 minutes of trends
+MIN_GAPS = 30                    # inter-arrival gaps needed to trust a measured c_a²
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,17 @@ def profile_for(box: BoxShape, gpu, profile_dir: Path | None, engine: EngineConf
     return p
 
 
+def _plain(x):
+    """numpy scalars (the forecasters' output) as Python numbers: the plan is JSON."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
 RHO_HISTORY = 240        # past buckets of rho in a plan: what the TUI's trend shows
 
 
@@ -108,9 +123,13 @@ class Planner:
     def __init__(self, cfg: PlannerConfig, box: BoxShape, db_path: str | Path,
                  engine: EngineConfig | None = None, profile_dir: Path | None = None,
                  start_repartition: Callable[[str], Awaitable[dict]] | None = None,
-                 model_name: str | None = None, clock: Callable[[], float] = time.time):
+                 model_name: str | None = None, clock: Callable[[], float] = time.time,
+                 box_source: Callable[[], BoxShape] | None = None,
+                 workers_changing: Callable[[], bool] | None = None):
         self.cfg = cfg
         self.box = box
+        self.box_source = box_source
+        self.workers_changing = workers_changing
         self.engine = engine or EngineConfig()
         self.profile_dir = profile_dir
         self.model_name = model_name or box.model.name
@@ -158,9 +177,32 @@ class Planner:
         return dp.tp * itl / max(1, b)
 
     # -- planning ---------------------------------------------------------------------
+    def follow_box(self) -> None:
+        """Take the live partition from `box_source`: after a repartition the current
+        split is the new one (else auto-apply would keep "fixing" a box already fixed).
+        Profiles are rebuilt only when a phase's GPU type changed."""
+        if self.box_source is None:
+            return
+        try:
+            box = self.box_source()
+        except Exception:       # a box mid-change: plan on the last one seen
+            log.exception("planner: cannot read the live partition")
+            return
+        if box == self.box:
+            return
+        old, self.box = self.box, box
+        if (box.prefill_gpu, box.decode_gpu, box.tp) == (old.prefill_gpu, old.decode_gpu, old.tp):
+            return
+        self.prefill_profile = profile_for(box, box.prefill_gpu, self.profile_dir, self.engine)
+        self.decode_profile = profile_for(box, box.decode_gpu, self.profile_dir, self.engine)
+        # The per-request estimates are cached per operating point of the old profiles.
+        Planner._prefill_gpu_s_per_token.cache_clear()
+        Planner._decode_gpu_s_per_token.cache_clear()
+
     def plan(self, horizon_s: float | None = None, whatif: WhatIf | None = None,
              now: float | None = None, use_statsmodels: bool = True) -> dict:
         self.trends.flush()
+        self.follow_box()
         now = self.clock() if now is None else now
         horizon_s = horizon_s or parse_duration(self.cfg.horizon)
         whatif = whatif or WhatIf()
@@ -181,7 +223,9 @@ class Planner:
 
         # Now: the last 15 minutes (or what there is), at one-minute resolution.
         recent = (self.trends.buckets(self.model_name, 60.0, now - NOW_WINDOW_S, now) if span else [])
-        now_w = self._workload(recent, whatif)
+        burst = self._burstiness(recent, buckets)
+        now_w = replace(self._workload(recent, whatif), arrival_scv=burst["arrival_scv"],
+                        prompt_scv=burst["prompt_scv"])
 
         level = 2 * q - 1
         out_fc: dict[str, fc.Forecast] = {}
@@ -207,7 +251,9 @@ class Planner:
             ot = whatif.output_tokens or (max(1.0, out_fc["output_tokens"].mean[i]) if have_history
                                           else now_w.output_tokens)
             hit = min(0.99, max(0.0, out_fc["prefix_hit"].mean[i]))
-            return Workload(rate, pt, ot, hit)
+            # Plain floats: numpy scalars are not JSON (the plan is served as JSON).
+            return Workload(float(rate), float(pt), float(ot), float(hit),
+                            now_w.arrival_scv, now_w.prompt_scv)
 
         have_history = bool(buckets) and any(b.requests for b in buckets)
         # Recommended now: the upper quantile of the next bucket (or, with no history
@@ -240,7 +286,7 @@ class Planner:
         cost = self._cost_per_day(box, pp, dp, sz_now.recommended, mean_day, slo)
         knee = pp.prefill_knee_tokens()
         rec, peak = sz_now.recommended, sz_peak.recommended
-        return {
+        return _plain({
             "model": self.model_name, "simulated": box.simulated, "generated_at": now,
             "horizon_s": horizon_s, "bucket_s": bucket_s, "quantile": q,
             "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
@@ -256,6 +302,11 @@ class Planner:
                          "recommended": sz_now.headroom_recommended},
             "fits": sz_now.fits,
             "rho": {"now": sz_obs.rho if now_w.rate > 0 else None,
+                    "at_peak": sz_peak.rho if upper_peak.rate > 0 else None,
+                    # GPU-seconds per second behind ρ: what a fleet view adds up
+                    "demand": {k: {"prefill_gpu_s_per_s": z.prefill.gpu_seconds_per_s,
+                                   "decode_gpu_s_per_s": z.decode.gpu_seconds_per_s}
+                               for k, z in (("now", sz_obs), ("peak", sz_peak))},
                     "history": [{"t": b.start, "value": b.rho} for b in buckets[-RHO_HISTORY:]],
                     "forecast": [{"t": t, "value": r} for t, r in zip(times, rho_series)],
                     "source": self.gpu_source},
@@ -267,6 +318,10 @@ class Planner:
                          "prompt_tokens": fseries(out_fc["prompt_tokens"]),
                          "output_tokens": fseries(out_fc["output_tokens"])},
             "bottleneck": {"phase": sz_now.bottleneck, "why": sz_now.why},
+            "burstiness": {**burst, "service_scv": sz_now.burstiness["service_scv"],
+                           "drives": sz_now.burstiness["drives"],
+                           "poisson_split": sz_now.burstiness["poisson_split"],
+                           "ttft_bound": sz_now.ttft},
             "sizing": {"now": sz_now.to_json(), "peak": sz_peak.to_json()},
             "cost": cost,
             "tuning": {"prefill_token_budget": knee,
@@ -282,7 +337,26 @@ class Planner:
             "auto_apply": {"enabled": self.cfg.auto_apply,
                            "after_s": self.cfg.auto_apply_after_s,
                            "differs_since": self.differs_since, "applied": self.applied[-5:]},
-        }
+        })
+
+    @staticmethod
+    def _burstiness(recent, history) -> dict:
+        """c_a² (inter-arrival) and c_L² (prompt length) measured over the last 15
+        minutes, else over the forecast's history, else assumed Poisson with equal
+        prompts (the M/D/1 case), and which it was. Not forecast: a service's
+        burstiness is taken to be what it has been."""
+        for label, bs in (("the last 15 minutes", recent), ("the history", history)):
+            gaps = sum(b.arrival_gaps for b in bs)
+            if gaps >= MIN_GAPS:
+                ca2 = sum(b.arrival_scv * b.arrival_gaps for b in bs if b.arrival_gaps) / gaps
+                req = [(b.prompt_scv, b.requests) for b in bs if b.prompt_scv is not None]
+                cl2 = sum(c * n for c, n in req) / sum(n for _, n in req) if req else 0.0
+                return {"arrival_scv": round(ca2, 4), "prompt_scv": round(cl2, 4),
+                        "gaps": gaps, "source": f"measured over {label} (c_a² per minute, "
+                                                 "weighted by inter-arrival gaps)"}
+        return {"arrival_scv": 1.0, "prompt_scv": 0.0, "gaps": 0,
+                "source": f"assumed Poisson arrivals, equal prompts (M/D/1): fewer than "
+                          f"{MIN_GAPS} inter-arrival gaps measured"}
 
     def _workload(self, recent, whatif: WhatIf) -> Workload:
         n = sum(b.requests for b in recent)
@@ -364,6 +438,11 @@ class Planner:
         if rec is None or rec == self.box.current:
             self.differs_since = None
             return None
+        if self.workers_changing is not None and self.workers_changing():
+            # A repartition (ours or an operator's) or a model swap is under way: the
+            # box is in flux, and a second one would be refused anyway.
+            self.differs_since = None
+            return None
         if self.differs_since is None:
             self.differs_since = now
             return None
@@ -387,13 +466,15 @@ class Planner:
         self.trends.close()
 
 
-def box_from_setup(setup, cfg_engine: EngineConfig) -> BoxShape:
-    """The BoxShape of a daemon's Setup (inventory + partition plan + model)."""
+def box_from_setup(setup, cfg_engine: EngineConfig, plan=None, model=None) -> BoxShape:
+    """The BoxShape of a daemon's Setup (inventory + partition plan + model); `plan`
+    (default: the start-up one) is the live partition when a workflow changed it."""
     from appliance.models.specs import lookup_model_spec, spec_from_hf_config
-    model = (lookup_model_spec(cfg_engine.model_spec) if cfg_engine.model_spec
-             else spec_from_hf_config(setup.model_dir / "config.json"))
+    if model is None:
+        model = (lookup_model_spec(cfg_engine.model_spec) if cfg_engine.model_spec
+                 else spec_from_hf_config(setup.model_dir / "config.json"))
     devices = {d.id: d for d in setup.inventory.devices}
-    plan = setup.plan
+    plan = plan if plan is not None else setup.plan
 
     def gpu_of(slots):
         if not slots:

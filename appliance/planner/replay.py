@@ -27,7 +27,7 @@ import heapq
 import itertools
 import random
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -124,6 +124,11 @@ class Worker:
     steps: list = field(default_factory=list)      # (start, end, phase) in virtual seconds
     decode_steps: int = 0
     decode_seqs: int = 0
+    max_batch_tokens: int = 0      # the prefill token budget this worker's scheduler has
+    prefill_steps: int = 0
+    prefill_prompts: int = 0       # prompts over all prefill steps
+    multi_prompt_steps: int = 0    # prefill steps that batched more than one prompt
+    multi_prompt_max_tokens: int = 0   # the most tokens such a step batched (<= the budget)
 
 
 @dataclass
@@ -268,6 +273,13 @@ class VirtualCluster:
             return
         rec = next(e for e in events if isinstance(e, IterationRecord))
         w.steps.append((now, now + d, rec.phase))
+        if rec.phase == "prefill":
+            w.prefill_steps += 1
+            w.prefill_prompts += len(rec.entries)
+            if len(rec.entries) > 1:
+                w.multi_prompt_steps += 1
+                w.multi_prompt_max_tokens = max(w.multi_prompt_max_tokens,
+                                                sum(e[1] for e in rec.entries))
         if rec.phase in ("decode", "mixed"):
             decoding = self.decoding_entries(rec)
             if decoding:
@@ -345,6 +357,16 @@ def timing_for(model, gpu, tp: int) -> StepTimeModel:
     return StepTimeModel(DeviceShape.from_gpu(gpu, model.weight_bytes), tp, model)
 
 
+def batch_budget(model, gpu, tp: int, engine: EngineConfig) -> int:
+    """The prefill token budget a `sim` worker on `gpu` runs with: the configured
+    `engine.max_batch_tokens`, or with 0 (auto) the knee of the device's roofline
+    profile, as the daemon resolves it at start-up (`planner/tuning.py`)."""
+    if engine.max_batch_tokens > 0:
+        return engine.max_batch_tokens
+    from appliance.planner.tuning import token_budget
+    return token_budget(model, gpu, tp, None, mem_fraction=engine.gpu_mem_fraction).tokens
+
+
 def build_workers(shapes: list[WorkerShape], model, engine: EngineConfig) -> list[Worker]:
     workers = []
     for s in shapes:
@@ -353,7 +375,9 @@ def build_workers(shapes: list[WorkerShape], model, engine: EngineConfig) -> lis
             raise ValueError(f"{model.name} does not fit {s.tp}x {s.gpu.name} with room for KV "
                              f"(weights {model.weight_total_bytes() / 1e9:.0f} GB); "
                              "use a larger tp or an fp8 model spec")
-        workers.append(Worker(s.name, s.role, s.tp, build_engine(s.name, timing, engine, s.devices)))
+        budget = batch_budget(model, s.gpu, s.tp, engine)
+        eng = build_engine(s.name, timing, replace(engine, max_batch_tokens=budget), s.devices)
+        workers.append(Worker(s.name, s.role, s.tp, eng, max_batch_tokens=budget))
     return workers
 
 
@@ -384,6 +408,8 @@ class ReplayResult:
     busy_share: dict
     preemptions: int
     meets_slo: bool | None          # p90 TTFT and p90 ITL within the SLOs
+    max_batch_tokens: int = 0       # the prefill workers' token budget
+    prefill_batching: dict = field(default_factory=dict)   # what the budget did to the steps
 
     def to_json(self) -> dict:
         from dataclasses import asdict
@@ -420,6 +446,7 @@ class TraceReplay(VirtualCluster):
             busy[role] = round(sum(b - a for w in ws for a, b, _ in w.steps) / (len(ws) * end), 4) \
                 if end > 0 else 0.0
         tp90, ip90 = _pct(ttft, 0.9), _pct(itl, 0.9)
+        front = [w for w in self.workers if w.role in ("prefill", "agg")]
         meets = None
         if ttft_slo is not None and itl_slo is not None:
             meets = (tp90 is None or tp90 <= ttft_slo) and (ip90 is None or ip90 <= itl_slo)
@@ -432,7 +459,14 @@ class TraceReplay(VirtualCluster):
             ttft_slo_met=(sum(x <= ttft_slo for x in ttft) / len(ttft)) if ttft and ttft_slo else None,
             itl_slo_met=(sum(x <= itl_slo for x in itl) / len(itl)) if itl and itl_slo else None,
             busy_share=busy, preemptions=sum(w.engine.scheduler.preemptions for w in self.workers),
-            meets_slo=meets)
+            meets_slo=meets, max_batch_tokens=max((w.max_batch_tokens for w in front), default=0),
+            prefill_batching={
+                "steps": sum(w.prefill_steps for w in front),
+                "prompts_per_step": round(sum(w.prefill_prompts for w in front)
+                                          / max(1, sum(w.prefill_steps for w in front)), 4),
+                "multi_prompt_steps": sum(w.multi_prompt_steps for w in front),
+                "multi_prompt_max_tokens": max((w.multi_prompt_max_tokens for w in front),
+                                               default=0)})
 
 
 def replay_trace(trace: list[TraceRequest], model, devices: str, split: str, tp: int = 1,
@@ -450,8 +484,24 @@ def replay_trace(trace: list[TraceRequest], model, devices: str, split: str, tp:
 
 # ---- what the planner would have said over a trace ------------------------------------
 
+def arrival_scv(times: list[float], t0: float = 0.0) -> tuple[float, int]:
+    """(c_a², gaps) as the trends measure it: per minute from t0, the squared CV of the
+    gaps ending in that minute, averaged weighted by gaps (planner/trends.py)."""
+    from appliance.planner.trends import gap_stats, scv
+    by_min: dict[int, list[float]] = {}
+    for t in sorted(times):
+        by_min.setdefault(int((t - t0) // 60), []).append(t)
+    wsum, total = 0.0, 0
+    for ts in by_min.values():
+        n, s, sq = gap_stats(ts)
+        if (c2 := scv(n, s, sq)) is not None:
+            wsum, total = wsum + n * c2, total + n
+    return (wsum / total if total else 1.0), total
+
+
 def trace_workload(trace: list[TraceRequest], t0: float, t1: float, quantile: float):
-    """(mean Workload, Workload at the q-quantile of per-minute rates) over [t0, t1)."""
+    """(mean Workload, Workload at the q-quantile of per-minute rates) over [t0, t1),
+    both with the window's burstiness: c_a² of arrivals, c_L² of prompt lengths."""
     from appliance.planner.sizing import Workload
     rows = [r for r in trace if t0 <= r.t < t1]
     width = max(1e-9, t1 - t0)
@@ -463,18 +513,26 @@ def trace_workload(trace: list[TraceRequest], t0: float, t1: float, quantile: fl
         counts[min(minutes - 1, int((r.t - t0) // 60))] += 1
     pt = statistics.fmean(r.prompt for r in rows)
     ot = statistics.fmean(max(1, r.output) for r in rows)
+    ca2, gaps = arrival_scv([r.t for r in rows], t0)
+    ca2 = ca2 if gaps >= 30 else 1.0          # as the planner: too few gaps, assume Poisson
+    cl2 = statistics.pvariance([r.prompt for r in rows]) / (pt * pt) if pt > 0 else 0.0
     per_min = sorted(c / 60.0 for c in counts)
     upper = per_min[min(len(per_min) - 1, int(quantile * len(per_min)))]
-    return Workload(len(rows) / width, pt, ot), Workload(max(upper, len(rows) / width), pt, ot)
+    return (Workload(len(rows) / width, pt, ot, 0.0, ca2, cl2),
+            Workload(max(upper, len(rows) / width), pt, ot, 0.0, ca2, cl2))
 
 
 def plan_replay(trace: list[TraceRequest], model, devices: str, split: str, tp: int, slo,
                 quantile: float = 0.9, window_s: float = 300.0,
-                engine: EngineConfig | None = None, progress=None) -> dict:
+                engine: EngineConfig | None = None, progress=None,
+                budgets: list[int] | None = None) -> dict:
     """Replays `trace` on the current split and on the planner's recommendation for it,
-    and says what the planner would have recommended window by window."""
+    and says what the planner would have recommended window by window. `budgets`: the
+    prefill token budgets (`engine.max_batch_tokens`, 0 = auto from the profile's knee)
+    to replay each split with; the first is the one `replay` reports, all of them are
+    under `by_budget` (default: the engine config's)."""
     from appliance.planner.profiles import simulated_profile
-    from appliance.planner.sizing import size
+    from appliance.planner.sizing import prefill_ttft, size
     engine = engine or EngineConfig()
     shapes = box_workers(devices, split, tp)
     pre = next(s for s in shapes if s.role == "prefill")
@@ -493,6 +551,7 @@ def plan_replay(trace: list[TraceRequest], model, devices: str, split: str, tp: 
         sz = size(upper_w, slo, pp, dp, current, total, engine.max_seqs)
         windows.append({"t": round(t, 3), "requests": sum(1 for r in trace if t <= r.t < t + window_s),
                         "rate": round(mean_w.rate, 4), "rate_upper": round(upper_w.rate, 4),
+                        "arrival_scv": round(upper_w.arrival_scv, 3),
                         "prompt_tokens": round(mean_w.prompt_tokens, 1),
                         "output_tokens": round(mean_w.output_tokens, 1), "rho": sz.rho,
                         "recommended": f"{sz.recommended[0]}+{sz.recommended[1]}",
@@ -501,11 +560,29 @@ def plan_replay(trace: list[TraceRequest], model, devices: str, split: str, tp: 
     mean_all, upper_all = trace_workload(trace, 0.0, end, quantile)
     overall = size(upper_all, slo, pp, dp, current, total, engine.max_seqs)
     rec = f"{overall.recommended[0]}+{overall.recommended[1]}"
-    results = {}
-    for s in dict.fromkeys([split, rec]):
-        if progress:
-            progress(f"replaying {len(trace)} requests on {devices} split {s} (virtual clock)")
-        results[s] = replay_trace(trace, model, devices, s, tp, engine, slo.ttft_s, slo.itl_s).to_json()
+    budgets = list(dict.fromkeys(budgets or [engine.max_batch_tokens]))
+    by_budget: dict[str, dict] = {}
+    for budget in budgets:
+        label = "auto" if budget == 0 else str(budget)
+        eng = replace(engine, max_batch_tokens=budget)
+        results = by_budget[label] = {}
+        for s in dict.fromkeys([split, rec]):
+            if progress:
+                progress(f"replaying {len(trace)} requests on {devices} split {s}, "
+                         f"max_batch_tokens {label} (virtual clock)")
+            results[s] = replay_trace(trace, model, devices, s, tp, eng, slo.ttft_s,
+                                      slo.itl_s).to_json()
+            # What the bound predicted for this split at the p90 minute, beside what ran.
+            n_pre = int(s.split("+")[0])
+            bound = prefill_ttft(upper_all, pp, n_pre)
+            poisson = prefill_ttft(replace(upper_all, arrival_scv=1.0, prompt_scv=0.0), pp, n_pre)
+            results[s]["bound"] = {
+                "ttft_mean_s": round(bound, 4) if bound is not None and bound != float("inf") else None,
+                "ttft_mean_poisson_s": (round(poisson, 4) if poisson is not None
+                                        and poisson != float("inf") else None),
+                "meets_ttft_slo": bound is not None and bound <= slo.ttft_s,
+                "basis": "Kingman G/G/1 per prefill worker at the p90 minute's rate"}
+    results = next(iter(by_budget.values()))
     return {
         "simulated": True, "devices": devices, "model": model.name, "tp": tp,
         "requests": len(trace), "duration_s": round(end, 3),
@@ -515,6 +592,8 @@ def plan_replay(trace: list[TraceRequest], model, devices: str, split: str, tp: 
         "rho": overall.rho, "rho_source": "estimated from the simulated (roofline) profile",
         "current": split, "recommended": rec, "bottleneck": overall.bottleneck,
         "why": overall.why, "sizing": overall.to_json(),
+        "burstiness": overall.burstiness,
         "prefill_token_budget": pp.prefill_knee_tokens(),
         "windows": windows, "window_s": window_s, "replay": results,
+        "max_batch_tokens": next(iter(by_budget)), "by_budget": by_budget,
     }

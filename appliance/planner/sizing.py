@@ -1,16 +1,28 @@
 """How many prefill and decode workers a workload needs at the SLOs (DOMAIN.md,
 "Capacity planning"), and the best split of a fixed box between the two phases.
 
-Prefill: a worker serving one prompt at a time is an M/D/1 queue with service time D
-(the profile's prefill time for one mean uncached prompt); its mean TTFT D + λD²/(2(1-λD))
-stays within the SLO S up to R_max = 2(S-D) / (D(2S-D)) requests/s (DistServe).
+Prefill: a worker serving one prompt at a time is a G/G/1 queue with mean service time
+D (the profile's prefill time for one mean uncached prompt). Kingman's bound on its
+mean wait, Wq ≈ (c_a² + c_s²)/2 · ρ/(1-ρ) · D with ρ = λD, keeps the mean TTFT D + Wq
+within the SLO S up to R_max = (S-D) / (D(k·D + S - D)) requests/s, k = (c_a²+c_s²)/2.
+c_a² is the squared coefficient of variation of inter-arrival times (measured per
+minute in the trends), c_s² that of the service time (from the prompt-length spread).
+Poisson arrivals and equal prompts (c_a² = 1, c_s² = 0) make it the M/D/1 bound
+R_max = 2(S-D) / (D(2S-D)) of DistServe; a bursty service (the Azure code trace:
+c_a² ≈ 22 per minute) needs several times the workers M/D/1 says.
+
+Why per worker and not M/G/c (Allen–Cunneen on Erlang-C): the router spreads a burst
+over all prefill workers at once, so every worker sees the burst; pooled M/G/c at the
+trace's p90 minute predicts a 4-worker pool almost never waits (mean TTFT ≈ 0.45 s),
+while the replay's p90 TTFT is 4.1 s. Each worker as its own G/G/1 with the whole
+stream's c_a² agrees with the replay (see README, Capacity planning).
 Decode: the largest batch B* whose step time meets the ITL SLO and whose KV fits the
 pool at the mean context L_in + L_out/2; a worker then makes T_d = B*/ITL(B*) tokens/s.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from appliance.planner.profiles import Profile
 
@@ -21,6 +33,8 @@ class Workload:
     prompt_tokens: float        # mean L_in
     output_tokens: float        # mean L_out
     prefix_hit: float = 0.0     # share of prompt tokens served from the prefix cache (h)
+    arrival_scv: float = 1.0    # c_a² of inter-arrival times (1 = Poisson)
+    prompt_scv: float = 0.0     # c_L² of prompt lengths (0 = all prompts alike)
 
     @property
     def uncached_prompt(self) -> float:
@@ -33,15 +47,47 @@ class Slo:
     itl_s: float
 
 
-def mdl1_max_rate(slo_s: float, service_s: float) -> float:
-    """R_max = 2(S-D) / (D(2S-D)): the arrival rate at which an M/D/1 queue's mean
-    time in system reaches S. 0 when one request alone already takes S or more."""
+def kingman_max_rate(slo_s: float, service_s: float, ca2: float = 1.0, cs2: float = 0.0) -> float:
+    """R_max = (S-D) / (D(k·D + S-D)), k = (c_a²+c_s²)/2: the arrival rate at which a
+    G/G/1 queue's mean time in system D + k·ρ/(1-ρ)·D (Kingman) reaches S. 0 when one
+    request alone already takes S or more."""
     S, D = slo_s, service_s
     if D <= 0:
         return math.inf
     if D >= S:
         return 0.0
-    return 2.0 * (S - D) / (D * (2.0 * S - D))
+    k = max(0.0, (ca2 + cs2) / 2.0)
+    return (S - D) / (D * (k * D + S - D))
+
+
+def mdl1_max_rate(slo_s: float, service_s: float) -> float:
+    """R_max = 2(S-D) / (D(2S-D)): the M/D/1 case (c_a² = 1, c_s² = 0) of Kingman."""
+    return kingman_max_rate(slo_s, service_s, 1.0, 0.0)
+
+
+def kingman_ttft(rate: float, service_s: float, ca2: float = 1.0, cs2: float = 0.0) -> float:
+    """Mean time in system D + (c_a²+c_s²)/2 · ρ/(1-ρ) · D of one worker at `rate`;
+    inf at or past saturation."""
+    rho_ = rate * service_s
+    if rho_ >= 1.0:
+        return math.inf
+    return service_s + (ca2 + cs2) / 2.0 * rho_ / (1.0 - rho_) * service_s
+
+
+def service_scv(profile: Profile, prompt_tokens: float, prompt_scv: float) -> float:
+    """c_s² of the prefill time from the prompt-length spread c_L²: to first order,
+    c_s = e·c_L with e = L·D'(L)/D(L) the profile's elasticity at the mean prompt (1
+    when compute-bound, near 0 when one step's fixed cost dominates)."""
+    if prompt_scv <= 0 or prompt_tokens <= 0:
+        return 0.0
+    d = profile.prefill_s(prompt_tokens)
+    if d <= 0:
+        return 0.0
+    h = max(1.0, 0.05 * prompt_tokens)
+    slope = (profile.prefill_s(prompt_tokens + h) - profile.prefill_s(max(0.0, prompt_tokens - h))) \
+        / (prompt_tokens + h - max(0.0, prompt_tokens - h))
+    e = prompt_tokens * slope / d
+    return e * e * prompt_scv
 
 
 def workers_for(demand: float, per_worker: float) -> int:
@@ -96,7 +142,8 @@ class PhaseNeed:
 
 def prefill_need(w: Workload, slo: Slo, profile: Profile) -> PhaseNeed:
     D = profile.prefill_s(w.uncached_prompt)
-    r_max = mdl1_max_rate(slo.ttft_s, D)
+    cs2 = service_scv(profile, w.uncached_prompt, w.prompt_scv)
+    r_max = kingman_max_rate(slo.ttft_s, D, w.arrival_scv, cs2)
     frac = math.inf if (r_max == 0 and w.rate > 0) else (w.rate / r_max if r_max else 0.0)
     knee = profile.prefill_knee_tokens()
     tput = profile.prefill_tokens_per_s(knee)
@@ -104,7 +151,19 @@ def prefill_need(w: Workload, slo: Slo, profile: Profile) -> PhaseNeed:
     return PhaseNeed(r_max, w.rate, frac, math.ceil(frac - 1e-9) if math.isfinite(frac) else -1,
                      profile.tp, gpu_s,
                      {"service_time_s": D, "r_max_per_worker": r_max,
+                      "arrival_scv": w.arrival_scv, "service_scv": cs2,
+                      "r_max_poisson_per_worker": mdl1_max_rate(slo.ttft_s, D),
                       "knee_tokens": knee, "knee_tokens_per_s": tput})
+
+
+def prefill_ttft(w: Workload, profile: Profile, workers: int) -> float | None:
+    """The bound's mean TTFT with `workers` prefill workers sharing the rate evenly
+    (None without traffic or workers; inf when they saturate)."""
+    if workers <= 0 or w.rate <= 0:
+        return None
+    D = profile.prefill_s(w.uncached_prompt)
+    cs2 = service_scv(profile, w.uncached_prompt, w.prompt_scv)
+    return kingman_ttft(w.rate / workers, D, w.arrival_scv, cs2)
 
 
 def decode_need(w: Workload, slo: Slo, profile: Profile, max_seqs: int) -> PhaseNeed:
@@ -170,6 +229,8 @@ class Sizing:
     fits: bool                  # the recommended split covers both needs
     bottleneck: str             # "prefill" | "decode" | "none"
     why: str
+    ttft: dict | None = None    # the bound's mean TTFT at the current / recommended split
+    burstiness: dict | None = None  # c_a², c_s², and the split Poisson arrivals would get
 
     def to_json(self) -> dict:
         def phase(n: PhaseNeed) -> dict:
@@ -185,7 +246,8 @@ class Sizing:
                 "recommended": {"prefill": self.recommended[0], "decode": self.recommended[1]},
                 "headroom_current": self.headroom_current,
                 "headroom_recommended": self.headroom_recommended,
-                "fits": self.fits, "bottleneck": self.bottleneck, "why": self.why}
+                "fits": self.fits, "bottleneck": self.bottleneck, "why": self.why,
+                "ttft": self.ttft, "burstiness": self.burstiness}
 
 
 def size(w: Workload, slo: Slo, prefill_profile: Profile, decode_profile: Profile,
@@ -200,8 +262,44 @@ def size(w: Workload, slo: Slo, prefill_profile: Profile, decode_profile: Profil
     hr = {"prefill": headroom(rec[0], pn.workers), "decode": headroom(rec[1], dn.workers)}
     fits = all(h is None or h >= 1.0 for h in hr.values())
     bottleneck, why = _explain(w, slo, pn, dn, rec, hr)
+    # The same workload with Poisson arrivals and equal prompts (M/D/1): when its split
+    # differs, burstiness is what moved the recommendation, and the plan says so.
+    poisson = replace(w, arrival_scv=1.0, prompt_scv=0.0)
+    pn0 = prefill_need(poisson, slo, prefill_profile)
+    rec0 = best_split(total, pn0.workers, dn.workers, current)
+    h_now, h_poisson = headroom(current[0], pn.workers), headroom(current[0], pn0.workers)
+    burst = {"arrival_scv": w.arrival_scv, "service_scv": pn.detail["service_scv"],
+             "prompt_scv": w.prompt_scv, "prefill_workers": _finite(pn.workers),
+             "poisson_prefill_workers": _finite(pn0.workers),
+             "poisson_split": f"{rec0[0]}+{rec0[1]}", "drives": rec0 != rec,
+             # the current split's prefill falls short only because of burstiness
+             "current_short": (h_now is not None and h_now < 1.0
+                               and h_poisson is not None and h_poisson >= 1.0)}
+    cause = (f"arrivals with c_a² = {w.arrival_scv:.1f} (Poisson = 1) and prompt-time spread "
+             f"c_s² = {pn.detail['service_scv']:.2f} cut a prefill worker's rate at the TTFT "
+             f"SLO from {pn0.per_worker:.2f} (M/D/1) to {pn.per_worker:.2f} req/s (Kingman)")
+    if burst["drives"]:
+        why += (f" Burstiness drives this: {cause}; Poisson arrivals would get "
+                f"{rec0[0]}+{rec0[1]}.")
+    elif burst["current_short"]:
+        why += (f" Burstiness is why the current {current[0]}+{current[1]} falls short: {cause}, "
+                f"so its prefill headroom is {h_now:.2f}x, not the {h_poisson:.2f}x of M/D/1.")
+    ttft = {"current_s": _finite(prefill_ttft(w, prefill_profile, current[0])),
+            "recommended_s": _finite(prefill_ttft(w, prefill_profile, rec[0])),
+            "basis": "mean TTFT, Kingman G/G/1 per prefill worker"}
     return Sizing(asdict(w), asdict(slo), pn, dn, rho(pn, dn), current, rec, hc, hr, fits,
-                  bottleneck, why)
+                  bottleneck, why, ttft, burst)
+
+
+def _finite(x):
+    """JSON has no infinity: a saturated queue's figure is null."""
+    return None if x is None or not math.isfinite(x) else x
+
+
+def _queue(p: dict) -> str:
+    if p["arrival_scv"] == 1.0 and p["service_scv"] == 0.0:
+        return "M/D/1"
+    return f"G/G/1, c_a² {p['arrival_scv']:.1f}, c_s² {p['service_scv']:.2f}"
 
 
 def _explain(w: Workload, slo: Slo, pn: PhaseNeed, dn: PhaseNeed, rec: tuple[int, int],
@@ -221,8 +319,8 @@ def _explain(w: Workload, slo: Slo, pn: PhaseNeed, dn: PhaseNeed, rec: tuple[int
     hd = hr["decode"] if hr["decode"] is not None else math.inf
     phase = "prefill" if hp <= hd else "decode"
     pre = (f"prefill: a worker takes {p['service_time_s']:.3f} s per mean prompt of "
-           f"{w.uncached_prompt:.0f} uncached tokens, so at TTFT ≤ {slo.ttft_s:g} s (M/D/1) it "
-           f"serves {p['r_max_per_worker']:.2f} req/s; {w.rate:.2f} req/s need "
+           f"{w.uncached_prompt:.0f} uncached tokens, so at mean TTFT ≤ {slo.ttft_s:g} s "
+           f"({_queue(p)}) it serves {p['r_max_per_worker']:.2f} req/s; {w.rate:.2f} req/s need "
            f"{pn.workers:.2f} workers")
     dec = (f"decode: batch B* = {d['batch']} (limited by {d['batch_limited_by']}) at "
            f"{d['itl_at_batch_s'] * 1000:.1f} ms/token makes {dn.per_worker:.0f} tok/s per "

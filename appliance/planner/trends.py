@@ -8,9 +8,23 @@ merge by addition, so hours and days roll up from minutes without keeping reques
 GPU-seconds per phase are not in the request records (the ledger has the measured
 ones): they are estimated per request from the profile by the `estimate` callable,
 and every row says so in `gpu_source`.
+
+Burstiness: each minute row also keeps the inter-arrival gaps of its requests (count,
+sum, sum of squares), from which the squared coefficient of variation c_a² of that
+minute follows (1 for Poisson arrivals, 0 for evenly spaced ones, far above 1 for
+bursts). Records come in finish order, not arrival order, so the writer keeps the
+arrival times of the last `ARRIVAL_MEMORY_MIN` minutes in memory, sorted, with each
+minute's gap sums kept up to date as arrivals slot in (`MinuteGaps`); a minute it has
+no memory of (older, or written by another process) keeps the sums it has. A bucket's c_a² is the mean of its minutes'
+weighted by their gaps (Kingman's wait is linear in c_a², so that is the c_a² of the
+mean wait); per minute, so a rate that changes from minute to minute (which the
+forecast follows) is not counted as burstiness. The sum of squared prompt lengths
+gives the prompt-length spread c_L², from which sizing derives the service-time
+variability c_s².
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import math
@@ -38,9 +52,21 @@ CREATE TABLE IF NOT EXISTS planner_minutes (
     itl_sum REAL NOT NULL, itl_n INTEGER NOT NULL,
     hist TEXT NOT NULL,               -- {"prompt"|"output"|"ttft"|"itl": {bin: count}}
     gpu_source TEXT NOT NULL,
+    prompt_sq_sum REAL NOT NULL DEFAULT 0,
+    gap_n INTEGER NOT NULL DEFAULT 0,     -- inter-arrival gaps within the minute
+    gap_sum REAL NOT NULL DEFAULT 0,
+    gap_sq REAL NOT NULL DEFAULT 0,
     PRIMARY KEY (model, minute)
 );
 """
+# Columns added after the first release: a ledger.db written before them gains them.
+ADDED_COLUMNS = {"prompt_sq_sum": "REAL NOT NULL DEFAULT 0",
+                 "gap_n": "INTEGER NOT NULL DEFAULT 0",
+                 "gap_sum": "REAL NOT NULL DEFAULT 0", "gap_sq": "REAL NOT NULL DEFAULT 0"}
+ROW_FIELDS = ("requests", "prompt_sum", "output_sum", "cached_sum", "prefill_gpu_s",
+              "decode_gpu_s", "ttft_sum", "ttft_n", "itl_sum", "itl_n", "prompt_sq_sum",
+              "gap_n", "gap_sum", "gap_sq")
+ARRIVAL_MEMORY_MIN = 30     # minutes of arrival times the writer keeps to compute gaps
 
 BIN_RATIO = 2 ** (1 / 8)
 _LOG_RATIO = math.log(BIN_RATIO)
@@ -81,6 +107,9 @@ class Bucket:
     output_p50: float | None
     output_p90: float | None
     prefix_hit: float | None    # cached prompt tokens / prompt tokens
+    arrival_scv: float | None   # c_a²: squared CV of inter-arrival gaps (per minute, weighted)
+    arrival_gaps: int           # gaps behind it
+    prompt_scv: float | None    # c_L²: squared CV of prompt lengths
     ttft_p50_s: float | None
     ttft_p90_s: float | None
     ttft_p99_s: float | None
@@ -100,8 +129,59 @@ class Bucket:
 def _empty_row() -> dict:
     return {"requests": 0, "prompt_sum": 0.0, "output_sum": 0.0, "cached_sum": 0.0,
             "prefill_gpu_s": 0.0, "decode_gpu_s": 0.0, "ttft_sum": 0.0, "ttft_n": 0,
-            "itl_sum": 0.0, "itl_n": 0,
+            "itl_sum": 0.0, "itl_n": 0, "prompt_sq_sum": 0.0,
+            "gap_n": 0, "gap_sum": 0.0, "gap_sq": 0.0, "scv_wsum": 0.0,
             "hist": {"prompt": {}, "output": {}, "ttft": {}, "itl": {}}}
+
+
+def gap_stats(arrivals: list[float]) -> tuple[int, float, float]:
+    """(count, sum, sum of squares) of the gaps between sorted arrival times, within one
+    minute: the gap across a minute's start is left out, so a quiet spell between two
+    minutes is not counted as burstiness (the rate forecast follows those). For Poisson
+    arrivals this reads c_a² ≈ 0.98 at 1 req/s, 1.00 from 5 req/s (0.83 at 0.2 req/s,
+    where a minute holds a dozen gaps)."""
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return len(gaps), float(sum(gaps)), float(sum(g * g for g in gaps))
+
+
+class MinuteGaps:
+    """One minute's arrival times, sorted, with the gap sums kept up to date as arrivals
+    come in any order: an arrival between two others replaces their gap by two, so
+    each insertion costs a bisection, not a pass over the minute."""
+
+    __slots__ = ("times", "n", "sum", "sq")
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.n, self.sum, self.sq = 0, 0.0, 0.0
+
+    def _gap(self, a: float, b: float, sign: int) -> None:
+        g = b - a
+        self.n += sign
+        self.sum += sign * g
+        self.sq += sign * g * g
+
+    def add(self, t: float) -> None:
+        ts = self.times
+        i = bisect.bisect_right(ts, t)
+        if 0 < i < len(ts):
+            self._gap(ts[i - 1], ts[i], -1)
+        if i > 0:
+            self._gap(ts[i - 1], t, +1)
+        if i < len(ts):
+            self._gap(t, ts[i], +1)
+        ts.insert(i, t)
+
+    def stats(self) -> tuple[int, float, float]:
+        return self.n, self.sum, max(0.0, self.sq)
+
+
+def scv(n: int, total: float, sq: float) -> float | None:
+    """Squared coefficient of variation from a count, sum and sum of squares."""
+    if n < 1 or total <= 0:
+        return None
+    mean = total / n
+    return max(0.0, sq / n - mean * mean) / (mean * mean)
 
 
 def _merge(into: dict, row: dict) -> None:
@@ -121,6 +201,7 @@ def request_row(rec: RequestRecord, prefill_gpu_s: float, decode_gpu_s: float) -
     row["prompt_sum"] = float(rec.prompt_tokens)
     row["output_sum"] = float(rec.output_tokens)
     row["cached_sum"] = float(rec.cached_tokens)
+    row["prompt_sq_sum"] = float(rec.prompt_tokens) ** 2
     row["prefill_gpu_s"] = prefill_gpu_s
     row["decode_gpu_s"] = decode_gpu_s
     h = row["hist"]
@@ -160,8 +241,18 @@ class TrendStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(SCHEMA)
+        self._migrate()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # (model, minute) -> sorted arrival times seen by this process, or None for a
+        # minute that had a row before this process touched it (its gaps are not ours).
+        self._arrivals: dict[tuple[str, int], MinuteGaps | None] = {}
+
+    def _migrate(self) -> None:
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(planner_minutes)")}
+        for col, decl in ADDED_COLUMNS.items():
+            if col not in have:
+                self._db.execute(f"ALTER TABLE planner_minutes ADD COLUMN {col} {decl}")
 
     # -- writing ----------------------------------------------------------------------
     def observe(self, rec: RequestRecord) -> None:
@@ -183,6 +274,7 @@ class TrendStore:
     def flush(self) -> int:
         """Fold queued records into their minute rows; returns how many were written."""
         batch: dict[tuple[str, int], dict] = {}
+        arrived: dict[tuple[str, int], list[float]] = {}
         n = 0
         while self._queue:
             rec = self._queue.popleft()
@@ -192,37 +284,48 @@ class TrendStore:
                 pre, dec = 0.0, 0.0
             key = (rec.model, int(rec.arrival // 60))
             _merge(batch.setdefault(key, _empty_row()), request_row(rec, pre, dec))
+            arrived.setdefault(key, []).append(rec.arrival)
             n += 1
         if not batch:
             return 0
+        cols = ", ".join(ROW_FIELDS)
         with self._db_lock:
             db = self._db
             db.execute("BEGIN IMMEDIATE")
             try:
                 for (model, minute), row in batch.items():
-                    old = db.execute("SELECT requests, prompt_sum, output_sum, cached_sum, "
-                                     "prefill_gpu_s, decode_gpu_s, ttft_sum, ttft_n, itl_sum, "
-                                     "itl_n, hist FROM planner_minutes WHERE model=? AND minute=?",
-                                     (model, minute)).fetchone()
+                    old = db.execute(f"SELECT {cols}, hist FROM planner_minutes "
+                                     "WHERE model=? AND minute=?", (model, minute)).fetchone()
+                    key = (model, minute)
+                    if key not in self._arrivals:
+                        self._arrivals[key] = None if old else MinuteGaps()
                     if old:
-                        merged = dict(zip(("requests", "prompt_sum", "output_sum", "cached_sum",
-                                           "prefill_gpu_s", "decode_gpu_s", "ttft_sum", "ttft_n",
-                                           "itl_sum", "itl_n"), old[:10]))
-                        merged["hist"] = json.loads(old[10])
+                        merged = dict(zip(ROW_FIELDS, old[:-1]))
+                        merged["hist"] = json.loads(old[-1])
                         _merge(merged, row)
                         row = merged
-                    db.execute("INSERT OR REPLACE INTO planner_minutes VALUES "
-                               "(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                               (model, minute, row["requests"], row["prompt_sum"],
-                                row["output_sum"], row["cached_sum"], row["prefill_gpu_s"],
-                                row["decode_gpu_s"], row["ttft_sum"], row["ttft_n"],
-                                row["itl_sum"], row["itl_n"], json.dumps(row["hist"]),
-                                self.gpu_source))
+                    gaps = self._arrivals[key]
+                    if gaps is not None:
+                        for t in arrived[key]:
+                            gaps.add(t)
+                        row["gap_n"], row["gap_sum"], row["gap_sq"] = gaps.stats()
+                    db.execute(f"INSERT OR REPLACE INTO planner_minutes (model, minute, {cols}, "
+                               f"hist, gpu_source) VALUES ({', '.join('?' * (len(ROW_FIELDS) + 4))})",
+                               (model, minute, *(row[k] for k in ROW_FIELDS),
+                                json.dumps(row["hist"]), self.gpu_source))
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+            self._forget_old_arrivals()
         return n
+
+    def _forget_old_arrivals(self) -> None:
+        if not self._arrivals:
+            return
+        newest = max(m for _, m in self._arrivals)
+        for key in [k for k in self._arrivals if k[1] < newest - ARRIVAL_MEMORY_MIN]:
+            del self._arrivals[key]
 
     def close(self) -> None:
         self._stop.set()
@@ -252,19 +355,21 @@ class TrendStore:
         last = int(math.ceil(until / 60))
         with self._db_lock:
             rows = self._db.execute(
-                "SELECT minute, requests, prompt_sum, output_sum, cached_sum, prefill_gpu_s, "
-                "decode_gpu_s, ttft_sum, ttft_n, itl_sum, itl_n, hist, gpu_source "
+                f"SELECT minute, {', '.join(ROW_FIELDS)}, hist, gpu_source "
                 "FROM planner_minutes WHERE model=? AND minute>=? AND minute<? ORDER BY minute",
                 (model, first, last)).fetchall()
         agg: dict[int, dict] = {}
         sources: dict[int, set] = {}
+        nf = len(ROW_FIELDS)
         for r in rows:
             k = (r[0] - first) // width_m
-            row = dict(zip(("requests", "prompt_sum", "output_sum", "cached_sum", "prefill_gpu_s",
-                            "decode_gpu_s", "ttft_sum", "ttft_n", "itl_sum", "itl_n"), r[1:11]))
-            row["hist"] = json.loads(r[11])
+            row = dict(zip(ROW_FIELDS, r[1:1 + nf]))
+            row["hist"] = json.loads(r[1 + nf])
+            # c_a² per minute, then weighted by gaps (see the module doc)
+            c2 = scv(row["gap_n"], row["gap_sum"], row["gap_sq"])
+            row["scv_wsum"] = row["gap_n"] * c2 if c2 is not None else 0.0
             _merge(agg.setdefault(k, _empty_row()), row)
-            sources.setdefault(k, set()).add(r[12])
+            sources.setdefault(k, set()).add(r[2 + nf])
         n = max(1, int(math.ceil((last - first) / width_m)))
         return [self._bucket(first * 60.0 + k * width_m * 60.0, width_m * 60.0,
                              agg.get(k, _empty_row()), sources.get(k, {self.gpu_source}))
@@ -276,6 +381,7 @@ class TrendStore:
         q = lambda kind, p: hist_quantile(kind, h.get(kind, {}), p)  # noqa: E731
         req = row["requests"]
         pre, dec = row["prefill_gpu_s"], row["decode_gpu_s"]
+        pmean = row["prompt_sum"] / req if req else None
         return Bucket(
             start=start, width_s=width, requests=req, rate=req / width,
             prompt_mean=row["prompt_sum"] / req if req else None,
@@ -283,6 +389,10 @@ class TrendStore:
             output_mean=row["output_sum"] / req if req else None,
             output_p50=q("output", 0.5), output_p90=q("output", 0.9),
             prefix_hit=row["cached_sum"] / row["prompt_sum"] if row["prompt_sum"] else None,
+            arrival_scv=row["scv_wsum"] / row["gap_n"] if row["gap_n"] else None,
+            arrival_gaps=row["gap_n"],
+            prompt_scv=(max(0.0, row["prompt_sq_sum"] / req / pmean ** 2 - 1.0)
+                        if pmean and row["prompt_sq_sum"] else None),
             ttft_p50_s=q("ttft", 0.5), ttft_p90_s=q("ttft", 0.9), ttft_p99_s=q("ttft", 0.99),
             itl_p50_s=q("itl", 0.5), itl_p90_s=q("itl", 0.9), itl_p99_s=q("itl", 0.99),
             prefill_gpu_s=pre, decode_gpu_s=dec, rho=pre / dec if dec > 0 else None,
