@@ -317,6 +317,15 @@ def test_planner_follows_the_live_box(tmp_path):
     out = pl.plan(now=1_700_000_100.0, use_statsmodels=False)
     assert out["profile_source"]["prefill"]["device"] == "H200"
     assert pl._estimate(rec) != before                    # H200 decodes faster
+    # A model swap: the trends read are the new model's, its profiles are sized for it.
+    on_h200 = pl._estimate(rec)
+    served = ["llama-3.1-8b"]
+    pl.served_name = lambda: served[0]
+    live[0] = dc_replace(live[0], model=lookup_model_spec("llama-3.1-8b"))
+    out = pl.plan(now=1_700_000_100.0, use_statsmodels=False)
+    assert pl.model_name == out["model"] == "llama-3.1-8b"
+    assert pl.prefill_profile.model == pl.decode_profile.model == live[0].model.name
+    assert pl._estimate(rec) < on_h200                    # an 8B model costs less
     pl.close()
 
 

@@ -116,9 +116,21 @@ def _workers_changing(svc):
 
 
 def _live_box(svc, model):
-    """The planner's view of the box as it runs now: `svc.plan` is what workflows change."""
+    """The planner's view of the box as it runs now: `svc.plan` and `svc.model` are what
+    workflows change (repartition, swap-model). `model` is the start-up model's shape."""
+    from appliance.models.specs import lookup_model_spec, spec_from_hf_config
     from appliance.planner.planner import box_from_setup
-    return lambda: box_from_setup(svc.setup, svc.cfg.engine, plan=svc.plan, model=model)
+    start = svc.model
+    shapes = {(start.model_dir, start.model_spec): model}
+
+    def box():
+        ref = svc.model
+        key = (ref.model_dir, ref.model_spec)
+        if key not in shapes:
+            shapes[key] = (lookup_model_spec(ref.model_spec) if ref.model_spec
+                           else spec_from_hf_config(Path(ref.model_dir) / "config.json"))
+        return box_from_setup(svc.setup, svc.cfg.engine, plan=svc.plan, model=shapes[key])
+    return box
 
 
 def tick_interval(cfg) -> float:
@@ -141,7 +153,8 @@ def build_planner(svc):
                       profile_dir=state_dir / "profiles" if state_dir else None,
                       start_repartition=_repartition_starter(svc), model_name=svc.model_name,
                       box_source=_live_box(svc, box.model),
-                      workers_changing=_workers_changing(svc))
+                      workers_changing=_workers_changing(svc),
+                      served_name=lambda: svc.model_name)
     planner.batch_tokens = getattr(svc.setup, "batch_tokens", None)
     return planner
 

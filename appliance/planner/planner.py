@@ -125,10 +125,12 @@ class Planner:
                  start_repartition: Callable[[str], Awaitable[dict]] | None = None,
                  model_name: str | None = None, clock: Callable[[], float] = time.time,
                  box_source: Callable[[], BoxShape] | None = None,
-                 workers_changing: Callable[[], bool] | None = None):
+                 workers_changing: Callable[[], bool] | None = None,
+                 served_name: Callable[[], str] | None = None):
         self.cfg = cfg
         self.box = box
         self.box_source = box_source
+        self.served_name = served_name
         self.workers_changing = workers_changing
         self.engine = engine or EngineConfig()
         self.profile_dir = profile_dir
@@ -178,9 +180,15 @@ class Planner:
 
     # -- planning ---------------------------------------------------------------------
     def follow_box(self) -> None:
-        """Take the live partition from `box_source`: after a repartition the current
-        split is the new one (else auto-apply would keep "fixing" a box already fixed).
-        Profiles are rebuilt only when a phase's GPU type changed."""
+        """Take the live partition and model from `box_source` and `served_name`: after a
+        repartition the current split is the new one (else auto-apply would keep "fixing"
+        a box already fixed), after a model swap the trends and profiles are the new
+        model's. Profiles are rebuilt only when a phase's GPU type or the model changed."""
+        if self.served_name is not None:
+            try:
+                self.model_name = self.served_name()
+            except Exception:
+                log.exception("planner: cannot read the served model's name")
         if self.box_source is None:
             return
         try:
@@ -191,7 +199,8 @@ class Planner:
         if box == self.box:
             return
         old, self.box = self.box, box
-        if (box.prefill_gpu, box.decode_gpu, box.tp) == (old.prefill_gpu, old.decode_gpu, old.tp):
+        if (box.prefill_gpu, box.decode_gpu, box.tp, box.model) == \
+                (old.prefill_gpu, old.decode_gpu, old.tp, old.model):
             return
         self.prefill_profile = profile_for(box, box.prefill_gpu, self.profile_dir, self.engine)
         self.decode_profile = profile_for(box, box.decode_gpu, self.profile_dir, self.engine)
