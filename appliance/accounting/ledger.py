@@ -18,6 +18,7 @@ than the raw rows).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import sqlite3
@@ -85,6 +86,7 @@ _REQ_CONFLICT = (" ON CONFLICT(request_id) DO UPDATE SET "
                  + " WHERE requests.final = 0")
 
 
+@functools.cache
 def _insert(verb: str, table: str, columns: tuple, rows: int, tail: str = "") -> str:
     one = "(" + ", ".join("?" * len(columns)) + ")"
     return (f'{verb} INTO {table} ({", ".join(chr(34) + c + chr(34) for c in columns)}) '

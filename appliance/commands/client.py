@@ -19,8 +19,13 @@ class AdminError(Exception):
     """One line for the operator."""
 
 
-def add_client_args(p) -> None:
-    p.add_argument("--url", default=DEFAULT_URL, help=f"the daemon (default {DEFAULT_URL})")
+def add_client_args(p, fleet_help: str | None = None) -> None:
+    """--url and --admin-key; with `fleet_help`, --url may repeat (a fleet view) and
+    defaults to None, so the command can tell "none given" from the default."""
+    if fleet_help is None:
+        p.add_argument("--url", default=DEFAULT_URL, help=f"the daemon (default {DEFAULT_URL})")
+    else:
+        p.add_argument("--url", action="append", default=None, metavar="URL", help=fleet_help)
     p.add_argument("--admin-key", default=None,
                    help=f"admin key (default: ${ADMIN_KEY_ENV}; none needed on loopback "
                         "while no [auth] admin_keys are configured)")

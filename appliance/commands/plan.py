@@ -7,7 +7,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from appliance.commands.client import ADMIN_KEY_ENV, DEFAULT_URL, AdminClient, AdminError
+from appliance.commands.client import DEFAULT_URL, AdminClient, AdminError, add_client_args
 
 
 def add_parsers(sub) -> None:
@@ -16,11 +16,7 @@ def add_parsers(sub) -> None:
                                    "recommended prefill/decode split, bottleneck); with several "
                                    "--url, the fleet's, per site and in total; or replay a "
                                    "trace through the simulator: plan replay TRACE.csv.")
-    p.add_argument("--url", action="append", default=None, metavar="URL",
-                   help=f"an appliance (default {DEFAULT_URL}); repeat for a fleet view per site")
-    p.add_argument("--admin-key", default=None,
-                   help=f"admin key (default: ${ADMIN_KEY_ENV}; none needed on loopback "
-                        "while no [auth] admin_keys are configured)")
+    add_client_args(p, f"an appliance (default {DEFAULT_URL}); repeat for a fleet view per site")
     _plan_args(p)
     psub = p.add_subparsers(dest="plan_command", metavar="SUBCOMMAND")
     r = psub.add_parser("replay", help="replay an Azure LLM trace in virtual time (no daemon)",

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import os
 
-from appliance.commands.client import ADMIN_KEY_ENV, DEFAULT_URL
+from appliance.commands.client import ADMIN_KEY_ENV, DEFAULT_URL, add_client_args
 
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("tui", help="live console for one appliance or a fleet",
                        description="A live console: the prefill:decode ratio, devices, "
                                    "tenants, carbon, and a fleet view with several --url.")
-    p.add_argument("--url", action="append", default=None, metavar="URL",
-                   help=f"an appliance; repeat for a fleet (default: [tui] urls, else {DEFAULT_URL})")
-    p.add_argument("--admin-key", default=None,
-                   help=f"admin key (default: ${ADMIN_KEY_ENV}; none needed on loopback "
-                        "while no [auth] admin_keys are configured)")
+    add_client_args(p, f"an appliance; repeat for a fleet (default: [tui] urls, else {DEFAULT_URL})")
     p.add_argument("--config", help="TOML config with [tui] urls "
                                     "(default /etc/applianced/config.toml if present)")
     p.set_defaults(run=cmd_tui)

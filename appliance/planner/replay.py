@@ -27,6 +27,7 @@ import heapq
 import itertools
 import random
 import statistics
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -148,9 +149,10 @@ class Req:
     params: SamplingParams | None = None
 
 
-class VirtualCluster:
+class VirtualCluster(ABC):
     """Workers on one virtual clock, routed as the daemon routes. Subclasses decide when
-    requests arrive (`on_finish`, the initial heap) and what to measure."""
+    requests arrive (`arrive`, `on_finish`, the initial heap), when the run is over
+    (`done`) and what to measure."""
 
     def __init__(self, workers: list[Worker], mode: str, seed: int = 0):
         self.mode = mode
@@ -296,12 +298,13 @@ class VirtualCluster:
         return [e for e in rec.entries if e[0] in self.reqs
                 and e[2] > self.reqs[e[0]].prompt_len]
 
+    @abstractmethod
     def arrive(self, payload, t: float) -> None:
         """An arrival scheduled on the heap with worker None."""
-        raise NotImplementedError
 
+    @abstractmethod
     def done(self) -> bool:
-        raise NotImplementedError
+        """Whether the run is over (every request the subclass tracks has finished)."""
 
     def run_loop(self) -> float:
         """Run until `done()`; returns the virtual time it ended."""

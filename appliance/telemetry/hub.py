@@ -146,53 +146,38 @@ class Telemetry:
         self.bin_s = bin_s
         self.retain_s = max(retain_s, HISTORY_S + 10.0)
         self.devices = {d.id: d for d in devices}
-        self.workers = {w.id: w for w in workers}
         self.samplers = list(samplers)
         sim = [d.id for d in devices if d.power_model is not None]
         if sim:
             self.samplers.append(SimSampler(self, sim))
-        self.groups: dict[str, list[str]] = {}          # group -> worker ids
-        for w in workers:
-            self.groups.setdefault(w.role, []).append(w.id)
-        # device -> [(worker id, fraction of that worker's busy time spent on this device)]
-        self._dev_workers: dict[str, list[tuple[str, float]]] = {d.id: [] for d in devices}
-        for w in workers:
-            total = sum(w.share(i) for i in range(len(w.devices))) or 1.0
-            for i, d in enumerate(w.devices):
-                self._dev_workers.setdefault(d, []).append((w.id, w.share(i) / total))
-        self.device_groups = {d: sorted({self.workers[w].role for w, _ in ws})
-                              for d, ws in self._dev_workers.items()}
-        self.group_devices = {g: sorted({d for w in ws for d in self.workers[w].devices},
-                                        key=list(self.devices).index)
-                              for g, ws in self.groups.items()}
-        self._bins = {w: Bins(bin_s, self.retain_s, _COLUMNS) for w in self.workers}
-        self._share_sum = {w.id: w.share_sum for w in workers}
-        self._sim_models = {w.id: w.sim_models(self.devices) for w in workers}
+        self._bins: dict[str, Bins] = {}
+        self._cpu: dict[str, _Series] = {}                       # worker CPU s
+        # Counters for /metrics (monotonic).
+        self.group_busy_total: dict[str, float] = {}
+        self.group_energy_total: dict[str, float] = {}
+        self.set_workers(workers)
         self._latest: dict[str, DeviceSample | None] = {d: None for d in self.devices}
         keep = int(self.retain_s / max(sample_interval_s, 0.01)) + 2
         self._samples: dict[str, deque[DeviceSample]] = {
             d: deque(maxlen=max(keep, HISTORY_S + 2)) for d in self.devices}
         self._energy: dict[str, _Series] = {d: _Series() for d in self.devices}
-        self._cpu: dict[str, _Series] = {w: _Series() for w in self.workers}   # worker CPU s
         self._idle_seen: dict[str, deque[float]] = {d: deque(maxlen=120) for d in self.devices}
         self._requests: deque[tuple[float, float | None, float | None]] = deque()
-        # Counters for /metrics (monotonic).
-        self.group_busy_total = {g: 0.0 for g in self.groups}
-        self.group_energy_total = {g: 0.0 for g in self.groups}
         self.phase_tokens_total = {"prefill": 0, "decode": 0}
         self.sim_active_total_j = {d: 0.0 for d in sim}
         self.requests_total = 0
         self._task: asyncio.Task | None = None
 
     def set_workers(self, workers: list[TelemetryWorker]) -> None:
-        """The partition changed (a repartition workflow): re-index workers, groups and
-        devices. Workers that stay keep their history; new ones start empty; a worker that
-        left drops out of the windows (its past busy time with it)."""
+        """Index workers, groups and devices: at start-up, and when the partition changed
+        (a repartition workflow). Workers that stay keep their history; new ones start
+        empty; a worker that left drops out of the windows (its past busy time with it)."""
         self.workers = {w.id: w for w in workers}
-        self.groups = {}
+        self.groups: dict[str, list[str]] = {}          # group -> worker ids
         for w in workers:
             self.groups.setdefault(w.role, []).append(w.id)
-        self._dev_workers = {d: [] for d in self.devices}
+        # device -> [(worker id, fraction of that worker's busy time spent on this device)]
+        self._dev_workers: dict[str, list[tuple[str, float]]] = {d: [] for d in self.devices}
         for w in workers:
             total = sum(w.share(i) for i in range(len(w.devices))) or 1.0
             for i, d in enumerate(w.devices):
