@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Internal: started by the daemon, not by hand.")
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--spec", required=True)
+    p = sub.add_parser("accountant", help="(internal) run the accounting process",
+                       description="Internal: started by the daemon, not by hand.")
+    p.add_argument("--fd", type=int, required=True)
     for area in AREAS:
         importlib.import_module(f"appliance.commands.{area}").add_parsers(sub)
     return parser
@@ -154,6 +157,11 @@ def cmd_key(args) -> int:
     return 0
 
 
+def cmd_accountant(args) -> int:
+    from appliance.accounting.process import run
+    return run(args.fd)
+
+
 def cmd_worker(args) -> int:
     from appliance.worker.main import run
     from appliance.worker.spec import WorkerSpec
@@ -162,6 +170,7 @@ def cmd_worker(args) -> int:
 
 COMMANDS = {"serve": cmd_serve, "devices": cmd_devices, "model": cmd_model,
             "status": cmd_status, "config": cmd_config, "key": cmd_key, "worker": cmd_worker,
+            "accountant": cmd_accountant,
             "version": lambda args: print(f"applianced {__version__}") or 0}
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from appliance.accounting.accountant import Accountant, Site
 from appliance.accounting.attribution import (
-    Attributor, Calibration, DeviceInfo, PhaseWeights, entry_phase, request_of,
+    Attributor, Calibration, DeviceInfo, PhaseWeights, entry_phase, request_of, take_readings,
 )
 from appliance.accounting.budgets import Budgets, period_start
 from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon, parse_time
@@ -153,7 +153,14 @@ def test_conservation_randomized(seed):
                 busy.setdefault(d, []).append((t, t + wall))
             t += wall + rng.expovariate(1 / (0.3 * W))
     meter = Meter(busy, idle_w=rng.choice([0.0, 60.0, 1e6]), active_w=rng.uniform(50, 700))
-    windows = a.close_until(end_time + W, meter) + a.close_until(end_time + 2.5 * W, meter, final=True)
+    # what the accounting process asks the daemon's meter for is what gets closed
+    spans = [(t0, t1) for _, t0, t1 in a.spans_until(end_time + W)]
+    first = a.close_until(end_time + W, meter)
+    assert sorted({(w.start, w.end) for w in first}) == spans
+    spans = [(t0, t1) for _, t0, t1 in a.spans_until(end_time + 2.5 * W, final=True)]
+    last = a.close_until(end_time + 2.5 * W, meter, final=True)
+    assert sorted({(w.start, w.end) for w in last}) == spans
+    windows = first + last
     assert windows and a.closed_until == pytest.approx(end_time + 2.5 * W)
     check_conserved(windows)
     # the windows tile time: per device, measured = capacity × elapsed
@@ -430,3 +437,56 @@ def test_rollups_sum_whole_hours_once(tmp_path):
         n, pt, gpu = conn.execute("SELECT sum(requests), sum(prompt_tokens), sum(prefill_gpu_s) "
                                   "FROM rollups WHERE period = ?", (period,)).fetchone()
         assert (n, pt) == (3, 21) and gpu == pytest.approx(1.5)
+
+
+def test_meter_read_in_one_go_per_tick_gives_the_same_figures(tmp_path):
+    """The accounting process reads the daemon's meter once per tick for every window it
+    closes (`read_meter` + `take_readings`): the rows are those of a live meter."""
+    busy = {"g0": [(T0 + 1, T0 + 3)], "g1": [(T0 + 4, T0 + 8), (T0 + 12, T0 + 13)]}
+    meter = Meter(busy, idle_w=50, active_w=400)
+    asked: list[tuple[list, list]] = []
+
+    def read_meter(devices, spans):
+        asked.append((devices, spans))
+        return take_readings(meter, devices, spans)
+
+    rows = []
+    for d, kw in ((tmp_path / "live", {"meter": lambda: meter}),
+                  (tmp_path / "once", {"read_meter": read_meter})):
+        d.mkdir()
+        ledger = Ledger(d / "ledger.db", flush_interval_s=0.05, retention_days=0)
+        ledger.start()
+        acc = Accountant([DeviceInfo("g0", "H100-SXM", "gpu", False),
+                          DeviceInfo("g1", "H100-SXM", "gpu", False)], "m",
+                         Site("s1", "app1", "DE", 1.5, CarbonIntensity(400.0)), ledger,
+                         PriceBook({}, 0.1, "share"), EmbodiedCarbon({}, {}), window_s=10.0,
+                         start=T0, **kw)
+        acc.iteration(it("p0", "prefill", T0 + 1, 2.0, ["g0"], [("A", 500, 500), ("B", 500, 500)]))
+        acc.iteration(it("d0", "decode", T0 + 4, 4.0, ["g1"], [("A", 1, 501), ("B", 1, 501)]))
+        acc.iteration(it("d0", "decode", T0 + 12, 1.0, ["g1"], [("B", 1, 502)]))
+        acc.request(req("A", "ta", T0, T0 + 8))
+        acc.request(req("B", "tb", T0, T0 + 13))
+        acc.tick(now=T0 + 5)                    # nothing to close: the meter is not asked
+        acc.tick(now=T0 + 31.6)                 # three windows at once
+        acc.stop(now=T0 + 35)
+        db = sqlite3.connect(d / "ledger.db")
+        rows.append((db.execute("SELECT request_id, prefill_j, decode_j, prefill_co2e_op_g, "
+                                "decode_cost_usage FROM requests ORDER BY 1").fetchall(),
+                     db.execute("SELECT device, start, end, measured_j, idle_j, attributed_j "
+                                "FROM device_windows ORDER BY 1, 2").fetchall()))
+        db.close()
+    assert rows[0] == rows[1] and rows[0][0][0][1] > 0
+    assert [len(spans) for _, spans in asked] == [3, 1]
+    assert asked[0][0] == ["g0", "g1"]
+    assert asked[0][1] == [(T0, T0 + 10), (T0 + 10, T0 + 20), (T0 + 20, T0 + 30)]
+    assert asked[1][1] == [(T0 + 30, T0 + 35)]
+    # a meter that fails reads as "not measured", never as an exception
+    class Broken:
+        def energy_j(self, *a):
+            raise OSError("gone")
+
+        def idle_power_w(self, d):
+            raise OSError("gone")
+    r = take_readings(Broken(), ["g0"], [(T0, T0 + 1)])
+    assert r.energy_j("g0", T0, T0 + 1) == (None, "none") and r.idle_power_w("g0") is None
+    assert take_readings(None, ["g0"], [(T0, T0 + 1)]).energy_j("g0", T0, T0 + 1) == (None, "none")

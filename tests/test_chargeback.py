@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import os
 import re
 import signal
 import sqlite3
@@ -14,7 +15,7 @@ import urllib.parse
 
 import pytest
 
-from conftest import ROOT, http
+from conftest import ROOT, http, pid_alive
 
 
 def cli(*args: str):
@@ -235,10 +236,19 @@ def test_intensity_doubling_carried_by_requests(daemon_factory, tmp_path):
     assert carbon["site"]["region"] == "DE"
 
 
-def test_kill_9_loses_at_most_the_last_batch(daemon_factory, tmp_path):
+@pytest.mark.parametrize("victims", ["daemon", "daemon and accounting process"])
+def test_kill_9_loses_at_most_the_last_batch(daemon_factory, tmp_path, victims):
+    """kill -9 of the daemon alone: the accounting process sees its socket close, closes
+    the last window and commits everything it was sent (records reach it every 20 ms),
+    so every row is final. kill -9 of both (a power cut, systemd's final SIGKILL): at
+    most the last unflushed batch is lost; the restart keeps the provisional rows,
+    marked incomplete."""
     flush = 0.5
     d = daemon_factory("--devices", "sim:2xH100", "--sim-speed", "100", "--model-spec",
                        "llama-3.1-8b", model=None, config=config(window_s=1.0, flush=flush))
+    code, _, body = get(d, "/admin/v1/usage", since="1h")
+    accounting_pid = body["accounting"]["link"]["pid"]
+    assert accounting_pid and pid_alive(accounting_pid)
     done: list[tuple[str, float]] = []
     stop = threading.Event()
 
@@ -260,28 +270,48 @@ def test_kill_9_loses_at_most_the_last_batch(daemon_factory, tmp_path):
         t.start()
     time.sleep(4)
     stop.set()          # the load stops counting errors: the daemon is about to vanish
+    killed_at = time.time()
+    if victims != "daemon":
+        os.kill(accounting_pid, signal.SIGKILL)
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait()
     for t in threads:
         t.join()
+    deadline = time.monotonic() + 30
+    while pid_alive(accounting_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(accounting_pid), "the accounting process outlived its daemon by 30 s"
     path = d.log.parent / "state" / "ledger.db"
     db = sqlite3.connect(path)
     (covered,) = db.execute("SELECT value FROM meta WHERE key = 'covered_until'").fetchone()
     ids = [r[0] for r in db.execute("SELECT request_id FROM requests")]
+    (provisional,) = db.execute("SELECT count(*) FROM requests WHERE final = 0").fetchone()
     db.close()
     assert len(ids) == len(set(ids))
     answered_before = [rid for rid, t in done if t < covered]
     assert len(answered_before) > 20, (len(done), covered)
     missing = set(answered_before) - set(ids)
     assert not missing, f"{len(missing)} answered requests before the last commit are not in the ledger"
+    if victims == "daemon":
+        # everything the daemon had handed over (up to 20 ms before it died) is final
+        assert covered > killed_at - 0.5, (covered, killed_at)
+        assert provisional == 0
+    else:
+        assert covered > killed_at - 3 * flush - 1.0, (covered, killed_at)
     # restart on the same state: every row is there once; unfinished ones marked incomplete
     d2 = daemon_factory("--devices", "sim:2xH100", "--sim-speed", "100", "--model-spec",
                         "llama-3.1-8b", "--state-dir", str(path.parent), model=None,
                         config=config(window_s=1.0, flush=flush))
     code, _, body = get(d2, "/admin/v1/usage", group_by="tenant", since="1h")
     assert code == 200
-    (row,) = [r for r in body["rows"] if r["tenant"] == "b"]
-    assert row["requests"] == len(ids)
+    # tenant b's answered requests, and (daemon alone killed) the generations it cut off,
+    # whose iterations the accounting process bills as "unfinished" rows of their own
+    assert sum(r["requests"] for r in body["rows"]) == len(ids)
+    assert {r["tenant"] for r in body["rows"]} <= {"b", "unknown"}
+    db = sqlite3.connect(path)
+    (incomplete,) = db.execute("SELECT count(*) FROM requests WHERE incomplete = 1").fetchone()
+    db.close()
+    assert incomplete == provisional
     t = body["totals"]
     assert t["attributed_gpu_seconds"] + t["idle_gpu_seconds"] + t["unattributed_gpu_seconds"] == \
         pytest.approx(t["measured_gpu_seconds"], rel=0.005)
@@ -315,3 +345,43 @@ def test_usage_answers_404_when_accounting_is_off(daemon_factory):
     if db.exists():
         tables = {r[0] for r in sqlite3.connect(db).execute("SELECT name FROM sqlite_master")}
         assert "requests" not in tables and "device_windows" not in tables
+
+
+def test_a_killed_accounting_process_is_restarted_and_no_record_is_lost(daemon_factory):
+    """kill -9 of the accounting process alone: the daemon keeps serving, holds the
+    records meanwhile, restarts it, and every request reaches the ledger once."""
+    d = daemon_factory("--devices", "sim:2xH100", "--sim-speed", "100", "--model-spec",
+                       "llama-3.1-8b", model=None, config=config(window_s=1.0))
+    c = d.client(KEY_A, timeout=30)
+
+    def ask(n: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            raw = c.chat.completions.with_raw_response.create(
+                model="llama-3.1-8b", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+            raw.parse()
+            out.append(raw.headers["x-request-id"])
+        return out
+
+    ids = ask(5)
+    settled_usage(d, 5)
+    code, _, body = get(d, "/admin/v1/usage", since="1h")
+    old = body["accounting"]["link"]["pid"]
+    os.kill(old, signal.SIGKILL)
+    ids += ask(5)                   # served while accounting is down or restarting
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        code, _, body = get(d, "/admin/v1/usage", since="1h")
+        link = body["accounting"]["link"]
+        if link["state"] == "running" and link["pid"] not in (None, old):
+            break
+        time.sleep(0.2)
+    assert link["restarts"] == 1 and link["last_exit"] == "killed by signal 9", link
+    assert link["dropped_records"] == 0
+    ids += ask(5)
+    body = settled_usage(d, 15, group_by="tenant")
+    assert sum(r["requests"] for r in body["rows"] if r["tenant"] == "a") == 15
+    db = sqlite3.connect(d.log.parent / "state" / "ledger.db")
+    got = [r[0] for r in db.execute("SELECT request_id FROM requests WHERE tenant = 'a'")]
+    db.close()
+    assert sorted(got) == sorted(ids)

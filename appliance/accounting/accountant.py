@@ -84,6 +84,8 @@ class Accountant:
     def __init__(self, devices: list[DeviceInfo], model: str, site: Site, ledger: Ledger,
                  prices: PriceBook, embodied: EmbodiedCarbon, budgets: Budgets | None = None,
                  meter: Callable[[], EnergyMeter | None] = lambda: None,
+                 read_meter: Callable[[list[str], list[tuple[float, float]]],
+                                      EnergyMeter | None] | None = None,
                  window_s: float = 10.0, calibration_min_iterations: int = 50,
                  on_final: Callable[[FinalRow], None] | None = None,
                  on_budget: Callable[[list], None] | None = None, grace_s: float = GRACE_S,
@@ -95,6 +97,9 @@ class Accountant:
         self.budgets = budgets
         self._budget_tenants = budgets.tenants() if budgets is not None else set()
         self.meter = meter
+        # In the accounting process the meter is the daemon's, a round trip away: it is
+        # read once per tick for every window about to close (`read_meter`).
+        self.read_meter = read_meter
         self.grace_s = grace_s
         self.on_final = on_final
         self.on_budget = on_budget
@@ -133,7 +138,11 @@ class Accountant:
     def _tick(self, now: float | None, final: bool) -> int:
         now = time.time() if now is None else now
         cut = now if final else now - self.grace_s
-        windows = self.attributor.close_until(cut, self.meter(), final=final)
+        meter = self.meter()
+        if self.read_meter is not None:
+            spans = [(t0, t1) for _, t0, t1 in self.attributor.spans_until(cut, final)]
+            meter = self.read_meter(list(self.attributor.devices), spans) if spans else None
+        windows = self.attributor.close_until(cut, meter, final=final)
         for w in windows:
             self._apply(w)
         self.windows_closed += len(windows)

@@ -40,6 +40,45 @@ class EnergyMeter(Protocol):
     def idle_power_w(self, device: str) -> float | None: ...
 
 
+class Readings:
+    """An EnergyMeter over readings taken in one go: the accounting process runs apart
+    from the daemon's telemetry and asks it once per tick for every window it closes."""
+
+    __slots__ = ("energy", "idle")
+
+    def __init__(self, energy: dict[tuple[str, float, float], tuple[float | None, str]],
+                 idle: dict[str, float | None]):
+        self.energy = energy
+        self.idle = idle
+
+    def energy_j(self, device: str, t0: float, t1: float) -> tuple[float | None, str]:
+        return self.energy.get((device, t0, t1), (None, "none"))
+
+    def idle_power_w(self, device: str) -> float | None:
+        return self.idle.get(device)
+
+
+def take_readings(meter: EnergyMeter | None, devices: list[str],
+                  spans: list[tuple[float, float]]) -> Readings:
+    """Read `meter` for every device over every span (a meter that fails gives "not
+    measured" for that reading, never an exception)."""
+    energy: dict[tuple[str, float, float], tuple[float | None, str]] = {}
+    idle: dict[str, float | None] = {}
+    if meter is None:
+        return Readings(energy, idle)
+    for d in devices:
+        for t0, t1 in spans:
+            try:
+                energy[(d, t0, t1)] = meter.energy_j(d, t0, t1)
+            except Exception:
+                energy[(d, t0, t1)] = (None, "none")
+        try:
+            idle[d] = meter.idle_power_w(d)
+        except Exception:
+            idle[d] = None
+    return Readings(energy, idle)
+
+
 def request_of(engine_id: str) -> str:
     """Choice ids `R.1`, `R.2` run as engine requests of their own; they bill to `R`."""
     return engine_id.partition(".")[0]
@@ -257,21 +296,22 @@ class Attributor:
             if hi > lo:
                 self._windows.setdefault(k, []).append((rec, hi - lo))
 
-    def close_until(self, t: float, meter: EnergyMeter | None,
-                    final: bool = False) -> list[DeviceWindow]:
-        """Close every window that ends at or before `t`; with `final` (shutdown) also the
-        one `t` falls in, cut at `t`. Returns one DeviceWindow per device per window."""
-        out: list[DeviceWindow] = []
-        while self.closed_until < t:
-            k = self._index(self.closed_until)
+    def spans_until(self, t: float, final: bool = False) -> list[tuple[int, float, float]]:
+        """The windows `close_until(t, final)` would close, as (index, start, end), without
+        closing them: the accounting process asks the daemon's meter for all of them in
+        one round trip before it closes any."""
+        out = []
+        closed = self.closed_until
+        while closed < t:
+            k = self._index(closed)
             end = (k + 1) * self.window_s
-            if end <= self.closed_until:        # float rounding at a boundary
+            if end <= closed:                  # float rounding at a boundary
                 k += 1
                 end = (k + 1) * self.window_s
             if k not in self._windows:
                 # no iteration until the next filed window: one row for the whole idle
                 # stretch (a night, or the VM's clock jumping), not one per window
-                nxt = min(self._windows, default=None)
+                nxt = min((j for j in self._windows if j > k), default=None)
                 last = self._index(t) * self.window_s
                 stretch = min(nxt * self.window_s, last) if nxt is not None else last
                 end = max(end, stretch)
@@ -279,8 +319,18 @@ class Attributor:
                 if not final:
                     break
                 end = t
+            out.append((k, closed, end))
+            closed = end
+        return out
+
+    def close_until(self, t: float, meter: EnergyMeter | None,
+                    final: bool = False) -> list[DeviceWindow]:
+        """Close every window that ends at or before `t`; with `final` (shutdown) also the
+        one `t` falls in, cut at `t`. Returns one DeviceWindow per device per window."""
+        out: list[DeviceWindow] = []
+        for k, start, end in self.spans_until(t, final):
             records = self._windows.pop(k, [])
-            out.extend(self._close(self.closed_until, end, records, meter))
+            out.extend(self._close(start, end, records, meter))
             self.closed_until = end
         if final:   # anything filed beyond t (clock skew) is dropped with the last window
             self._windows.clear()

@@ -186,6 +186,10 @@ class Ledger:
         self.rows_written = 0
         self.cpu_s = 0.0            # the writer thread's CPU time in commits
         self.error: str | None = None
+        # Set by the accounting process: the daemon's time up to which its records have
+        # been queued here. A batch's `covered_until` is never later (records still on
+        # their way from the daemon are not covered).
+        self.received_until: float | None = None
         conn = connect(self.path)
         try:
             with conn:
@@ -197,8 +201,7 @@ class Ledger:
             self._prune(conn, time.time())
         finally:
             conn.close()
-        self._reader = connect(self.path)
-        self._reader_lock = threading.Lock()
+        self.reader = LedgerReader(self.path)
 
     # ---- start-up ------------------------------------------------------------
     def _recover(self, conn: sqlite3.Connection) -> int:
@@ -242,7 +245,7 @@ class Ledger:
         self._queue.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout)
-        self._reader.close()
+        self.reader.close()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until what is queued now has been committed (tests, shutdown)."""
@@ -264,6 +267,8 @@ class Ledger:
                     # a batch: what arrives within one flush interval
                     time.sleep(self.flush_interval_s)
                 covered = time.time()
+                if self.received_until is not None:
+                    covered = min(covered, self.received_until)
                 batch = [first] if first is not None else []
                 while True:
                     try:
@@ -311,5 +316,21 @@ class Ledger:
 
     # ---- reading ---------------------------------------------------------------
     def query(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._reader_lock:
-            return self._reader.execute(sql, args).fetchall()
+        return self.reader.query(sql, args)
+
+
+class LedgerReader:
+    """A read connection: the daemon's reports read the file the accounting process
+    writes (WAL: readers never wait for the writer)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._conn = connect(self.path)
+        self._lock = threading.Lock()
+
+    def query(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._conn.execute(sql, args).fetchall()
+
+    def close(self) -> None:
+        self._conn.close()

@@ -11,9 +11,10 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
-from appliance.engines.messages import IterationRecord
+from appliance.engines.messages import IterationRecord, on_the_wire
 
 
+@on_the_wire
 @dataclass(slots=True)
 class RequestRecord:
     request_id: str

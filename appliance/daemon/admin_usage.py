@@ -67,7 +67,7 @@ async def usage(request: web.Request):
                                      acc.prices.idle_policy)
     if fmt == "csv":
         return web.Response(text=reports.usage_csv(report), content_type="text/csv")
-    report["budgets"] = acc.budgets.report(tenant) if acc.budgets else []
+    report["budgets"] = acc.budget_report(tenant)
     if caller.admin:
         report["accounting"] = acc.status()
     return json_response(report)

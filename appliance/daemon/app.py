@@ -514,7 +514,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     svc.pool.ready_listeners.append(
         lambda w: journal.worker_started(w.id, w.proc.pid, list(w.spec.devices)))
     try:
-        accountant = chargeback.attach(svc, state_dir)
+        accountant = await chargeback.attach(svc, state_dir)
     except ValueError as exc:   # a bad carbon intensity file, an unusable ledger
         raise StartupError(str(exc)) from None
     phase = ["loading"]
@@ -528,7 +528,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         await svc.pool.stop(2)
         svc.prepare_pool.close()
         if accountant is not None:
-            accountant.stop()
+            await accountant.stop()
         raise StartupError(str(exc)) from None
     svc.fit_context_to_pools()
     # Before serving: every unfinished workflow is reconciled against the workers just
@@ -560,7 +560,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         await runner.cleanup()
         svc.prepare_pool.close()
         if accountant is not None:
-            accountant.stop()
+            await accountant.stop()
         raise StartupError(f"cannot listen on {where}: {exc.strerror}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -578,7 +578,6 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     systemd.notify("READY=1", f"STATUS={status_line(svc, 'serving')}")
     watchdog = asyncio.create_task(systemd.watchdog_loop())
     sampler = asyncio.create_task(svc.telemetry.run(), name="telemetry")
-    ticker = asyncio.create_task(chargeback.tick_loop(accountant)) if accountant else None
     svc.workflows.resume_all()
     await stop.wait()
     await svc.workflows.close()
@@ -595,8 +594,6 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     cut = svc.inflight
     drained_s = time.monotonic() - started
     watchdog.cancel()
-    if ticker is not None:
-        ticker.cancel()
     for site in sites:
         await site.stop()
     await svc.pool.stop()
@@ -604,9 +601,9 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     await runner.cleanup()
     svc.prepare_pool.close()
     if accountant is not None:
-        # the last partial window (its energy from the still-running sampler), every
-        # finished request's final row, one commit
-        await asyncio.to_thread(accountant.stop)
+        # the accounting process closes the last partial window (its energy from the
+        # still-running sampler), completes every finished request's row, one commit
+        await accountant.stop()
     sampler.cancel()
     journal.close()
     # One line for the operator: what the drain did and how the daemon ends.

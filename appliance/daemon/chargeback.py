@@ -1,6 +1,8 @@
-"""Connects the accounting package to the running daemon: builds the `Accountant` from the
-config and the partition plan, puts it behind the record sink seam (beside the request
-log of --log-requests), feeds the tenant series of /metrics, and ticks it once a second.
+"""Connects the accounting package to the running daemon: builds the accounting spec from
+the config and the partition plan, starts the accounting process
+(`appliance.accounting.process`, why a process is said there), forwards it the records
+the daemon gets anyway, answers its energy questions from the telemetry hub, and feeds
+the tenant series of /metrics and the budgets of the usage API from its reports.
 
 The energy meter is the telemetry hub (`svc.telemetry`, CONTRACTS.md) when the daemon
 has one; without it energy is "not measured" and GPU-seconds, cost and embodied carbon
@@ -11,18 +13,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from appliance.accounting.accountant import Accountant, FinalRow, Site
-from appliance.accounting.attribution import DeviceInfo
+from appliance.accounting.accountant import Site
+from appliance.accounting.attribution import DeviceInfo, EnergyMeter, take_readings
 from appliance.accounting.budgets import Budgets
 from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon
 from appliance.accounting.cost import PriceBook
-from appliance.accounting.ledger import Ledger
-from appliance.accounting.records import FanoutSink
+from appliance.accounting.ledger import LedgerReader
+from appliance.accounting.process import (
+    FORWARD_S, LOCK_TIMEOUT_S, AccountingSpec, ReadMeter, Records, Report, Start, Started,
+    StartFailed, Stop,
+)
+from appliance.accounting.records import FanoutSink, LogSink, RequestRecord
 from appliance.config import Config
 from appliance.daemon.metrics import TenantMetrics
+from appliance.daemon.workers import program_command
+from appliance.engines.messages import IterationRecord
+from appliance.worker import wire
 
 if TYPE_CHECKING:
     from appliance.daemon.app import Service, Setup
@@ -30,6 +40,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("applianced.accounting")
 
 LEDGER_FILE = "ledger.db"      # shared with the planner's trend tables (own tables, own connection)
+START_TIMEOUT_S = LOCK_TIMEOUT_S + 60.0
+STOP_TIMEOUT_S = 60.0
+# While the accounting process is down (it died; it is being restarted) records wait
+# in the daemon, up to this many of each kind; beyond, the oldest are dropped and counted.
+BUFFER_MAX = 500_000
 
 
 def device_infos(setup: Setup) -> list[DeviceInfo]:
@@ -58,53 +73,227 @@ def site_of(cfg: Config) -> Site:
     return Site(s.name, s.appliance or socket.gethostname(), s.region, s.pue, intensity)
 
 
-def attach(svc: Service, state_dir: Path) -> Accountant | None:
-    """Build the accountant and put it behind svc.sink. Raises ValueError with one line
+class AccountingLink:
+    """The daemon's end of the accounting process, behind the record sink seam.
+
+    On the event loop per request: one list append (`request`), and per worker frame
+    that holds iteration records one more (`frame`); every FORWARD_S one pickle and one
+    write. What the admin API reads: `ledger` (a read connection), `site`, `prices`,
+    `status()`, `budget_report()`."""
+
+    def __init__(self, spec: AccountingSpec, meter: Callable[[], EnergyMeter | None],
+                 metrics: TenantMetrics, state_dir: Path):
+        self.spec = spec
+        self.site = spec.site
+        self.prices = spec.prices
+        self.meter = meter
+        self.metrics = metrics
+        self.state_dir = state_dir
+        self.ledger: LedgerReader | None = None
+        self.proc: asyncio.subprocess.Process | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self._frames: list[bytes] = []
+        self._requests: list[RequestRecord] = []
+        self._status: dict = {}
+        self._budgets: list[dict] = []
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self._exited = asyncio.Event()
+        self.restarts = 0
+        self.dropped = 0
+        self.last_exit: str | None = None
+
+    # ---- RecordSink + frame tap (event loop, hot path) --------------------------
+    def request(self, rec: RequestRecord) -> None:
+        self._requests.append(rec)
+
+    def iteration(self, rec: IterationRecord) -> None:
+        pass                    # they travel inside their frames (`frame`)
+
+    def frame(self, body: bytes) -> None:
+        self._frames.append(body)
+
+    # ---- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the process and wait until it has opened the ledger. Raises ValueError
+        with one line when it cannot."""
+        parent, child = socket.socketpair()
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *program_command(), "accountant", "--fd", str(child.fileno()),
+                pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL)
+        finally:
+            child.close()
+        reader, self.writer = await asyncio.open_unix_connection(sock=parent)
+        self.writer.write(wire.pack(Start(self.spec)))
+        try:
+            first = await asyncio.wait_for(wire.recv_async(reader), START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            first = None
+        if not isinstance(first, Started):
+            self.writer.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+            why = first.message if isinstance(first, StartFailed) else (
+                f"it exited ({self.proc.returncode})" if self.proc.returncode is not None
+                else "it did not answer")
+            raise ValueError(f"cannot start accounting on the ledger "
+                             f"{self.state_dir / LEDGER_FILE}: {why}")
+        self._apply(first.report)
+        self._exited.clear()
+        if self.ledger is None:
+            self.ledger = LedgerReader(self.state_dir / LEDGER_FILE)
+        loop_tasks = [asyncio.create_task(self._read(reader), name="accounting-read")]
+        if not self._tasks:
+            loop_tasks.append(asyncio.create_task(self._forward(), name="accounting-forward"))
+        self._tasks = [t for t in self._tasks if not t.done()] + loop_tasks
+
+    async def stop(self) -> None:
+        """Send what is left, let the process close its last window and commit (it may
+        still read energy from us meanwhile), then wait for it."""
+        self._stopping = True
+        self._send_records()
+        if self.writer is not None and not self.writer.is_closing():
+            self.writer.write(wire.pack(Stop()))
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                await asyncio.wait_for(self._exited.wait(), STOP_TIMEOUT_S)
+                await asyncio.wait_for(self.proc.wait(), 5)
+            except asyncio.TimeoutError:
+                log.error("accounting: the process did not finish in %g s; killing it "
+                          "(its last batch may be lost)", STOP_TIMEOUT_S)
+                self.proc.kill()
+                await self.proc.wait()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.ledger is not None:
+            self.ledger.close()
+
+    # ---- traffic ----------------------------------------------------------------------
+    async def _forward(self) -> None:
+        last = 0.0
+        while True:
+            await asyncio.sleep(FORWARD_S)
+            now = time.monotonic()
+            # a heartbeat once a second even when idle: the ledger's covered_until moves on
+            if self._frames or self._requests or now - last >= 1.0:
+                if self._send_records():
+                    last = now
+
+    def _send_records(self) -> bool:
+        w = self.writer
+        if w is None or w.is_closing():
+            self._cap()
+            return False
+        frames, self._frames = self._frames, []
+        requests, self._requests = self._requests, []
+        w.write(wire.pack(Records(time.time(), frames, requests)))
+        return True
+
+    def _cap(self) -> None:
+        for buf in (self._frames, self._requests):
+            if len(buf) > BUFFER_MAX:
+                self.dropped += len(buf) - BUFFER_MAX
+                del buf[:len(buf) - BUFFER_MAX]
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            msg = await wire.recv_async(reader)
+            if msg is None:
+                break
+            if isinstance(msg, ReadMeter):
+                readings = take_readings(self.meter(), msg.devices, msg.spans)
+                if self.writer is not None and not self.writer.is_closing():
+                    self.writer.write(wire.pack(readings))
+            elif isinstance(msg, Report):
+                self._apply(msg)
+        await self._ended()
+
+    def _apply(self, report: Report) -> None:
+        self._status = report.status
+        self._budgets = report.budgets
+        for tenant, usage in report.tenants.items():
+            self.metrics.add(tenant, usage)
+        for b in report.budgets:
+            self.metrics.budget(b["tenant"], b["budget"], b["used_ratio"])
+
+    async def _ended(self) -> None:
+        proc = self.proc
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = None
+        try:
+            await asyncio.wait_for(proc.wait(), 5)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+        self._exited.set()
+        rc = proc.returncode
+        self.last_exit = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+        if self._stopping:
+            return
+        log.error("accounting: the process ended (%s); restarting it (records wait here)",
+                  self.last_exit)
+        delay = 0.5
+        while not self._stopping:
+            await asyncio.sleep(delay)
+            try:
+                self.restarts += 1
+                await self.start()
+                return
+            except (ValueError, OSError) as exc:
+                log.error("accounting: %s", exc)
+                delay = min(delay * 2, 30.0)
+
+    # ---- what the admin API reads ---------------------------------------------------
+    def status(self) -> dict:
+        s = dict(self._status)
+        s["link"] = {"state": "running" if self.writer is not None else "down",
+                     "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
+                     "restarts": self.restarts, "last_exit": self.last_exit,
+                     "dropped_records": self.dropped, "forward_s": FORWARD_S}
+        return s
+
+    def budget_report(self, tenant: str | None = None) -> list[dict]:
+        return [b for b in self._budgets if tenant is None or b["tenant"] == tenant]
+
+
+async def attach(svc: Service, state_dir: Path) -> AccountingLink | None:
+    """Start accounting and put it behind svc.sink. Raises ValueError with one line
     (a bad intensity file, an unusable ledger) before any worker starts."""
     cfg = svc.cfg
     if not cfg.accounting.enabled:
         return None
     a = cfg.accounting
     site = site_of(cfg)
-    try:
-        ledger = Ledger(state_dir / LEDGER_FILE, a.flush_interval_s, a.retention_days,
-                        a.rollup_retention_days)
-    except Exception as exc:    # sqlite3.Error, OSError: one line, not a traceback
-        raise ValueError(f"cannot open the ledger {state_dir / LEDGER_FILE}: {exc}") from None
     b = cfg.budgets
     budgets = Budgets(b.period, {"gpu_hours": b.gpu_hours, "usd": b.usd, "kgco2e": b.kgco2e})
-    tenants = set(svc._tenants) | budgets.tenants()
+    spec = AccountingSpec(
+        devices=device_infos(svc.setup), model=svc.model_name, site=site,
+        ledger_path=str(state_dir / LEDGER_FILE),
+        prices=PriceBook(a.usd_per_gpu_hour, a.usd_per_kwh, a.idle_policy),
+        embodied=EmbodiedCarbon(cfg.site.embodied_kgco2e, cfg.site.lifetime_years),
+        budgets=budgets, labelled_tenants=frozenset(set(svc._tenants) | budgets.tenants()),
+        flush_interval_s=a.flush_interval_s, retention_days=a.retention_days,
+        rollup_retention_days=a.rollup_retention_days, window_s=a.window_s,
+        calibration_min_iterations=a.calibration_min_iterations,
+        metered=getattr(svc, "telemetry", None) is not None)
     metrics = TenantMetrics(svc.metrics.registry, svc.simulated)
-
-    def final(row: FinalRow) -> None:
-        metrics.final(row, row.record.tenant if row.record.tenant in tenants else "other")
-
-    def budget(states: list) -> None:
-        for s in states:
-            metrics.budget(s.tenant, s.budget, s.ratio)
-
-    acc = Accountant(device_infos(svc.setup), svc.model_name, site, ledger,
-                     PriceBook(a.usd_per_gpu_hour, a.usd_per_kwh, a.idle_policy),
-                     EmbodiedCarbon(cfg.site.embodied_kgco2e, cfg.site.lifetime_years),
-                     budgets=budgets, meter=lambda: getattr(svc, "telemetry", None),
-                     window_s=a.window_s, calibration_min_iterations=a.calibration_min_iterations,
-                     on_final=final, on_budget=budget)
-    acc.load_budgets()
-    for s in budgets.states.values():
-        metrics.budget(s.tenant, s.budget, s.ratio)
-    ledger.start()
-    svc.sink = FanoutSink(svc.sink, acc)
-    svc.accountant = acc
-    log.info("accounting: ledger %s, %g s windows, site %s (PUE %g, intensity %s)",
-             ledger.path, a.window_s, site.name, site.pue,
-             cfg.site.carbon_intensity_file or f"{cfg.site.carbon_intensity:g} g/kWh static")
-    return acc
-
-
-async def tick_loop(acc: Accountant, period_s: float = 1.0) -> None:
-    while True:
-        await asyncio.sleep(period_s)
-        try:
-            acc.tick()
-        except Exception:       # accounting must never take serving down
-            log.exception("accounting tick failed")
+    link = AccountingLink(spec, lambda: getattr(svc, "telemetry", None), metrics, state_dir)
+    try:
+        await link.start()
+    except OSError as exc:
+        raise ValueError(f"cannot start accounting: {exc}") from None
+    # beside the request log of --log-requests, if it is on
+    log_off = isinstance(svc.sink, LogSink) and not svc.sink.enabled
+    svc.sink = link if log_off else FanoutSink(svc.sink, link)
+    svc.pool.frame_tap = link.frame
+    svc.accountant = link
+    log.info("accounting: ledger %s, %g s windows, site %s (PUE %g, intensity %s), "
+             "process pid %s", state_dir / LEDGER_FILE, a.window_s, site.name, site.pue,
+             cfg.site.carbon_intensity_file or f"{cfg.site.carbon_intensity:g} g/kWh static",
+             link.proc.pid)
+    return link

@@ -189,10 +189,9 @@ class Metrics:
 class TenantMetrics:
     """The chargeback series (CONTRACTS.md): counters per tenant (configured tenants only,
     the rest as "other", so a stray key cannot explode the series count), fed when a
-    request's ledger row is final, and the budget gauge.
-
-    A collector over plain sums, read at scrape time: adding a request is a few dict
-    updates, not a dozen label lookups (this runs once per request on the event loop)."""
+    request's ledger row is final (summed per tenant by the accounting process, added
+    once a second), and the budget gauge. A collector over plain sums, read at scrape
+    time."""
 
     def __init__(self, registry: CollectorRegistry, simulated: bool):
         # site and appliance are added to every sample by the registry's SiteLabels view
@@ -204,15 +203,17 @@ class TenantMetrics:
         self.ratio: dict[tuple[str, str], float] = {}
         registry.register(self)
 
-    def final(self, row, tenant: str) -> None:
+    def add(self, tenant: str, usage) -> None:
+        """Add a tenant's final figures since the accounting process's last report
+        (a `TenantUsage`)."""
         for i, phase in enumerate(("prefill", "decode")):
             key = (tenant, phase)
-            self.gpu_s[key] = self.gpu_s.get(key, 0.0) + row.gpu_s[i]
-            if row.joules[i] is not None:
-                self.energy[key] = self.energy.get(key, 0.0) + row.joules[i]
-        for basis, value in (("usage", row.cost_usage), ("allocation", row.cost_allocation)):
+            self.gpu_s[key] = self.gpu_s.get(key, 0.0) + usage.gpu_s[i]
+            if usage.joules[i] is not None:
+                self.energy[key] = self.energy.get(key, 0.0) + usage.joules[i]
+        for basis, value in (("usage", usage.cost_usage), ("allocation", usage.cost_allocation)):
             self.cost[(tenant, basis)] = self.cost.get((tenant, basis), 0.0) + value
-        self.co2e[tenant] = self.co2e.get(tenant, 0.0) + row.co2e_g
+        self.co2e[tenant] = self.co2e.get(tenant, 0.0) + usage.co2e_g
 
     def budget(self, tenant: str, budget: str, ratio: float) -> None:
         self.ratio[(tenant, budget)] = ratio

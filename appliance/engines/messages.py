@@ -11,10 +11,36 @@ per-token.
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 
+def on_the_wire(cls):
+    """Pickle as (class, field values). A slots dataclass otherwise pickles through
+    dataclasses' own `__getstate__`, which calls `fields()` for every object: ~3× the
+    time both ways (2.1 → 0.6 µs a dump, 1.5 → 0.6 µs a load for a request record), and
+    these cross a socket for every engine step."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if not names:
+        def __reduce__(self):
+            return (cls, ())
+    elif len(names) == 1:
+        one = operator.attrgetter(names[0])
+
+        def __reduce__(self):
+            return (cls, (one(self),))
+    else:
+        get = operator.attrgetter(*names)
+
+        def __reduce__(self):
+            return (cls, get(self))
+    cls.__reduce__ = __reduce__
+    return cls
+
+
+@on_the_wire
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int
@@ -31,6 +57,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None      # the same for every prompt token after the first
 
 
+@on_the_wire
 @dataclass(slots=True)
 class KvHandle:
     """Where a request's prefilled KV lives. Opaque outside the engines."""
@@ -45,6 +72,7 @@ class KvHandle:
 
 # ---- daemon -> worker -------------------------------------------------------
 
+@on_the_wire
 @dataclass(slots=True)
 class Prefill:
     """Run the prompt. handoff=True: keep the KV and return a handle (disagg);
@@ -56,6 +84,7 @@ class Prefill:
     handoff: bool
 
 
+@on_the_wire
 @dataclass(slots=True)
 class Decode:
     """Continue a request whose prompt KV sits in another worker's pool."""
@@ -67,11 +96,13 @@ class Decode:
     handle: KvHandle
 
 
+@on_the_wire
 @dataclass(slots=True)
 class Abort:
     request_id: str
 
 
+@on_the_wire
 @dataclass(slots=True)
 class Release:
     """The KV of a handed-off request is no longer needed on its source worker."""
@@ -79,6 +110,7 @@ class Release:
     request_id: str
 
 
+@on_the_wire
 @dataclass(slots=True)
 class AttachPeer:
     """A peer worker's exported KV pool (sent once after it says Hello)."""
@@ -87,6 +119,7 @@ class AttachPeer:
     handle: Any
 
 
+@on_the_wire
 @dataclass(slots=True)
 class Shutdown:
     pass
@@ -94,6 +127,7 @@ class Shutdown:
 
 # ---- worker -> daemon -------------------------------------------------------
 
+@on_the_wire
 @dataclass(slots=True)
 class Hello:
     worker: str
@@ -112,6 +146,7 @@ class Hello:
     threads: int = 0            # torch threads of a CPU engine; 0 = not a CPU engine
 
 
+@on_the_wire
 @dataclass(slots=True)
 class StartFailed:
     """The engine could not be built (bad checkpoint, no memory...): said once, then exit."""
@@ -124,6 +159,7 @@ class StartFailed:
 TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
+@on_the_wire
 @dataclass(slots=True)
 class PrefillDone:
     """First token of a disaggregated request; handle is None when it already finished."""
@@ -138,6 +174,7 @@ class PrefillDone:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
+@on_the_wire
 @dataclass(slots=True)
 class Tokens:
     request_id: str
@@ -148,6 +185,7 @@ class Tokens:
     prompt_logprobs: list[TokenLogprob | None] | None = None   # with the first token only
 
 
+@on_the_wire
 @dataclass(slots=True)
 class KvImported:
     """The decode worker has its own copy of the KV: the source may free it."""
@@ -156,6 +194,7 @@ class KvImported:
     source_worker: str
 
 
+@on_the_wire
 @dataclass(slots=True)
 class RequestFailed:
     request_id: str
@@ -163,6 +202,7 @@ class RequestFailed:
     code: str = "engine_error"
 
 
+@on_the_wire
 @dataclass(slots=True)
 class IterationRecord:
     """One engine iteration. Telemetry turns these into per-request GPU-seconds,
@@ -183,6 +223,7 @@ class IterationRecord:
     approximate: bool = False
 
 
+@on_the_wire
 @dataclass(slots=True)
 class WorkerStats:
     worker: str

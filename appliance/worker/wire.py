@@ -36,11 +36,16 @@ def recv(sock: socket.socket):
     return None if body is None else pickle.loads(body)
 
 
-async def recv_async(reader: asyncio.StreamReader):
-    """Next object, or None when the peer is gone."""
+async def recv_body_async(reader: asyncio.StreamReader) -> bytes | None:
+    """Next frame's pickled body, unopened, or None when the peer is gone."""
     try:
         header = await reader.readexactly(HEADER.size)
-        body = await reader.readexactly(HEADER.unpack(header)[0])
+        return await reader.readexactly(HEADER.unpack(header)[0])
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
-    return pickle.loads(body)
+
+
+async def recv_async(reader: asyncio.StreamReader):
+    """Next object, or None when the peer is gone."""
+    body = await recv_body_async(reader)
+    return None if body is None else pickle.loads(body)
