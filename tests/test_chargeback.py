@@ -364,6 +364,9 @@ def test_a_killed_accounting_process_is_restarted_and_no_record_is_lost(daemon_f
         return out
 
     ids = ask(5)
+    # the admin API's accounting status is as of the call, not of the last tick
+    code, _, body = get(d, "/admin/v1/usage", since="1h")
+    assert body["accounting"]["process"]["requests"] == 5
     settled_usage(d, 5)
     code, _, body = get(d, "/admin/v1/usage", since="1h")
     old = body["accounting"]["link"]["pid"]

@@ -138,8 +138,9 @@ class Accountant:
     def _tick(self, now: float | None, final: bool) -> int:
         now = time.time() if now is None else now
         cut = now if final else now - self.grace_s
-        meter = self.meter()
-        if self.read_meter is not None:
+        if self.read_meter is None:
+            meter = self.meter()
+        else:
             spans = [(t0, t1) for _, t0, t1 in self.attributor.spans_until(cut, final)]
             meter = self.read_meter(list(self.attributor.devices), spans) if spans else None
         windows = self.attributor.close_until(cut, meter, final=final)

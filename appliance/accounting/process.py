@@ -10,9 +10,10 @@ writes them out every `FORWARD_S`.
 What crosses the socketpair (length-prefixed pickles, `appliance.worker.wire`):
 - daemon -> accounting: `Start` (first), `Records` (every worker frame that carries an
   iteration record, forwarded unopened, and the finished requests' records), `Readings`
-  (the daemon's energy meter, answering `ReadMeter`), `Stop`.
+  (the daemon's energy meter, answering `ReadMeter`), `AskStatus`, `Stop`.
 - accounting -> daemon: `Started` or `StartFailed`, `ReadMeter` (once per tick that
-  closes windows), `Report` (every tick: status, per-tenant sums for /metrics, budgets).
+  closes windows), `Report` (every tick and for each `AskStatus`: status, per-tenant sums
+  for /metrics, budgets).
 
 Durability: when the daemon goes away, even by kill -9, its end of the socket closes;
 this process then closes the last window and commits everything it was sent before it
@@ -96,7 +97,6 @@ class Stop:
 
 @dataclass(slots=True)
 class Started:
-    pid: int
     report: "Report"
 
 
@@ -138,6 +138,14 @@ class Report:
     status: dict
     tenants: dict[str, TenantUsage]
     budgets: list[dict]                 # Budgets.report(): every tenant's states and alerts
+    answers: int = 0                    # the last `AskStatus.n` taken before this report
+
+
+@dataclass(slots=True)
+class AskStatus:
+    """A report now: the admin API shows what was sent before it (e.g. `pending`)."""
+
+    n: int
 
 
 def lock_path(ledger_path: str | Path) -> Path:
@@ -188,6 +196,7 @@ class Host:
         self.ledger.start()
         self.records = 0
         self.frames = 0
+        self.asked = 0
 
     def _send(self, msg) -> bool:
         try:
@@ -244,7 +253,7 @@ class Host:
     def report(self) -> Report:
         totals, self.totals = self.totals, {}
         budgets = self.acc.budgets.report() if self.acc.budgets is not None else []
-        return Report(self.status(), totals, budgets)
+        return Report(self.status(), totals, budgets, self.asked)
 
     def serve(self) -> int:
         tick_s = self.spec.tick_s
@@ -265,6 +274,9 @@ class Host:
                 break
             if isinstance(msg, Records):
                 self._take(msg)
+            elif isinstance(msg, AskStatus):
+                self.asked = msg.n
+                self._send(self.report())
             if time.monotonic() >= next_tick:
                 try:
                     self.acc.tick()
@@ -341,6 +353,6 @@ def run(fd: int) -> int:
             pass
         return 3
     tune_gc()
-    if not host._send(Started(os.getpid(), host.report())):
+    if not host._send(Started(host.report())):
         host.eof = True
     return host.serve()

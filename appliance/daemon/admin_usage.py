@@ -69,7 +69,7 @@ async def usage(request: web.Request):
         return web.Response(text=reports.usage_csv(report), content_type="text/csv")
     report["budgets"] = acc.budget_report(tenant)
     if caller.admin:
-        report["accounting"] = acc.status()
+        report["accounting"] = await acc.fresh_status()
     return json_response(report)
 
 

@@ -24,8 +24,8 @@ from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon
 from appliance.accounting.cost import PriceBook
 from appliance.accounting.ledger import LedgerReader
 from appliance.accounting.process import (
-    FORWARD_S, LOCK_TIMEOUT_S, AccountingSpec, ReadMeter, Records, Report, Start, Started,
-    StartFailed, Stop,
+    FORWARD_S, LOCK_TIMEOUT_S, AccountingSpec, AskStatus, ReadMeter, Records, Report, Start,
+    Started, StartFailed, Stop,
 )
 from appliance.accounting.records import FanoutSink, LogSink, RequestRecord
 from appliance.config import Config
@@ -42,6 +42,7 @@ log = logging.getLogger("applianced.accounting")
 LEDGER_FILE = "ledger.db"      # shared with the planner's trend tables (own tables, own connection)
 START_TIMEOUT_S = LOCK_TIMEOUT_S + 60.0
 STOP_TIMEOUT_S = 60.0
+STATUS_TIMEOUT_S = 2.0         # a busy accounting process: the last tick's report instead
 # While the accounting process is down (it died; it is being restarted) records wait
 # in the daemon, up to this many of each kind; beyond, the oldest are dropped and counted.
 BUFFER_MAX = 500_000
@@ -102,6 +103,8 @@ class AccountingLink:
         self.restarts = 0
         self.dropped = 0
         self.last_exit: str | None = None
+        self._asked = 0
+        self._answered: dict[int, asyncio.Future] = {}
 
     # ---- RecordSink + frame tap (event loop, hot path) --------------------------
     def request(self, rec: RequestRecord) -> None:
@@ -213,6 +216,10 @@ class AccountingLink:
         await self._ended()
 
     def _apply(self, report: Report) -> None:
+        for n in [n for n in self._answered if n <= report.answers]:
+            fut = self._answered.pop(n)
+            if not fut.done():
+                fut.set_result(None)
         self._status = report.status
         self._budgets = report.budgets
         for tenant, usage in report.tenants.items():
@@ -249,6 +256,19 @@ class AccountingLink:
                 delay = min(delay * 2, 30.0)
 
     # ---- what the admin API reads ---------------------------------------------------
+    async def fresh_status(self) -> dict:
+        """`status()` as of now: what was sent before this call is counted (a report
+        ticks only once a second)."""
+        if self._send_records():
+            self._asked += 1
+            fut = self._answered[self._asked] = asyncio.get_running_loop().create_future()
+            self.writer.write(wire.pack(AskStatus(self._asked)))
+            try:
+                await asyncio.wait_for(fut, STATUS_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self._answered.pop(self._asked, None)
+        return self.status()
+
     def status(self) -> dict:
         s = dict(self._status)
         s["link"] = {"state": "running" if self.writer is not None else "down",

@@ -23,19 +23,14 @@ def on_the_wire(cls):
     time both ways (2.1 → 0.6 µs a dump, 1.5 → 0.6 µs a load for a request record), and
     these cross a socket for every engine step."""
     names = [f.name for f in dataclasses.fields(cls)]
-    if not names:
-        def __reduce__(self):
-            return (cls, ())
-    elif len(names) == 1:
-        one = operator.attrgetter(names[0])
-
-        def __reduce__(self):
-            return (cls, (one(self),))
-    else:
-        get = operator.attrgetter(*names)
+    if len(names) > 1:
+        get = operator.attrgetter(*names)       # a tuple, in C
 
         def __reduce__(self):
             return (cls, get(self))
+    else:
+        def __reduce__(self):
+            return (cls, tuple(getattr(self, n) for n in names))
     cls.__reduce__ = __reduce__
     return cls
 
