@@ -21,7 +21,7 @@ from appliance.accounting.attribution import (
 from appliance.accounting.budgets import Budgets, period_start
 from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon, parse_time
 from appliance.accounting.cost import PriceBook
-from appliance.accounting.ledger import Ledger
+from appliance.accounting.ledger import Ledger, unpack_rows
 from appliance.accounting.records import RequestRecord
 from appliance.accounting import reports
 from appliance.engines.messages import IterationRecord
@@ -367,16 +367,73 @@ def test_ledger_recovers_unfinished_rows_and_counts_each_request_once(tmp_path):
     acc.iteration(it("p0", "prefill", T0 + 1, 1.0, ["g0"], [("A", 5, 5)]))
     acc.request(req("A", "ta", T0, T0 + 2))
     assert ledger.flush()
-    # the process dies here (no stop): A is committed, not final
-    row = sqlite3.connect(tmp_path / "ledger.db").execute(
-        "SELECT final FROM requests WHERE request_id = 'A'").fetchone()
-    assert row == (0,)
+    # the process dies here (no stop): A is committed as pending, without a request row
+    db = sqlite3.connect(tmp_path / "ledger.db")
+    assert db.execute("SELECT count(*) FROM requests").fetchone() == (0,)
+    (blob,) = db.execute("SELECT rows FROM pending").fetchone()
+    db.close()
+    assert [r[0] for r in unpack_rows(blob)] == ["A"]
     led = Ledger(tmp_path / "ledger.db", retention_days=0, rollup_retention_days=0)
     assert led.recovered == 1
     assert led.query("SELECT count(*), final, incomplete FROM requests") == [(1, 1, 1)]
     assert led.query("SELECT sum(requests) FROM rollups WHERE period = 'hour'") == [(1,)]
     led.stop()
     ledger.stop()
+
+
+def test_pending_blob_lives_until_its_last_request_is_final(tmp_path):
+    """A request's row is written once: while it waits for its windows it is committed
+    in its batch's `pending` blob, which goes in the transaction that writes the last
+    final row of the batch; a restart turns what is left (and only that) into
+    incomplete rows."""
+    acc, ledger = make_accountant(tmp_path, None)
+    db = sqlite3.connect(tmp_path / "ledger.db")
+
+    def pending():
+        return sorted(r[0] for (blob,) in db.execute("SELECT rows FROM pending")
+                      for r in unpack_rows(blob))
+
+    # A and B in one batch, C in the next
+    acc.iteration(it("p0", "prefill", T0 + 1, 1.0, ["g0"], [("A", 5, 5), ("B", 5, 5)]))
+    acc.request(req("A", "ta", T0, T0 + 2))
+    acc.request(req("B", "tb", T0, T0 + 12))
+    assert ledger.flush()
+    acc.iteration(it("p0", "prefill", T0 + 13, 1.0, ["g0"], [("C", 5, 5)]))
+    acc.request(req("C", "tc", T0 + 12, T0 + 14))
+    assert ledger.flush()
+    assert pending() == ["A", "B", "C"]
+    assert db.execute("SELECT count(*) FROM pending").fetchone() == (2,)
+    assert db.execute("SELECT count(*) FROM requests").fetchone() == (0,)
+    # the first window closes: A is final, its blob stays for B
+    acc.tick(now=T0 + 10 + acc.grace_s + 0.1)
+    assert ledger.flush()
+    assert db.execute("SELECT request_id, final FROM requests").fetchall() == [("A", 1)]
+    assert pending() == ["A", "B", "C"]
+    # the second closes: B and C final, both blobs gone
+    acc.tick(now=T0 + 20 + acc.grace_s + 0.1)
+    assert ledger.flush()
+    assert pending() == []
+    assert sorted(db.execute("SELECT request_id FROM requests WHERE final = 1")) == \
+        [("A",), ("B",), ("C",)]
+    # provisional and final in one batch: only the final row, no blob
+    acc.iteration(it("p0", "prefill", T0 + 21, 1.0, ["g0"], [("D", 5, 5)]))
+    acc.request(req("D", "td", T0 + 21, T0 + 22))
+    acc.request(req("E", "te", T0 + 21, T0 + 40))
+    acc.tick(now=T0 + 30 + acc.grace_s + 0.1)
+    assert ledger.flush()
+    assert pending() == ["E"]
+    assert db.execute("SELECT final FROM requests WHERE request_id = 'D'").fetchone() == (1,)
+    # the process dies (no stop): a restart keeps D as it was and adds E, incomplete
+    gpu_d = db.execute("SELECT prefill_gpu_s FROM requests WHERE request_id = 'D'").fetchone()
+    led = Ledger(tmp_path / "ledger.db", retention_days=0, rollup_retention_days=0)
+    assert led.recovered == 1
+    assert led.query("SELECT request_id, final, incomplete FROM requests ORDER BY 1") == [
+        ("A", 1, 0), ("B", 1, 0), ("C", 1, 0), ("D", 1, 0), ("E", 1, 1)]
+    assert led.query("SELECT prefill_gpu_s FROM requests WHERE request_id = 'D'") == [gpu_d]
+    assert pending() == []
+    led.stop()
+    ledger.stop()
+    db.close()
 
 
 @pytest.mark.parametrize("n", [1, 7, 73, 900, 1700])

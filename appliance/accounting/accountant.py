@@ -45,18 +45,16 @@ class Site:
 
 
 class Charge:
-    """What one request has accrued, per phase ([prefill, decode]), from closed windows.
-    A plain class: one is made per request inside the once-a-second tick."""
+    """What one request has accrued from closed windows. One is made per request inside
+    the tick, so its figures are one flat list (one allocation, not five):
+    v = [gpu_s, joules, cost_usage, cost_allocation, embodied_g], each × [prefill, decode]
+    (index 2·figure + phase)."""
 
-    __slots__ = ("gpu_s", "joules", "cost_usage", "cost_allocation", "embodied_g",
-                 "energy_known", "energy_source", "approximate", "simulated", "last_seen")
+    __slots__ = ("v", "energy_known", "energy_source", "approximate", "simulated",
+                 "last_seen")
 
     def __init__(self) -> None:
-        self.gpu_s = [0.0, 0.0]
-        self.joules: list[float | None] = [0.0, 0.0]
-        self.cost_usage = [0.0, 0.0]
-        self.cost_allocation = [0.0, 0.0]
-        self.embodied_g = [0.0, 0.0]
+        self.v = [0.0] * 10
         self.energy_known = True
         self.energy_source = ""
         self.approximate = False
@@ -119,11 +117,11 @@ class Accountant:
         self.attributor.add(rec)
 
     def request(self, rec: RequestRecord) -> None:
-        """A request finished: its row is committed at the next flush (with the figures
-        it has so far), and completed once its windows close."""
+        """A request finished: it is committed at the next flush (a provisional row, with
+        the figures it has so far), and its row written once its windows close."""
         self._finished[rec.request_id] = rec
         heapq.heappush(self._by_finish, (rec.finish, rec.request_id))
-        self.ledger.put_request(self._row(rec, self._charges.get(rec.request_id), final=False))
+        self.ledger.put_provisional(self._row(rec, self._charges.get(rec.request_id), final=False))
 
     # ---- periodic ------------------------------------------------------------------
     def tick(self, now: float | None = None, final: bool = False) -> int:
@@ -188,17 +186,18 @@ class Accountant:
                 c = charges.get(rid)
                 if c is None:
                     c = charges[rid] = Charge()
-                c.gpu_s[i] += gpu_s
+                v = c.v
+                v[i] += gpu_s
                 usage = gpu_s * rate
                 if j_per_s is None:
                     c.energy_known = False
                 else:
                     joules = gpu_s * j_per_s
                     usage += joules * kwh_price
-                    c.joules[i] = (c.joules[i] or 0.0) + joules
-                c.cost_usage[i] += usage
-                c.cost_allocation[i] += usage + gpu_s * idle_per_s
-                c.embodied_g[i] += gpu_s * emb_rate
+                    v[2 + i] += joules
+                v[4 + i] += usage
+                v[6 + i] += usage + gpu_s * idle_per_s
+                v[8 + i] += gpu_s * emb_rate
                 if c.energy_source != source:
                     c.energy_source = _worse(c.energy_source, source)
                 c.approximate |= approximate
@@ -230,9 +229,9 @@ class Accountant:
         if c is None:
             c = Charge()
         co2e = sum(x or 0.0 for x in row[_CO2E])
-        final = FinalRow(rec, (c.gpu_s[0], c.gpu_s[1]),
-                         (c.joules[0], c.joules[1]) if c.energy_known else (None, None),
-                         sum(c.cost_usage), sum(c.cost_allocation), co2e)
+        v = c.v
+        final = FinalRow(rec, (v[0], v[1]), (v[2], v[3]) if c.energy_known else (None, None),
+                         v[4] + v[5], v[6] + v[7], co2e)
         if self.on_final is not None:
             try:
                 self.on_final(final)
@@ -240,7 +239,7 @@ class Accountant:
                 log.exception("accounting: on_final hook failed")
         if self.budgets is not None and rec.tenant in self._budget_tenants:
             changed = self.budgets.add(rec.tenant, rec.finish, {
-                "gpu_hours": sum(c.gpu_s) / 3600.0, "usd": final.cost_allocation,
+                "gpu_hours": (v[0] + v[1]) / 3600.0, "usd": final.cost_allocation,
                 "kgco2e": co2e / 1000.0})
             if changed and self.on_budget is not None:
                 self.on_budget(changed)
@@ -260,13 +259,15 @@ class Accountant:
         if c is None:           # no window has reached this request yet
             return head + (0.0, 0.0, None, None, 0.0, 0.0, 0.0, 0.0, None, None, 0.0, 0.0) \
                 + carbon_cols + ("none", int(rec.simulated), 0, int(final), 0)
-        known = c.energy_known and c.energy_source not in ("", "none")
-        joules = [c.joules[i] if known else None for i in (0, 1)]
-        op = [operational_grams(j, self.site.pue, intensity) for j in joules]
+        v = c.v
+        if c.energy_known and c.energy_source not in ("", "none"):
+            j0, j1 = v[2], v[3]
+            op0 = operational_grams(j0, self.site.pue, intensity)
+            op1 = operational_grams(j1, self.site.pue, intensity)
+        else:
+            j0 = j1 = op0 = op1 = None
         return head + (
-            c.gpu_s[0], c.gpu_s[1], joules[0], joules[1],
-            c.cost_usage[0], c.cost_usage[1], c.cost_allocation[0], c.cost_allocation[1],
-            op[0], op[1], c.embodied_g[0], c.embodied_g[1]) + carbon_cols + (
+            v[0], v[1], j0, j1, v[4], v[5], v[6], v[7], op0, op1, v[8], v[9]) + carbon_cols + (
             c.energy_source or "none", int(rec.simulated or c.simulated), int(c.approximate),
             int(final), 0)
 

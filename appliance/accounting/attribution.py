@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Protocol
 
 import numpy as np
@@ -77,6 +78,9 @@ def take_readings(meter: EnergyMeter | None, devices: list[str],
         except Exception:
             idle[d] = None
     return Readings(energy, idle)
+
+
+_CONTEXT = itemgetter(2)            # an entry's context length
 
 
 def request_of(engine_id: str) -> str:
@@ -146,7 +150,7 @@ class Calibration:
                 x2 += new * ctx
         elif rec.phase == DECODE:
             x1 = float(len(rec.entries))
-            x2 = float(sum(e[2] for e in rec.entries))
+            x2 = float(sum(map(_CONTEXT, rec.entries)))
         else:
             return
         if not rec.entries or rec.wall_s <= 0:
@@ -346,11 +350,11 @@ class Attributor:
                 if dev in per_device:
                     per_device[dev].append((rec, tau))
         for dev_id, its in per_device.items():
+            # a step spread over several devices (tensor parallel) is one observation, of
+            # its first device's model; a window's list holds each step once
             key = f"{self.model}|{self.devices[dev_id].model}"
-            seen = set()
             for rec, _ in its:
-                if id(rec) not in seen and rec.devices and rec.devices[0] == dev_id:
-                    seen.add(id(rec))
+                if rec.devices[0] == dev_id:
                     cal.observe(key, rec)
         out = []
         for dev_id, its in per_device.items():
@@ -410,17 +414,17 @@ class Attributor:
                     if "." in rid:
                         rid = rid.partition(".")[0]
                     pre[rid] = pre.get(rid, 0.0) + w * k
-            elif phase != "mixed":          # decode, kv_import
-                ws = [d_seq + d_ctx * ctx for _, _, ctx in entries]
-                total = sum(ws)
+            elif phase != "mixed":          # decode, kv_import: Σw = n·d_seq + d_ctx·Σcontext
+                total = len(entries) * d_seq + d_ctx * sum(map(_CONTEXT, entries))
                 if total <= 0:
                     unattributed += tau
                     continue
                 k = tau / total
-                for (rid, _, _), w in zip(entries, ws):
+                k_seq, k_ctx = d_seq * k, d_ctx * k
+                for rid, _, ctx in entries:
                     if "." in rid:
                         rid = rid.partition(".")[0]
-                    dec[rid] = dec.get(rid, 0.0) + w * k
+                    dec[rid] = dec.get(rid, 0.0) + k_seq + k_ctx * ctx
             else:
                 kinds = [entry_phase(phase, new) for _, new, _ in entries]
                 ws = [weights.weight(ph, new, ctx) for ph, (_, new, ctx) in zip(kinds, entries)]

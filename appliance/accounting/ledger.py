@@ -10,16 +10,20 @@ clean stop loses nothing (`stop` commits the queue before it returns).
 Each batch also records in `meta` the time it was taken from the queue (`covered_until`):
 every row queued before that instant is committed. That is the bound a test can check.
 
-Tables: `requests` (one row per request, upserted: first as soon as it finishes,
-`final = 0`, then with its figures once every window covering it has closed,
-`final = 1`), `device_windows` (one row per device per window), `rollups` (hour and
-day sums of request rows, added once an hour has been over for 10 minutes; kept longer
-than the raw rows).
+Tables: `requests` (one row per request, written once: when every window that could
+hold one of its iterations has closed, `final = 1`), `pending` (the requests that have
+finished but are not final yet, one row per batch holding that batch's provisional rows:
+the durability of a finished request without a second write of its row; a batch's
+`pending` row is deleted in the transaction that writes the last of its final rows, and
+a restart turns what is left into `incomplete` request rows), `device_windows` (one row
+per device per window), `rollups` (hour and day sums of request rows, added once an hour
+has been over for 10 minutes; kept longer than the raw rows).
 """
 from __future__ import annotations
 
 import functools
 import logging
+import marshal
 import queue
 import sqlite3
 import threading
@@ -70,6 +74,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value);
 CREATE TABLE IF NOT EXISTS requests ({", ".join(f'"{c}" {_coltype(c)}' for c in REQUEST_COLUMNS)},
     PRIMARY KEY (request_id));
 CREATE INDEX IF NOT EXISTS requests_finish ON requests(finish);
+CREATE TABLE IF NOT EXISTS pending (batch INTEGER PRIMARY KEY, rows BLOB);
 CREATE TABLE IF NOT EXISTS device_windows ({", ".join(f'"{c}" {_coltype(c)}' for c in WINDOW_COLUMNS)},
     PRIMARY KEY (device, start));
 CREATE INDEX IF NOT EXISTS device_windows_start ON device_windows(start);
@@ -117,6 +122,18 @@ def write_rows(conn: sqlite3.Connection, verb: str, table: str, columns: tuple,
 
 
 _IDX = {c: i for i, c in enumerate(REQUEST_COLUMNS)}
+_FINAL, _INCOMPLETE = _IDX["final"], _IDX["incomplete"]
+
+
+def pack_rows(rows: list[tuple]) -> bytes:
+    """A batch of provisional rows as one blob. marshal: rows hold only str, int, float
+    and None; it is as fast as pickle (0.4 µs a row, JSON is 3 µs) and loading it runs
+    no code."""
+    return marshal.dumps(rows)
+
+
+def unpack_rows(blob: bytes) -> list[tuple]:
+    return [tuple(r) for r in marshal.loads(blob)]
 
 # Hour and day sums of final request rows, for whole hours that ended a while ago (rows
 # are final seconds after they finish): one GROUP BY per hour of traffic in the writer
@@ -190,6 +207,10 @@ class Ledger:
         # been queued here. A batch's `covered_until` is never later (records still on
         # their way from the daemon are not covered).
         self.received_until: float | None = None
+        # the writer thread's own: which `pending` batch holds each provisional row, and
+        # how many of each batch's requests are not final yet
+        self._pending_of: dict[str, int] = {}
+        self._pending_left: dict[int, int] = {}
         conn = connect(self.path)
         try:
             with conn:
@@ -205,18 +226,27 @@ class Ledger:
 
     # ---- start-up ------------------------------------------------------------
     def _recover(self, conn: sqlite3.Connection) -> int:
-        """Rows a previous run queued as finished but never completed (it died before
-        their windows closed): they stay, with what figures they have, marked
-        `incomplete`, and count in the rollups like any other."""
-        rows = conn.execute(f'SELECT {", ".join(chr(34) + c + chr(34) for c in REQUEST_COLUMNS)} '
-                            "FROM requests WHERE final = 0").fetchall()
-        if not rows:
-            return 0
+        """Requests a previous run committed as finished but never completed (it died
+        before their windows closed): they get a row with what figures they had, marked
+        `incomplete`, and count in the rollups like any other. (`final = 0` rows are
+        what ledgers written before the `pending` table hold for the same case.)"""
         with conn:
-            conn.execute("UPDATE requests SET final = 1, incomplete = 1 WHERE final = 0")
-        log.warning("ledger: %d requests of the previous run finished without their "
-                    "device windows closing; kept, marked incomplete", len(rows))
-        return len(rows)
+            n = conn.execute("UPDATE requests SET final = 1, incomplete = 1 WHERE final = 0").rowcount
+            for (blob,) in conn.execute("SELECT rows FROM pending ORDER BY batch").fetchall():
+                rows = []
+                for row in unpack_rows(blob):
+                    row = list(row)
+                    row[_FINAL], row[_INCOMPLETE] = 1, 1
+                    rows.append(tuple(row))
+                before = conn.total_changes
+                # a request that did become final keeps its final row
+                write_rows(conn, "INSERT OR IGNORE", "requests", REQUEST_COLUMNS, rows)
+                n += conn.total_changes - before
+            conn.execute("DELETE FROM pending")
+        if n:
+            log.warning("ledger: %d requests of the previous run finished without their "
+                        "device windows closing; kept, marked incomplete", n)
+        return n
 
     def _prune(self, conn: sqlite3.Connection, now: float) -> None:
         with conn:
@@ -234,7 +264,14 @@ class Ledger:
         self._thread.start()
 
     def put_request(self, row: tuple) -> None:
+        """A request's final row."""
         self._queue.put(("req", row))
+
+    def put_provisional(self, row: tuple) -> None:
+        """A finished request's row before its figures are final: committed (in its
+        batch's `pending` blob) so a kill -9 does not lose the request, never written
+        to `requests` unless the process dies before the final row."""
+        self._queue.put(("pend", row))
 
     def put_window(self, row: tuple) -> None:
         self._queue.put(("win", row))
@@ -301,18 +338,48 @@ class Ledger:
     def _write(self, conn: sqlite3.Connection, batch: list, covered: float) -> None:
         reqs = [row for kind, row in batch if kind == "req"]
         wins = [row for kind, row in batch if kind == "win"]
+        pend = [row for kind, row in batch if kind == "pend"]
+        if pend and reqs:       # final in the same batch: the provisional row is moot
+            final_ids = {row[0] for row in reqs}
+            pend = [row for row in pend if row[0] not in final_ids]
+        # the batches whose last provisional row becomes final here (applied on commit)
+        left = self._pending_left
+        done: dict[int, int] = {}
+        for row in reqs:
+            b = self._pending_of.get(row[0])
+            if b is not None:
+                done[b] = done.get(b, 0) + 1
+        emptied = [b for b, k in done.items() if left[b] == k]
         try:
-            if reqs or wins:
+            if reqs or wins or pend:
                 with conn:
                     write_rows(conn, "INSERT", "requests", REQUEST_COLUMNS, reqs, _REQ_CONFLICT)
                     write_rows(conn, "INSERT OR REPLACE", "device_windows", WINDOW_COLUMNS, wins)
+                    if emptied:
+                        conn.executemany("DELETE FROM pending WHERE batch = ?",
+                                         [(b,) for b in emptied])
+                    if pend:
+                        new = conn.execute("INSERT INTO pending (rows) VALUES (?)",
+                                           (pack_rows(pend),)).lastrowid
                     conn.execute("INSERT OR REPLACE INTO meta VALUES ('covered_until', ?)",
                                  (covered,))
                 self.batches += 1
-                self.rows_written += len(reqs) + len(wins)
+                self.rows_written += len(reqs) + len(wins) + len(pend)
         except sqlite3.Error as exc:       # a full disk: say so, keep serving
             self.error = str(exc)
-            log.error("ledger: could not commit %d rows: %s", len(reqs) + len(wins), exc)
+            log.error("ledger: could not commit %d rows: %s", len(reqs) + len(wins) + len(pend),
+                      exc)
+            return
+        for row in reqs:
+            self._pending_of.pop(row[0], None)
+        for b, k in done.items():
+            left[b] -= k
+        for b in emptied:
+            del left[b]
+        if pend:
+            left[new] = len(pend)
+            for row in pend:
+                self._pending_of[row[0]] = new
 
     # ---- reading ---------------------------------------------------------------
     def query(self, sql: str, args: tuple = ()) -> list[tuple]:

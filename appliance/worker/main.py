@@ -51,16 +51,34 @@ def pin(spec: WorkerSpec) -> None:
                   f"{exc}", file=sys.stderr)
 
 
-def frames(events: list) -> bytes:
-    """One write: the iteration records in a frame of their own after the rest, so the
+def frames(events: list, records: list) -> bytes:
+    """One write: the events, then the iteration records in a frame of their own, so the
     daemon can pass that frame on to the accounting process as it came (no re-pickling
     on its event loop, and the accounting process unpickles no tokens)."""
-    records = [e for e in events if type(e) is IterationRecord]
-    if not records:
-        return wire.pack(events)
-    if len(records) == len(events):
-        return wire.pack(records)
-    return wire.pack([e for e in events if type(e) is not IterationRecord]) + wire.pack(records)
+    out = wire.pack(events) if events else b""
+    return out + wire.pack(records) if records else out
+
+
+class HeldRecords:
+    """Iteration records wait for the next stats (every `STATS_INTERVAL_S`, and when the
+    engine goes idle) instead of a frame per step: the daemon reads one frame per step
+    instead of two, and in a frame of many steps pickle writes each request id once
+    (a decoding request is in every step). Nothing that reads them needs them sooner:
+    the live windows are 1 s, and a device window closes 1.5 s after its end."""
+
+    def __init__(self) -> None:
+        self.records: list[IterationRecord] = []
+
+    def split(self, events: list) -> list:
+        """The events to send now; the iteration records among them are held."""
+        rest = [e for e in events if type(e) is not IterationRecord]
+        if len(rest) != len(events):
+            self.records += [e for e in events if type(e) is IterationRecord]
+        return rest
+
+    def take(self) -> list[IterationRecord]:
+        records, self.records = self.records, []
+        return records
 
 
 def run(fd: int, spec: WorkerSpec) -> int:
@@ -93,7 +111,10 @@ def run(fd: int, spec: WorkerSpec) -> int:
 
     def reader() -> None:
         while True:
-            frame = wire.recv(sock)      # the daemon sends lists of messages
+            try:
+                frame = wire.recv(sock)      # the daemon sends lists of messages
+            except OSError:                  # reset: the daemon is gone, as at EOF
+                frame = None
             if frame is None:
                 inbox.put(None)
                 return
@@ -102,6 +123,7 @@ def run(fd: int, spec: WorkerSpec) -> int:
 
     threading.Thread(target=reader, name="worker-reader", daemon=True).start()
     last_stats = 0.0
+    held = HeldRecords()
     while True:
         msgs = []
         try:
@@ -112,7 +134,14 @@ def run(fd: int, spec: WorkerSpec) -> int:
             pass
         events: list = []
         for msg in msgs:
-            if msg is None or isinstance(msg, Shutdown):
+            if msg is None:
+                return 0
+            if isinstance(msg, Shutdown):
+                if held.records:
+                    try:
+                        sock.sendall(frames([], held.take()))
+                    except OSError:
+                        pass
                 return 0
             if isinstance(msg, (Prefill, Decode)):
                 try:
@@ -136,13 +165,16 @@ def run(fd: int, spec: WorkerSpec) -> int:
                       file=sys.stderr)
                 raise
         now = time.monotonic()
-        if now - last_stats >= STATS_INTERVAL_S or (events and not engine.has_work()):
+        due = now - last_stats >= STATS_INTERVAL_S or (events and not engine.has_work())
+        if due:
             events += engine.sweep(time.time())
             events.append(engine.stats())
             last_stats = now
         if events:
+            out = frames(held.split(events), held.take() if due else [])
             try:
-                sock.sendall(frames(events))
+                if out:
+                    sock.sendall(out)
             except OSError:
                 return 0
 
