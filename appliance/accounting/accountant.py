@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from appliance.accounting.attribution import (
-    DECODE, PREFILL, Attributor, Calibration, DeviceInfo, DeviceWindow, EnergyMeter,
+    Attributor, Calibration, DeviceInfo, DeviceWindow, EnergyMeter,
 )
 from appliance.accounting.budgets import Budgets, period_start
 from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon, operational_grams
@@ -74,7 +74,6 @@ class FinalRow:
     co2e_g: float
 
 
-_PH = {PREFILL: 0, DECODE: 1}
 _CO2E = slice(REQUEST_COLUMNS.index("prefill_co2e_op_g"), REQUEST_COLUMNS.index("decode_co2e_emb_g") + 1)
 
 

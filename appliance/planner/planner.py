@@ -24,13 +24,12 @@ from appliance.config import EngineConfig, PlannerConfig, parse_duration
 from appliance.planner import forecast as fc
 from appliance.planner.profiles import Profile, load_profile, simulated_profile
 from appliance.planner.sizing import Slo, Workload, decode_batch, headroom, size
-from appliance.planner.trends import TrendStore, series
+from appliance.planner.trends import MIN_GAPS, TrendStore, series
 
 log = logging.getLogger("applianced.planner")
 
 MAX_HORIZON_S = 8 * 604800
 NOW_WINDOW_S = 900.0             # "now" = the last 15 minutes of trends
-MIN_GAPS = 30                    # inter-arrival gaps needed to trust a measured c_a²
 
 
 @dataclass(frozen=True)

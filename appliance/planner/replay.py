@@ -506,6 +506,7 @@ def trace_workload(trace: list[TraceRequest], t0: float, t1: float, quantile: fl
     """(mean Workload, Workload at the q-quantile of per-minute rates) over [t0, t1),
     both with the window's burstiness: c_a² of arrivals, c_L² of prompt lengths."""
     from appliance.planner.sizing import Workload
+    from appliance.planner.trends import MIN_GAPS
     rows = [r for r in trace if t0 <= r.t < t1]
     width = max(1e-9, t1 - t0)
     if not rows:
@@ -517,7 +518,7 @@ def trace_workload(trace: list[TraceRequest], t0: float, t1: float, quantile: fl
     pt = statistics.fmean(r.prompt for r in rows)
     ot = statistics.fmean(max(1, r.output) for r in rows)
     ca2, gaps = arrival_scv([r.t for r in rows], t0)
-    ca2 = ca2 if gaps >= 30 else 1.0          # as the planner: too few gaps, assume Poisson
+    ca2 = ca2 if gaps >= MIN_GAPS else 1.0    # as the planner: too few gaps, assume Poisson
     cl2 = statistics.pvariance([r.prompt for r in rows]) / (pt * pt) if pt > 0 else 0.0
     per_min = sorted(c / 60.0 for c in counts)
     upper = per_min[min(len(per_min) - 1, int(quantile * len(per_min)))]
@@ -563,28 +564,33 @@ def plan_replay(trace: list[TraceRequest], model, devices: str, split: str, tp: 
     mean_all, upper_all = trace_workload(trace, 0.0, end, quantile)
     overall = size(upper_all, slo, pp, dp, current, total, engine.max_seqs)
     rec = f"{overall.recommended[0]}+{overall.recommended[1]}"
+    splits = list(dict.fromkeys([split, rec]))
+    # What the bound predicts for each split at the p90 minute, beside what ran (the
+    # same whatever the token budget).
+    bounds = {}
+    for s in splits:
+        n_pre = int(s.split("+")[0])
+        bound = prefill_ttft(upper_all, pp, n_pre)
+        poisson = prefill_ttft(replace(upper_all, arrival_scv=1.0, prompt_scv=0.0), pp, n_pre)
+        bounds[s] = {
+            "ttft_mean_s": round(bound, 4) if bound is not None and bound != float("inf") else None,
+            "ttft_mean_poisson_s": (round(poisson, 4) if poisson is not None
+                                    and poisson != float("inf") else None),
+            "meets_ttft_slo": bound is not None and bound <= slo.ttft_s,
+            "basis": "Kingman G/G/1 per prefill worker at the p90 minute's rate"}
     budgets = list(dict.fromkeys(budgets or [engine.max_batch_tokens]))
     by_budget: dict[str, dict] = {}
     for budget in budgets:
         label = "auto" if budget == 0 else str(budget)
         eng = replace(engine, max_batch_tokens=budget)
         results = by_budget[label] = {}
-        for s in dict.fromkeys([split, rec]):
+        for s in splits:
             if progress:
                 progress(f"replaying {len(trace)} requests on {devices} split {s}, "
                          f"max_batch_tokens {label} (virtual clock)")
             results[s] = replay_trace(trace, model, devices, s, tp, eng, slo.ttft_s,
                                       slo.itl_s).to_json()
-            # What the bound predicted for this split at the p90 minute, beside what ran.
-            n_pre = int(s.split("+")[0])
-            bound = prefill_ttft(upper_all, pp, n_pre)
-            poisson = prefill_ttft(replace(upper_all, arrival_scv=1.0, prompt_scv=0.0), pp, n_pre)
-            results[s]["bound"] = {
-                "ttft_mean_s": round(bound, 4) if bound is not None and bound != float("inf") else None,
-                "ttft_mean_poisson_s": (round(poisson, 4) if poisson is not None
-                                        and poisson != float("inf") else None),
-                "meets_ttft_slo": bound is not None and bound <= slo.ttft_s,
-                "basis": "Kingman G/G/1 per prefill worker at the p90 minute's rate"}
+            results[s]["bound"] = dict(bounds[s])
     results = next(iter(by_budget.values()))
     return {
         "simulated": True, "devices": devices, "model": model.name, "tp": tp,

@@ -67,6 +67,7 @@ ROW_FIELDS = ("requests", "prompt_sum", "output_sum", "cached_sum", "prefill_gpu
               "decode_gpu_s", "ttft_sum", "ttft_n", "itl_sum", "itl_n", "prompt_sq_sum",
               "gap_n", "gap_sum", "gap_sq")
 ARRIVAL_MEMORY_MIN = 30     # minutes of arrival times the writer keeps to compute gaps
+MIN_GAPS = 30               # inter-arrival gaps needed to trust a measured c_a²
 
 BIN_RATIO = 2 ** (1 / 8)
 _LOG_RATIO = math.log(BIN_RATIO)
