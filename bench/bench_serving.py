@@ -5,8 +5,11 @@ negligible, so what is measured is HTTP + tokenization + routing + IPC + SSE.
     .venv/bin/python bench/bench_serving.py --accounting compare [--repeats 3]
 
 `--accounting compare` measures what chargeback costs: daemons with `[accounting]
-enabled = false` and `true` take turns (off, on, off, on, ...) at concurrency 64 and
-with 32 streams, and the medians are compared (bench/results/accounting_overhead.json).
+enabled = false` and `true` take turns at concurrency 64 and with 32 streams, in pairs
+ordered off/on, on/off, off/on, ... (so a drift of the machine's speed during the run
+falls on both sides alike), and each pair's loss is kept: the summary gives the medians
+of each side and the pairs' mean loss with its standard error
+(bench/results/accounting_overhead.json).
 
 Starts a real daemon on a loopback port, drives it with an aiohttp client in this
 process (the load generator shares the machine's cores with the daemon and its
@@ -21,6 +24,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -124,8 +128,8 @@ def _daemon(tmp: Path, args, accounting: bool):
 def compare_accounting(args) -> int:
     """Accounting off vs on, alternating so drift on a shared machine hits both."""
     runs: dict[bool, list[dict]] = {False: [], True: []}
-    for _ in range(args.repeats):
-        for accounting in (False, True):
+    for i in range(args.repeats):
+        for accounting in ((False, True) if i % 2 == 0 else (True, False)):
             with tempfile.TemporaryDirectory() as tmp:
                 proc, url = _daemon(Path(tmp), args, accounting)
                 daemon = psutil.Process(proc.pid)
@@ -137,7 +141,8 @@ def compare_accounting(args) -> int:
                     cpu1 = sum(daemon.cpu_times()[:2])
                     time.sleep(2.0)     # let the level's windows close (window_s below)
                     acc1 = _accounting_cpu(daemon) if accounting else 0.0
-                    stream = asyncio.run(stream_level(url, 32, 256, args.stream_rounds))
+                    stream = (asyncio.run(stream_level(url, 32, 256, args.stream_rounds))
+                              if args.stream_rounds > 0 else {"tokens_per_s": None})
                 finally:
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(60)
@@ -149,22 +154,28 @@ def compare_accounting(args) -> int:
                                      "tokens_per_s": stream["tokens_per_s"],
                                      "daemon_cpu_us_per_request": us,
                                      "accounting_process_cpu_us_per_request": acc_us})
+            streamed = (f", {stream['tokens_per_s']:.0f} streamed tokens/s"
+                        if stream["tokens_per_s"] is not None else "")
             print(f"accounting {'on ' if accounting else 'off'}: {chat['req_per_s']:.0f} req/s "
-                  f"(c=64), daemon {us:.0f} us CPU/request, {stream['tokens_per_s']:.0f} "
-                  "streamed tokens/s" + (f", accounting process {acc_us:.0f} us CPU/request"
-                                         if accounting else ""), flush=True)
+                  f"(c=64), daemon {us:.0f} us CPU/request{streamed}"
+                  + (f", accounting process {acc_us:.0f} us CPU/request" if accounting else ""),
+                  flush=True)
 
     def median(xs):
         xs = sorted(xs)
         return xs[len(xs) // 2]
 
     summary = {}
-    for key in ("req_per_s", "tokens_per_s", "daemon_cpu_us_per_request"):
+    keys = ["req_per_s", "daemon_cpu_us_per_request"] + (
+        ["tokens_per_s"] if args.stream_rounds > 0 else [])
+    for key in keys:
         off, on = median([r[key] for r in runs[False]]), median([r[key] for r in runs[True]])
         summary[key] = {"off": off, "on": on, "loss": 1 - on / off}
     summary["daemon_cpu_us_per_request"]["loss"] *= -1      # more CPU is the loss
     summary["accounting_process_cpu_us_per_request"] = median(
         [r["accounting_process_cpu_us_per_request"] for r in runs[True]])
+    summary["pairs"] = paired_loss([r["req_per_s"] for r in runs[False]],
+                                   [r["req_per_s"] for r in runs[True]])
     result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
               "devices": args.devices, "mode": args.mode, "repeats": args.repeats,
               "sim_speed": args.sim_speed, "model_spec": args.model_spec,
@@ -177,11 +188,30 @@ def compare_accounting(args) -> int:
     print("| | accounting off | accounting on | loss |\n|---|---:|---:|---:|")
     for key, label in (("req_per_s", "chat req/s, c=64"), ("tokens_per_s", "streamed tokens/s, 32x256"),
                        ("daemon_cpu_us_per_request", "daemon CPU us per request, c=64")):
+        if key not in summary:
+            continue
         m = summary[key]
         print(f"| {label} | {m['off']:,.0f} | {m['on']:,.0f} | {m['loss']:.1%} |")
-    print(f"\nthe accounting process (nice 19, beside the daemon): "
+    pr = summary["pairs"]
+    print(f"\nchat req/s lost per off/on pair ({pr['n']} pairs): mean {pr['mean']:.1%} "
+          f"± {pr['se']:.1%} (standard error; ±2 se: {pr['low']:.1%} to {pr['high']:.1%}), "
+          f"median {pr['median']:.1%}, standard deviation {pr['sd']:.1%}")
+    print(f"the accounting process (nice 19, beside the daemon): "
           f"{summary['accounting_process_cpu_us_per_request']:.1f} us CPU per request")
     return 0
+
+
+def paired_loss(off: list[float], on: list[float]) -> dict:
+    """Each pair's loss 1 - on/off; on a shared machine the pairs scatter by several
+    percent, so the mean comes with its standard error, and ±2 standard errors (about
+    95% for 20 or more pairs) is the range the true loss is claimed to lie in."""
+    losses = [1 - b / a for a, b in zip(off, on)]
+    n = len(losses)
+    mean = statistics.fmean(losses)
+    sd = statistics.stdev(losses) if n > 1 else 0.0
+    se = sd / n ** 0.5
+    return {"n": n, "losses": losses, "mean": mean, "median": statistics.median(losses),
+            "sd": sd, "se": se, "low": mean - 2 * se, "high": mean + 2 * se}
 
 
 def main() -> int:
@@ -195,7 +225,8 @@ def main() -> int:
                         "nothing, so the daemon is what is measured; 1 runs the simulated "
                         "GPUs in real time (with --devices sim:8xH100 --model-spec ...)")
     p.add_argument("--model-spec", default="", help="simulated model shape, e.g. llama-3.1-70b-fp8")
-    p.add_argument("--stream-rounds", type=int, default=3)
+    p.add_argument("--stream-rounds", type=int, default=3,
+                   help="rounds of 32 streams x 256 tokens; with --accounting compare, 0 skips them")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving.json"))
     p.add_argument("--accounting", choices=["on", "off", "compare"], default="on",
                    help="chargeback in the daemon (default on, as shipped); compare: off vs on")
