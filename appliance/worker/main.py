@@ -71,9 +71,9 @@ class HeldRecords:
 
     def split(self, events: list) -> list:
         """The events to send now; the iteration records among them are held."""
-        rest = [e for e in events if type(e) is not IterationRecord]
-        if len(rest) != len(events):
-            self.records += [e for e in events if type(e) is IterationRecord]
+        rest = []
+        for e in events:
+            (self.records if type(e) is IterationRecord else rest).append(e)
         return rest
 
     def take(self) -> list[IterationRecord]:
