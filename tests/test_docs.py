@@ -184,3 +184,70 @@ def test_readme_is_a_front_page_whose_links_resolve():
         elif anchor and anchor not in headings_slugs(ROOT / path):
             wrong.append(f"{link}: no such heading")
     assert not wrong, wrong
+
+
+def subcommands(parser, path=()) -> dict[tuple[str, ...], set[str]]:
+    """Every runnable command of the parser (internal ones left out), with its options."""
+    found = {}
+    actions = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    if not actions or not all(a.required for a in actions):     # `plan` runs on its own too
+        found[path] = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
+    for action in actions:
+        helps = {c.dest: c.help or "" for c in action._choices_actions}
+        for name, sub in action.choices.items():
+            if not helps.get(name, "").startswith("(internal)"):
+                found.update(subcommands(sub, path + (name,)))
+    return found
+
+
+def synopsis(page: str) -> dict[tuple[str, ...], set[str]]:
+    """The CLI page's synopsis block: each command it lists, with the options it shows."""
+    block = re.search(r"```text\n(applianced .*?)```", page, re.S).group(1)
+    entries = re.sub(r"\n\s+(?=\[)", " ", block).splitlines()      # continuation lines
+    commands = subcommands(build_parser())
+    shown: dict[tuple[str, ...], set[str]] = {}
+    for entry in entries:
+        words = entry.split("#")[0].split()[1:]
+        path: tuple[str, ...] = ()
+        for segment in " ".join(words).split(" | "):
+            seg_words = segment.split()
+            if path:                      # `workflow list | show ID | cancel ID`
+                path = path[:-1]
+            for word in seg_words:
+                if any(c[:len(path) + 1] == path + (word,) for c in commands):
+                    path += (word,)
+                elif "|" in word and all(any(c[:len(path) + 1] == path + (w,) for c in commands)
+                                         for w in word.split("|")):
+                    for w in word.split("|"):  # `workflow start repartition|swap-model|...`
+                        shown.setdefault(path + (w,), set()).update(
+                            re.findall(r"--[a-z][a-z0-9-]*", segment))
+                    path = ()
+                    break
+                else:
+                    break
+            if path:
+                shown.setdefault(path, set()).update(re.findall(r"--[a-z][a-z0-9-]*", segment))
+    return shown
+
+
+def test_cli_synopsis_is_the_parser():
+    """docs/cli.md's synopsis lists every command and every option the parser has, and
+    nothing it does not have."""
+    parser_commands = subcommands(build_parser())
+    shown = synopsis((DOCS / "cli.md").read_text())
+    assert len(parser_commands) >= 15
+    missing = sorted(" ".join(c) for c in parser_commands if c not in shown)
+    assert not missing, f"commands missing from docs/cli.md: {missing}"
+    unknown = sorted(" ".join(c) for c in shown if c not in parser_commands)
+    assert not unknown, f"docs/cli.md shows commands the parser lacks: {unknown}"
+    wrong = {" ".join(c): (sorted(shown[c] - opts), sorted(opts - shown[c]))
+             for c, opts in parser_commands.items() if shown[c] != opts}
+    assert not wrong, f"docs/cli.md options (shown but unknown, known but not shown): {wrong}"
+
+
+def test_the_synopsis_check_catches_a_stale_option_and_a_missing_command():
+    page = (DOCS / "cli.md").read_text()
+    parser_commands = subcommands(build_parser())
+    stale = synopsis(page.replace("[--log-requests]", "[--log-requests] [--no-such-flag]"))
+    assert "--no-such-flag" in stale[("serve",)] - parser_commands[("serve",)]
+    assert ("version",) not in synopsis(page.replace("applianced version\n", ""))
