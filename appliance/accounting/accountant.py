@@ -168,9 +168,10 @@ class Accountant:
     # ---- window -> requests ------------------------------------------------------
     def _apply(self, w: DeviceWindow) -> None:
         prices = self.prices
-        rate = prices.usd_per_hour(w.model) / 3600.0
+        # the rate card in force at the window; energy priced as facility energy (× PUE)
+        rate = prices.usd_per_hour(w.model, w.start) / 3600.0
         emb_rate = self.embodied.grams_per_second(w.model)
-        kwh_price = prices.usd_per_kwh / 3.6e6
+        kwh_price = prices.per_kwh(w.start) / 3.6e6 * self.site.pue
         spare_s = w.idle_gpu_s + w.unattributed_gpu_s
         spare_j = ((w.idle_j or 0.0) + (w.unattributed_j or 0.0)) if w.measured_j is not None else 0.0
         idle_cost = spare_s * rate + spare_j * kwh_price
