@@ -309,7 +309,7 @@ def test_kill_9_loses_at_most_the_last_batch(daemon_factory, tmp_path, victims):
     # blob stays until the last of its requests is final)
     final = set(ids)
     provisional = [r[0] for (blob,) in db.execute("SELECT rows FROM pending")
-                   for r in unpack_rows(blob) if r[0] not in final]
+                   for r in unpack_rows(blob) if r.request_id not in final]
     (blobs,) = db.execute("SELECT count(*) FROM pending").fetchone()
     db.close()
     ids += provisional

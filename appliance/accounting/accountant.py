@@ -21,7 +21,7 @@ from appliance.accounting.attribution import (
 from appliance.accounting.budgets import Budgets, period_start
 from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon, operational_grams
 from appliance.accounting.cost import PriceBook
-from appliance.accounting.ledger import REQUEST_COLUMNS, Ledger
+from appliance.accounting.ledger import Ledger, WindowRow, co2e_of
 from appliance.accounting.records import RequestRecord
 from appliance.engines.messages import IterationRecord
 
@@ -72,9 +72,6 @@ class FinalRow:
     cost_usage: float
     cost_allocation: float
     co2e_g: float
-
-
-_CO2E = slice(REQUEST_COLUMNS.index("prefill_co2e_op_g"), REQUEST_COLUMNS.index("decode_co2e_emb_g") + 1)
 
 
 class Accountant:
@@ -203,7 +200,7 @@ class Accountant:
                 c.approximate |= approximate
                 c.simulated |= simulated
                 c.last_seen = end
-        self.ledger.put_window((
+        self.ledger.put_window(WindowRow(
             w.device, w.start, w.end, self.site.name, self.site.appliance, w.model,
             w.measured_gpu_s, w.attributed_gpu_s, w.idle_gpu_s, w.unattributed_gpu_s,
             w.measured_j, w.attributed_j, w.idle_j, w.unattributed_j, w.energy_source,
@@ -228,7 +225,7 @@ class Accountant:
         self.requests_final += 1
         if c is None:
             c = Charge()
-        co2e = sum(x or 0.0 for x in row[_CO2E])
+        co2e = co2e_of(row)
         v = c.v
         final = FinalRow(rec, (v[0], v[1]), (v[2], v[3]) if c.energy_known else (None, None),
                          v[4] + v[5], v[6] + v[7], co2e)
@@ -245,6 +242,8 @@ class Accountant:
                 self.on_budget(changed)
 
     def _row(self, rec: RequestRecord, c: Charge | None, final: bool) -> tuple:
+        """The request's row: `ledger.RequestRow`'s columns as a plain tuple (cheaper by
+        ~3 µs a request than the NamedTuple itself; see RequestRow)."""
         second = int(rec.arrival)
         if self._intensity[0] != second:
             i = self.site.intensity.at(rec.arrival)
