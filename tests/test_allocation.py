@@ -348,3 +348,21 @@ def test_requests_without_an_energy_reading_make_a_group_incomplete(tmp_path):
     assert rep["totals"]["co2e_complete"] is False
     assert rep["totals"]["unmeasured_energy_windows"] == 8
     led.stop()
+
+
+def test_the_daemon_builds_the_reports_method_from_the_config():
+    from appliance.daemon.chargeback import method_of, prices_of, site_of
+    cfg = config.parse('[site]\npue = 1.2\ncarbon_intensity = 300\nnode_overhead_w = 4600\n'
+                       'carbon_intensity_market = 0\n[accounting]\nidle_policy = "idle"\n'
+                       'currency = "EUR"\n[[accounting.rate_cards]]\neffective = 2027-01-01\n'
+                       'per_device_hour = { "H100-SXM" = 3.2 }\n')
+    site = site_of(cfg)
+    m = method_of(cfg, site, prices_of(cfg), EmbodiedCarbon({}, {}))
+    assert (m.pue, m.node_overhead_w, m.market_g_per_kwh) == (1.2, 4600.0, 0.0)
+    assert m.idle_policy == "idle" and m.currency == "EUR"
+    assert m.prices.usd_per_hour("H100-SXM", parse_time("2027-02-01T00:00:00Z")) == 3.2
+    assert m.intensity.at(T0).g_per_kwh == 300.0
+    # no market factor stated: no market column
+    plain = config.parse("")
+    assert method_of(plain, site_of(plain), prices_of(plain), EmbodiedCarbon({}, {})) \
+        .market_g_per_kwh is None
