@@ -147,8 +147,11 @@ def test_allocation_adds_up_for_any_window(tmp_path, policy):
     runs = [(f"R{i}", rng.choice(["ta", "tb", "tc"]), T0 + t, rng.uniform(0.2, 2.0),
              rng.uniform(0.5, 4.0)) for i, t in enumerate([1, 3.5, 7, 12, 31, 33, 44, 112, 115])]
     led = ledger_with(tmp_path, runs, end=T0 + 130)
+    # the idle stretch is one 60-s row: reports find it from a start inside it
+    assert led.query("SELECT value FROM meta WHERE key = 'max_window_s'") == [(60.0,)]
     m = method(policy, per_kwh=0.3, node_w=4600.0)
-    spans = [(T0, T0 + 130), (T0 + 10, T0 + 30), (T0 + 50, T0 + 110), (T0 + 3.3, T0 + 47.9)]
+    spans = [(T0, T0 + 130), (T0 + 10, T0 + 30), (T0 + 50, T0 + 110), (T0 + 3.3, T0 + 47.9),
+             (T0 + 70, T0 + 90)]
     spans += [tuple(sorted((T0 + rng.uniform(0, 130), T0 + rng.uniform(0, 130)))) for _ in range(6)]
     for since, until in spans:
         rep = reports.usage(led, ["tenant", "phase"], since, until, method=m)
@@ -366,3 +369,27 @@ def test_the_daemon_builds_the_reports_method_from_the_config():
     plain = config.parse("")
     assert method_of(plain, site_of(plain), prices_of(plain), EmbodiedCarbon({}, {})) \
         .market_g_per_kwh is None
+
+
+def test_a_window_cut_by_a_card_and_an_intensity_step_is_priced_in_parts(tmp_path):
+    """A card from T0 + 15 and a grid step at T0 + 5, both inside a 10-s window: each
+    part of the window at its own price and intensity (windows are taken as even)."""
+    led = ledger_with(tmp_path, [("A", "ta", T0 + 1, 2.0, 3.0), ("B", "tb", T0 + 12, 2.0, 3.0)],
+                      end=T0 + 20)
+    f = tmp_path / "grid.csv"
+    f.write_text("datetime,carbonIntensity\n"
+                 f"{reports.iso(T0 - 600)},100\n{reports.iso(T0 + 5)},300\n")
+    m = method("share", [RateCard(T0 + 15, {"H100-SXM": 4.8})],
+               intensity=CarbonIntensity.from_file(f))
+    rep = reports.usage(led, ["tenant"], T0, T0 + 20, method=m)
+    assert billed(rep) == pytest.approx(8 * (15 * 3.6 + 5 * 4.8) / 3600, rel=0.005)
+    op = 0.0
+    for start, end, meas_j in led.query('SELECT start, "end", measured_j FROM device_windows'):
+        for a, b, g in ((start, min(end, T0 + 5), 100.0), (max(start, T0 + 5), end, 300.0)):
+            if b > a:
+                op += meas_j * (b - a) / (end - start) * PUE / 3.6e6 * g
+    crep = reports.carbon(led, ["tenant"], T0, T0 + 20, method=m)
+    assert sum(r["co2e_operational_grams"] for r in crep["rows"]) == pytest.approx(op, rel=0.005)
+    assert crep["totals"]["intensity_g_per_kwh"]["min"] == 100.0
+    assert crep["totals"]["intensity_g_per_kwh"]["max"] == 300.0
+    led.stop()

@@ -105,78 +105,134 @@ class Pots:
         return self.measured_j + self.node_overhead_j
 
 
-# device windows grouped by span and model: the devices of one model share every span
-_SPANS = """SELECT start, "end", model, count(*), sum(measured_gpu_s), sum(attributed_gpu_s),
+# Within one interval of constant prices and intensity, whole device windows are
+# summed in SQL per model (the bulk of a long report: no Python per window, which would
+# hold the GIL for seconds on the daemon's process); only windows that straddle an
+# interval's edge are clipped one by one. `start` bounds every query (its index): a
+# window ends at most `longest` seconds after it starts (meta `max_window_s`).
+_INSIDE = """SELECT model, count(*), sum(measured_gpu_s), sum(attributed_gpu_s),
     sum(idle_gpu_s), sum(unattributed_gpu_s), sum(measured_j), sum(attributed_j), sum(idle_j),
-    sum(unattributed_j), sum(measured_j IS NULL)
-FROM device_windows WHERE start < ? AND "end" > ? GROUP BY start, "end", model ORDER BY start"""
+    sum(unattributed_j), sum(measured_j IS NULL), sum("end" - start),
+    sum(("end" - start) * CASE WHEN measured_gpu_s > 0
+        THEN attributed_gpu_s / measured_gpu_s ELSE 0 END)
+FROM device_windows WHERE start >= ? AND start < ? AND "end" <= ? GROUP BY model"""
+_INSIDE_SPANS = """SELECT sum("end" - start) FROM (SELECT DISTINCT start, "end" FROM device_windows
+    WHERE start >= ? AND start < ? AND "end" <= ?)"""
+_STRADDLING = """SELECT start, "end", model, measured_gpu_s, attributed_gpu_s, idle_gpu_s,
+    unattributed_gpu_s, measured_j, attributed_j, idle_j, unattributed_j
+FROM device_windows WHERE start >= ? AND start < ? AND "end" > ? AND (start < ? OR "end" > ?)"""
+LONGEST = "SELECT value FROM meta WHERE key = 'max_window_s'"
+
+
+class _Acc:
+    """Adds quantities to the pots at one interval's prices and intensity."""
+
+    def __init__(self, p: Pots, m: Method, t0: float, t1: float):
+        self.p, self.m = p, m
+        pue = m.pue
+        self.kwh = m.prices.per_kwh(t0) / J_PER_KWH * pue
+        self.g, self.estimated = m.intensity.mean(t0, t1)
+        self.gi = self.g / J_PER_KWH * pue
+        self.mi = None if m.market_g_per_kwh is None else m.market_g_per_kwh / J_PER_KWH * pue
+        self.t0 = t0
+        self.used = False
+
+    def add(self, model: str, n: int, meas_s, att_s, idle_s, unatt_s, meas_j, att_j, idle_j,
+            unatt_j, j_null: int, wall: float, used_wall: float, emb: float) -> None:
+        p = self.p
+        self.used = True
+        p.models.add(model)
+        p.windows += n
+        p.unmeasured_windows += j_null
+        rate = self.m.prices.usd_per_hour(model, self.t0) / 3600.0
+        spare_j = idle_j + unatt_j
+        p.capacity_cost += meas_s * rate + meas_j * self.kwh
+        p.used_cost += att_s * rate + att_j * self.kwh
+        p.device_seconds += meas_s
+        p.attributed_s += att_s
+        p.idle_s += idle_s
+        p.unattributed_s += unatt_s
+        p.measured_j += meas_j
+        p.attributed_j += att_j
+        p.idle_j += idle_j
+        p.unattributed_j += unatt_j
+        p.op_active_g += att_j * self.gi
+        p.op_static_g += spare_j * self.gi
+        if self.mi is not None:
+            p.market_active_g += att_j * self.mi
+            p.market_static_g += spare_j * self.mi
+        p.wall_device_seconds += wall
+        p.emb_used_g += used_wall * emb
+        p.emb_idle_g += (wall - used_wall) * emb
+        if meas_j > 0:
+            p.intensity_weighted += self.g * meas_j * self.m.pue
+
+    def node(self, covered_s: float) -> None:
+        p, m = self.p, self.m
+        node_j = m.node_overhead_w * covered_s
+        p.covered_s += covered_s
+        p.node_overhead_j += node_j
+        p.capacity_cost += node_j * self.kwh
+        p.op_node_g += node_j * self.gi
+        if self.mi is not None:
+            p.market_node_g += node_j * self.mi
+        if node_j > 0:
+            p.intensity_weighted += self.g * node_j * m.pue
+
+    def close(self) -> None:
+        if self.used:
+            p = self.p
+            p.intensity_min = self.g if p.intensity_min is None else min(p.intensity_min, self.g)
+            p.intensity_max = self.g if p.intensity_max is None else max(p.intensity_max, self.g)
+            p.intensity_estimated |= self.estimated
 
 
 def window_pots(query, since: float, until: float, m: Method) -> Pots:
-    """Sum the device windows overlapping [since, until) into pots, each piece of each
+    """Sum the device windows overlapping [since, until) into pots, each part of each
     window priced and carbon-counted at the rate card and intensity of its time."""
     p = Pots()
-    pue, node_w = m.pue, m.node_overhead_w
-    market = m.market_g_per_kwh
-    seen_spans: set[tuple[float, float]] = set()
+    row = query(LONGEST)
+    longest = float(row[0][0]) if row and row[0][0] is not None else None
+    lo = since - longest if longest is not None else float("-inf")
     emb_rates: dict[str, float] = {}
-    for (start, end, model, n, meas_s, att_s, idle_s, unatt_s, meas_j, att_j, idle_j, unatt_j,
-         j_null) in query(_SPANS, (until, since)):
-        a, b = max(start, since), min(end, until)
-        if b <= a or end <= start:
-            continue
-        p.models.add(model)
-        p.windows += n
-        p.unmeasured_windows += j_null or 0
-        meas_j, att_j = meas_j or 0.0, att_j or 0.0
-        spare_j = (idle_j or 0.0) + (unatt_j or 0.0)
-        emb = emb_rates.get(model)
-        if emb is None:
-            emb = emb_rates[model] = m.embodied.grams_per_second(model)
-        used_frac = att_s / meas_s if meas_s > 0 else 0.0
-        new_span = (start, end) not in seen_spans
-        seen_spans.add((start, end))
-        for p0, p1 in m.prices.pieces(a, b):
-            f = (p1 - p0) / (end - start)
-            rate = m.prices.usd_per_hour(model, p0) / 3600.0
-            kwh = m.prices.per_kwh(p0) / J_PER_KWH * pue
-            g, estimated = m.intensity.mean(p0, p1)
-            gi = g / J_PER_KWH * pue
-            p.capacity_cost += meas_s * f * rate + meas_j * f * kwh
-            p.used_cost += att_s * f * rate + att_j * f * kwh
-            p.device_seconds += meas_s * f
-            p.attributed_s += att_s * f
-            p.idle_s += idle_s * f
-            p.unattributed_s += unatt_s * f
-            p.measured_j += meas_j * f
-            p.attributed_j += att_j * f
-            p.idle_j += (idle_j or 0.0) * f
-            p.unattributed_j += (unatt_j or 0.0) * f
-            p.op_active_g += att_j * f * gi
-            p.op_static_g += spare_j * f * gi
-            if market is not None:
-                mi = market / J_PER_KWH * pue
-                p.market_active_g += att_j * f * mi
-                p.market_static_g += spare_j * f * mi
-            wall = n * (p1 - p0)
-            p.wall_device_seconds += wall
-            p.emb_used_g += wall * emb * used_frac
-            p.emb_idle_g += wall * emb * (1.0 - used_frac)
-            facility = meas_j * f * pue
-            if new_span:
-                node_j = node_w * (p1 - p0)
-                p.covered_s += p1 - p0
-                p.node_overhead_j += node_j
-                p.capacity_cost += node_j * kwh
-                p.op_node_g += node_j * gi
-                if market is not None:
-                    p.market_node_g += node_j * market / J_PER_KWH * pue
-                facility += node_j * pue
-            if facility > 0:
-                p.intensity_weighted += g * facility
-            p.intensity_min = g if p.intensity_min is None else min(p.intensity_min, g)
-            p.intensity_max = g if p.intensity_max is None else max(p.intensity_max, g)
-            p.intensity_estimated |= estimated
+
+    def emb(model: str) -> float:
+        e = emb_rates.get(model)
+        if e is None:
+            e = emb_rates[model] = m.embodied.grams_per_second(model)
+        return e
+
+    cards = [a for a, _ in m.prices.pieces(since, until)][1:]
+    cuts = sorted(set(cards) | set(m.intensity.cuts(since, until)))
+    edges = [since, *cuts, until]
+    for b0, b1 in zip(edges, edges[1:]):
+        acc = _Acc(p, m, b0, b1)
+        for (model, n, meas_s, att_s, idle_s, unatt_s, meas_j, att_j, idle_j, unatt_j, j_null,
+             wall, used_wall) in query(_INSIDE, (b0, b1, b1)):
+            acc.add(model, n, meas_s or 0.0, att_s or 0.0, idle_s or 0.0, unatt_s or 0.0,
+                    meas_j or 0.0, att_j or 0.0, idle_j or 0.0, unatt_j or 0.0, j_null or 0,
+                    wall or 0.0, used_wall or 0.0, emb(model))
+        covered = 0.0
+        if m.node_overhead_w > 0:
+            ((covered,),) = query(_INSIDE_SPANS, (b0, b1, b1))
+            covered = covered or 0.0
+        spans: set[tuple[float, float]] = set()
+        for (start, end, model, meas_s, att_s, idle_s, unatt_s, meas_j, att_j, idle_j,
+             unatt_j) in query(_STRADDLING, (max(lo, b0 - longest) if longest is not None
+                                             else lo, b1, b0, b0, b1)):
+            a, b = max(start, b0), min(end, b1)
+            if b <= a or end <= start:
+                continue
+            f = (b - a) / (end - start)
+            used = att_s / meas_s if meas_s > 0 else 0.0
+            first = start >= b0 or b0 == since     # count a window once, where it begins
+            acc.add(model, int(first), meas_s * f, att_s * f, idle_s * f, unatt_s * f,
+                    (meas_j or 0.0) * f, (att_j or 0.0) * f, (idle_j or 0.0) * f,
+                    (unatt_j or 0.0) * f, int(first and meas_j is None), b - a, (b - a) * used,
+                    emb(model))
+            spans.add((a, b))
+        acc.node(covered + sum(b - a for a, b in spans))
+        acc.close()
     return p
 
 

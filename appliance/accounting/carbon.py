@@ -153,6 +153,12 @@ class CarbonIntensity:
         _, value, estimated, factor = self._points[max(i, 0)]
         return Intensity(value, Provenance(self.source, self.kind, estimated or outside, factor))
 
+    def cuts(self, t0: float, t1: float) -> list[float]:
+        """The series' point times inside (t0, t1): where the intensity may change."""
+        self._reload()
+        times = self._times
+        return times[bisect.bisect_right(times, t0):bisect.bisect_left(times, t1)]
+
     def mean(self, t0: float, t1: float) -> tuple[float, bool]:
         """Time-weighted mean intensity over [t0, t1) and whether any part of it was
         estimated (stale, or marked so in the file). A device window's energy is taken

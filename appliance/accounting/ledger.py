@@ -294,6 +294,7 @@ class Ledger:
                 conn.executescript(SCHEMA)
                 conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)",
                              (SCHEMA_VERSION,))
+            self._longest = self._longest_window(conn)
             self.recovered = self._recover(conn)
             roll_up(conn, time.time())      # before pruning: raw rows roll up first
             self._prune(conn, time.time())
@@ -302,6 +303,20 @@ class Ledger:
         self.reader = LedgerReader(self.path)
 
     # ---- start-up ------------------------------------------------------------
+    @staticmethod
+    def _longest_window(conn: sqlite3.Connection) -> float:
+        """meta `max_window_s`: the longest device window (an idle stretch is one row), so
+        a report finds the windows overlapping its start through the index on `start`.
+        A ledger written before it is scanned once."""
+        row = conn.execute("SELECT value FROM meta WHERE key = 'max_window_s'").fetchone()
+        if row is not None:
+            return float(row[0])
+        (longest,) = conn.execute('SELECT max("end" - start) FROM device_windows').fetchone()
+        longest = float(longest or 0.0)
+        with conn:
+            conn.execute("INSERT OR REPLACE INTO meta VALUES ('max_window_s', ?)", (longest,))
+        return longest
+
     def _recover(self, conn: sqlite3.Connection) -> int:
         """Requests a previous run committed as finished but never completed (it died
         before their windows closed): they get a row with what figures they had, marked
@@ -423,11 +438,15 @@ class Ledger:
             if b is not None:
                 done[b] = done.get(b, 0) + 1
         emptied = [b for b, k in done.items() if left[b] == k]
+        longest = max((w[2] - w[1] for w in wins), default=0.0)    # WindowRow end - start
         try:
             if reqs or wins or pend:
                 with conn:
                     write_rows(conn, "INSERT", "requests", REQUEST_COLUMNS, reqs, _REQ_CONFLICT)
                     write_rows(conn, "INSERT OR REPLACE", "device_windows", WINDOW_COLUMNS, wins)
+                    if longest > self._longest:
+                        conn.execute("INSERT OR REPLACE INTO meta VALUES ('max_window_s', ?)",
+                                     (longest,))
                     if emptied:
                         conn.executemany("DELETE FROM pending WHERE batch = ?",
                                          [(b,) for b in emptied])
@@ -443,6 +462,7 @@ class Ledger:
             log.error("ledger: could not commit %d rows: %s", len(reqs) + len(wins) + len(pend),
                       exc)
             return
+        self._longest = max(self._longest, longest)
         for row in reqs:
             self._pending_of.pop(row[_ID], None)
         for b, k in done.items():
