@@ -199,11 +199,13 @@ def test_two_tenants_on_simulated_h100s(daemon_factory, tmp_path):
     lines = out.stdout.splitlines()
     assert lines[2].split()[0] == "b" and lines[3].split()[0] == "a", out.stdout
     assert "= measured" in out.stdout and "budget b gpu_hours per day" in out.stdout
+    assert "capacity cost" in out.stdout and "USD" in out.stdout
     assert "ALERT 80%,100%" in out.stdout and "[SIMULATED]" in out.stdout
     out = cli("usage", "--url", d.url, "--by", "tenant,phase", "--since", "1h", "--csv")
     assert out.stdout.splitlines()[0].startswith("tenant,model,phase,site,requests")
     out = cli("carbon", "--url", d.url, "--by", "site")
     assert out.returncode == 0 and "embodied" in out.stdout and "static average" in out.stdout
+    assert "SCI" in out.stdout and "node" in out.stdout
     out = cli("rates", "--url", d.url)
     assert out.returncode == 0 and "H100-SXM 3/h" in out.stdout and "USD" in out.stdout
     out = cli("usage", "--url", d.url, "--since", "last tuesday")
