@@ -137,7 +137,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, rng:
         out.end = time.monotonic()
 
 
-async def load(url: str, model: str, args, faults: list[tuple[float, str]]) -> list[Outcome]:
+async def load(url: str, model: str, args, faults: list[tuple[float, str]],
+               rss: list[tuple[float, float]], daemon: psutil.Process) -> list[Outcome]:
     rng = random.Random(args.seed)
     outcomes: list[Outcome] = []
     stop_at = time.monotonic() + args.seconds
@@ -149,7 +150,15 @@ async def load(url: str, model: str, args, faults: list[tuple[float, str]]) -> l
             while time.monotonic() < stop_at:
                 outcomes.append(await one_request(session, url, model, crng, args))
 
-        await asyncio.gather(fault_loop(url, args, faults, stop_at),
+        async def sample_rss() -> None:
+            # A leak grows with time; a working set levels off: keep the curve, not two points.
+            t0 = time.monotonic()
+            while time.monotonic() < stop_at:
+                rss.append((round(time.monotonic() - t0, 1),
+                            round(daemon.memory_info().rss / 2**20, 1)))
+                await asyncio.sleep(args.seconds / 20)
+
+        await asyncio.gather(fault_loop(url, args, faults, stop_at), sample_rss(),
                              *(client(k) for k in range(args.clients)))
     return outcomes
 
@@ -267,7 +276,8 @@ def main() -> int:
             rss_before = daemon.memory_info().rss
             faults: list[tuple[float, str]] = []
             t0 = time.monotonic()
-            outcomes = asyncio.run(load(url, model, args, faults))
+            rss: list[tuple[float, float]] = []
+            outcomes = asyncio.run(load(url, model, args, faults, rss, daemon))
             elapsed = time.monotonic() - t0
             st, drain_s = wait_drained(url, args.drain_timeout)
             leaked = {w["worker"]: (w.get("kv_blocks_total", 0) - w.get("kv_blocks_free", 0))
@@ -296,7 +306,7 @@ def main() -> int:
                    len(twice), "rows": sum(len(v) for v in rows.values()),
                    "missing_ids": missing[:5]},
         "daemon_rss_mb": {"before": round(rss_before / 2**20, 1),
-                          "after": round(rss_after / 2**20, 1)},
+                          "after": round(rss_after / 2**20, 1), "during": rss},
         "daemon_alive": alive,
     }
     goals = {"no_hung": result["hung"] == 0, "no_broken": result["broken"] == 0,

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from appliance.accounting.accountant import Site
+from appliance.accounting.allocation import Method
 from appliance.accounting.attribution import DeviceInfo, EnergyMeter, take_readings
 from appliance.accounting.budgets import Budgets
 from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon
-from appliance.accounting.cost import PriceBook
+from appliance.accounting.cost import PriceBook, RateCard
 from appliance.accounting.ledger import LedgerReader
 from appliance.accounting.process import (
     FORWARD_S, LOCK_TIMEOUT_S, AccountingSpec, AskStatus, ReadMeter, Records, Report, Start,
@@ -74,6 +75,21 @@ def site_of(cfg: Config) -> Site:
     return Site(s.name, s.appliance or socket.gethostname(), s.region, s.pue, intensity)
 
 
+def prices_of(cfg: Config) -> PriceBook:
+    a = cfg.accounting
+    return PriceBook(a.usd_per_gpu_hour, a.usd_per_kwh, a.idle_policy, a.currency,
+                     [RateCard(c["effective"], c["per_device_hour"], c["per_kwh"])
+                      for c in a.rate_cards])
+
+
+def method_of(cfg: Config, site: Site, prices: PriceBook, embodied: EmbodiedCarbon) -> Method:
+    """What the usage and carbon reports price and count with (query time)."""
+    s = cfg.site
+    return Method(prices, embodied, site.pue, site.intensity,
+                  None if s.carbon_intensity_market < 0 else s.carbon_intensity_market,
+                  s.node_overhead_w)
+
+
 class AccountingLink:
     """The daemon's end of the accounting process, behind the record sink seam.
 
@@ -87,6 +103,7 @@ class AccountingLink:
         self.spec = spec
         self.site = spec.site
         self.prices = spec.prices
+        self.method: Method | None = None       # set by attach: the reports' pricing
         self.meter = meter
         self.metrics = metrics
         self.state_dir = state_dir
@@ -291,11 +308,11 @@ async def attach(svc: Service, state_dir: Path) -> AccountingLink | None:
     site = site_of(cfg)
     b = cfg.budgets
     budgets = Budgets(b.period, {"gpu_hours": b.gpu_hours, "usd": b.usd, "kgco2e": b.kgco2e})
+    prices = prices_of(cfg)
+    embodied = EmbodiedCarbon(cfg.site.embodied_kgco2e, cfg.site.lifetime_years)
     spec = AccountingSpec(
         devices=device_infos(svc.setup), model=svc.model_name, site=site,
-        ledger_path=str(state_dir / LEDGER_FILE),
-        prices=PriceBook(a.usd_per_gpu_hour, a.usd_per_kwh, a.idle_policy),
-        embodied=EmbodiedCarbon(cfg.site.embodied_kgco2e, cfg.site.lifetime_years),
+        ledger_path=str(state_dir / LEDGER_FILE), prices=prices, embodied=embodied,
         budgets=budgets, labelled_tenants=frozenset(set(svc._tenants) | budgets.tenants()),
         flush_interval_s=a.flush_interval_s, retention_days=a.retention_days,
         rollup_retention_days=a.rollup_retention_days, window_s=a.window_s,
@@ -303,6 +320,7 @@ async def attach(svc: Service, state_dir: Path) -> AccountingLink | None:
         metered=getattr(svc, "telemetry", None) is not None)
     metrics = TenantMetrics(svc.metrics.registry, svc.simulated)
     link = AccountingLink(spec, lambda: getattr(svc, "telemetry", None), metrics, state_dir)
+    link.method = method_of(cfg, site, prices, embodied)
     try:
         await link.start()
     except OSError as exc:
