@@ -17,6 +17,7 @@ seeded request gives the same tokens whatever shares its batch.
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +38,18 @@ from appliance.kv import handoff
 __all__ = ["TorchEngine", "build_torch_engine", "pool_blocks_for_budget"]
 
 
+def pool_id_of(handle: bytes | None) -> str:
+    """A pool incarnation's name in KvHandles: a digest of its exported handle (the shm
+    object's name or the CUDA IPC handle, new with every pool), which exporter and
+    importers both have without another message."""
+    return hashlib.blake2b(handle, digest_size=8).hexdigest() if handle else ""
+
+
 @dataclass(slots=True)
 class _Peer:
     handle: bytes
     pool: handoff.PeerPool
+    pool_id: str
 
 
 PROMPT_LOGIT_ROWS = 256     # prompt positions scored per vocabulary projection
@@ -61,8 +70,10 @@ class TorchEngine(BatchEngine):
             model.dtype, model.device)
         self._layout = layout_tag(s, bs, model.dtype)
         self._handle = handoff.export_pool(self.kv) if share_pool else None
+        self._pool_id = pool_id_of(self._handle)
         self._peers: dict[str, _Peer] = {}
         self._peer_errors: dict[str, str] = {}
+        self._gone: set[str] = set()       # peers that died and have not attached again
 
     # ---- contract hooks ---------------------------------------------------
     def layout(self) -> str:
@@ -70,6 +81,23 @@ class TorchEngine(BatchEngine):
 
     def peer_handle(self) -> bytes | None:
         return self._handle
+
+    def pool_id(self) -> str:
+        return self._pool_id
+
+    def can_import(self, handle) -> bool:
+        """Only from the very pool the handle names: after its worker restarted, the same
+        block ids in the new pool hold some other request's KV (or zeros)."""
+        peer = self._peers.get(handle.worker)
+        if peer is None:        # dead: recompute; never attached: import_kv says why
+            return handle.worker not in self._gone
+        return not handle.pool_id or handle.pool_id == peer.pool_id
+
+    def drop_peer_pool(self, worker: str) -> None:
+        self._gone.add(worker)
+        old = self._peers.pop(worker, None)
+        if old is not None:
+            handoff.forget_pool(old.pool, owner_dead=True)
 
     def hello_info(self) -> dict:
         info = super().hello_info()
@@ -123,10 +151,13 @@ class TorchEngine(BatchEngine):
                   f"{exc}", file=sys.stderr)
             return
         self._peer_errors.pop(worker, None)
+        self._gone.discard(worker)
         if old is not None:
             # A new pool under a known name: that worker restarted, its old pool is dead.
             handoff.forget_pool(old.pool, owner_dead=True)
-        self._peers[worker] = _Peer(bytes(handle), pool)
+        # Imports still queued from the old incarnation are recomputed when admitted
+        # (their pool_id is not this pool's).
+        self._peers[worker] = _Peer(bytes(handle), pool, pool_id_of(bytes(handle)))
 
     # ---- execution --------------------------------------------------------
     def run_batch(self, batch: Batch) -> list[int | None]:

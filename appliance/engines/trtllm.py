@@ -425,6 +425,11 @@ class TrtllmEngine:
     def attach_peer(self, worker: str, handle: Any) -> None:
         """Peers find each other through the transceiver's own metadata (opaque_state)."""
 
+    def detach_peer(self, worker: str) -> list:
+        """A dead context worker: the generation-only requests pulling from it fail in
+        TensorRT-LLM's transceiver (its kv_transfer_timeout_ms); nothing is mapped here."""
+        return []
+
     def has_work(self) -> bool:
         return bool(self._inflight) or not self._events.empty()
 
