@@ -151,3 +151,25 @@ def test_peer_pool_that_fails_the_pattern_copy_check_is_not_read(tiny_model, cap
     got, imported = _handoff(pre, dec)
     assert got == want                                 # recomputed here, correct
     assert dec.kv_recomputes == 1 and imported         # and the source told to free
+
+
+def test_gpu_workers_never_get_expandable_segments():
+    """The daemon's environment for a GPU worker forces expandable_segments off in both
+    names torch reads, keeping the operator's other allocator options; CPU workers are
+    left alone."""
+    from appliance.daemon.workers import worker_env
+
+    gpu = WorkerSpec(worker="decode0", role="decode", engine="torch", devices=["gpu1"],
+                     device_kind="gpu", model_dir="/m", device_uuids=["GPU-b"],
+                     peer_uuids=["GPU-a"])
+    base = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, max_split_size_mb:128",
+            "PYTORCH_ALLOC_CONF": "expandable_segments:True", "HOME": "/root"}
+    env = worker_env(gpu, base)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:False"
+    assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:False"
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-b,GPU-a" and env["HOME"] == "/root"
+    assert worker_env(gpu, {})["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+    assert "PYTORCH_ALLOC_CONF" not in worker_env(gpu, {})
+    cpu = WorkerSpec(worker="decode0", role="decode", engine="torch", devices=["cpu0"],
+                     device_kind="cpu", model_dir="/m")
+    assert worker_env(cpu, base) == base

@@ -22,6 +22,7 @@ from appliance.engines.messages import (
     Shutdown, StartFailed, Tokens, WorkerStats,
 )
 from appliance.worker import wire
+from appliance.worker.cuda_env import gpu_worker_env
 from appliance.worker.spec import WorkerSpec
 
 log = logging.getLogger("applianced.workers")
@@ -66,6 +67,7 @@ def worker_env(spec: WorkerSpec, base) -> dict[str, str]:
         # Own GPUs first (the engine runs on cuda:0..tp-1), then the peers' GPUs:
         # CUDA IPC can only open a peer's KV pool on a device this process can see.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.device_uuids + spec.peer_uuids)
+        env.update(gpu_worker_env(env))    # KV pools must be exportable: no expandable segments
     return env
 
 
