@@ -264,3 +264,83 @@ def test_peer_pools_go_from_prefill_to_decode_workers_only():
             for name, msgs in sent.items()}
     assert gone == {"prefill0": [], "prefill1": [], "decode0": ["prefill1"],
                     "decode1": ["prefill1"], "agg0": []}
+
+
+def test_daemon_kill_9_of_the_prefill_worker_while_decode_imports_queue(tiny_model, tmp_path):
+    """End to end: a real daemon (CPU torch workers, one sequence at a time each), six
+    streaming greedy requests; once all are handed off, one is decoding and the others'
+    imports queue behind it, the prefill worker is killed with -9. The daemon tells the decode
+    worker (PeerGone) and restarts the prefill worker, whose new pool is attached while
+    the imports still queue: every answer equals the greedy reference or is a clean
+    error, none differs."""
+    import threading
+
+    import openai
+
+    from appliance.daemon.tokenizer import ServedTokenizer
+    from appliance.engines.torch_engine import build_torch_engine
+    from conftest import start_daemon
+
+    # Long answers (no early EOS): the imports queue for longer than the restart takes
+    # (seconds, on a loaded machine), so the new pool is attached while they wait.
+    n_new = 1000
+    params = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+    tok = ServedTokenizer(tiny_model)
+    agg = build_torch_engine(spec(tiny_model, "ref", "agg", 256), tiny_model)
+    want: dict[str, list[int]] = {}
+    for rid, p in PROMPTS.items():
+        agg.add(Prefill(rid, p, params, handoff=False))
+        while agg.has_work():
+            for ev in agg.step():
+                if isinstance(ev, Tokens):
+                    want.setdefault(ev.request_id, []).extend(ev.tokens)
+
+    d = start_daemon(tmp_path, tiny_model, "--devices", "cpu", "--engine", "torch",
+                     config="[engine]\nmax_seqs = 1\n[workers]\nrestart_backoff_s = 0.1\n")
+    try:
+        client = d.client(timeout=120)
+        texts: dict[str, str] = {}
+        errors: dict[str, BaseException] = {}
+        chunks: dict[str, int] = {}
+        started = threading.Event()
+
+        def run(rid):
+            try:
+                text = ""
+                for ev in client.completions.create(model="tiny-llama", prompt=PROMPTS[rid],
+                                                    max_tokens=n_new, temperature=0,
+                                                    stream=True,
+                                                    extra_body={"ignore_eos": True}):
+                    text += ev.choices[0].text
+                    chunks[rid] = chunks.get(rid, 0) + 1
+                    # One answer decoding, three or more handed off (their first token is
+                    # out) whose imports queue behind it on the decode worker.
+                    if sum(c == 1 for c in chunks.values()) >= 3 and max(chunks.values()) >= 3:
+                        started.set()
+                texts[rid] = text
+            except (openai.APIError, openai.APIConnectionError) as exc:
+                errors[rid] = exc
+
+        victim = {w["worker"]: w["pid"] for w in d.status()["workers"]}["prefill0"]
+        threads = [threading.Thread(target=run, args=(rid,)) for rid in PROMPTS]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        os.kill(victim, signal.SIGKILL)
+        queued = [rid for rid in PROMPTS if chunks.get(rid, 0) == 1]
+        assert len(queued) >= 2, chunks
+        for t in threads:
+            t.join(150)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        wrong = {rid: (texts[rid], tok.decode(want[rid])) for rid in texts
+                 if texts[rid] != tok.decode(want[rid])}
+        assert not wrong, f"answers differ from the greedy reference: {wrong}"
+        for rid, exc in errors.items():            # clean errors only (503 worker_failed)
+            assert getattr(exc, "status_code", 503) == 503 or "worker" in str(exc), exc
+        assert all(rid in texts for rid in queued), errors     # none of them failed
+        d.wait_for(lambda s: all(w["state"] == "ready" for w in s["workers"]), timeout=90,
+                   what="prefill0 restarted")
+        decode = next(w for w in d.status()["workers"] if w["worker"] == "decode0")
+        assert decode.get("kv_recomputes", 0) >= 1, (decode, sorted(texts), errors)
+    finally:
+        d.stop()
