@@ -37,6 +37,7 @@ from appliance.daemon.server import build_app
 from appliance.daemon.tokenizer import ServedTokenizer
 from appliance.daemon.workers import WorkerGone, WorkerPool, program_command
 from appliance.partitions import Inventory, PartitionPlan, discover, inventory_json, plan_partition
+from appliance.partitions.plan import check_engine
 from appliance.workflows.engine import WorkflowEngine
 from appliance.workflows.journal import Journal
 from appliance.workflows.kinds import Options
@@ -135,6 +136,7 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None, persisted: dict | No
     plan = persisted_plan(inv, cfg, persisted.get("partition")) or \
         plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode)
     engine = resolve_engine(cfg.engine.kind, inv)
+    check_engine(plan, engine)          # e.g. engine = torch with tp > 1: one clear line
     model = persisted.get("model")
     if model and not (Path(model["model_dir"]) / "config.json").exists():
         log.warning("ignoring the persisted model: %s has no config.json", model["model_dir"])
