@@ -8,6 +8,7 @@ bound a fair split must meet is computed from the same roofline (StepTimeModel).
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -190,3 +191,78 @@ def test_a_fit_with_a_negative_term_never_reaches_the_bill():
     assert d["s_per_context"] == 0.0 and d["c0_s"] >= 0 and d["s_per_seq"] > 0
     w = cal.weights("m|H100-SXM")
     assert w.d_ctx == 0.0 and w.d_seq > 0 and w.d_c0 >= 0
+
+
+def test_calibration_belongs_to_the_served_model_and_added_devices_count_from_their_first_window():
+    """A swap: the same worker's steps are fitted under the new model from the change on,
+    the old model's terms stay under its name. A repartition that adds a device: it is
+    in every window from the one it arrives in, none before."""
+    dev = DeviceInfo("g0", "H100-SXM", "sim", True)
+    a = Attributor([dev], "old-model", 10.0, Calibration(min_iterations=3), start=T0)
+    rng = random.Random(5)
+
+    def steps(t0: float, n: int) -> float:
+        for i in range(n):
+            ctx = [rng.randint(10, 3000) for _ in range(rng.randint(1, 8))]
+            wall = TIMING.decode_s(ctx)
+            a.add(IterationRecord("w0", "decode", t0, wall, ("g0",), True,
+                                  [(f"r{t0}-{i}-{j}", 1, c) for j, c in enumerate(ctx)]))
+            t0 += wall
+        return t0
+
+    steps(T0 + 1, 20)
+    assert [w.device for w in a.close_until(T0 + 10, None)] == ["g0"]
+    a.serve({"w0": "new-model"}, [dev, DeviceInfo("g1", "H100-SXM", "sim", True)])
+    steps(T0 + 11, 10)
+    windows = a.close_until(T0 + 20, None)
+    assert sorted(w.device for w in windows) == ["g0", "g1"]
+    (g1,) = [w for w in windows if w.device == "g1"]
+    assert g1.measured_gpu_s == pytest.approx(10.0) and g1.idle_gpu_s == pytest.approx(10.0)
+    shown = a.calibration.describe()
+    assert set(shown) == {"old-model|H100-SXM", "new-model|H100-SXM"}
+    assert shown["old-model|H100-SXM"]["decode"]["samples"] == 20
+    assert shown["new-model|H100-SXM"]["decode"]["samples"] == 10
+    assert shown["new-model|H100-SXM"]["model"] == "new-model"
+
+
+def test_a_model_swap_starts_new_terms_and_keeps_the_old_ones(daemon_factory, tiny_model):
+    """On a running daemon: swap-model from the 70B shape to the 8B one (named "small");
+    /admin/v1/usage then shows a fit for each model × device kind, the old one kept."""
+    from conftest import http
+    from test_chargeback import KEY_A, config, get
+    d = daemon_factory("--devices", "sim:8xH100", "--model-spec", "llama-3.1-70b-fp8",
+                       "--sim-speed", "50", model=tiny_model,
+                       config=config("[workflows]\ndrain_timeout_s = 10.0\n"))
+    c = d.client(KEY_A, timeout=60)
+
+    def ask(model: str, n: int) -> None:
+        for i in range(n):
+            c.completions.create(model=model, prompt=[100 + i] * (20 + 7 * i), max_tokens=8,
+                                 temperature=0, extra_body={"ignore_eos": True})
+
+    ask("llama-3.1-70b-fp8", 6)
+    code, _, body = d.post("/admin/v1/workflows", {"kind": "swap-model", "params": {
+        "model": "llama-3.1-8b", "model_name": "small"}})
+    assert code == 201, body
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        wf = http("GET", f"{d.url}/admin/v1/workflows/{body['id']}")[2]
+        if wf["status"] in ("succeeded", "failed", "cancelled", "compensated"):
+            break
+        time.sleep(0.1)
+    assert wf["status"] == "succeeded", wf
+    ask("small", 6)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        code, _, usage = get(d, "/admin/v1/usage", since="1h")
+        fits = {(f["model"], f["device"]): f for f in usage["calibration"]}
+        if ("small", "H100-SXM") in fits and fits[("small", "H100-SXM")]["decode"]["samples"] >= 8:
+            break
+        time.sleep(0.5)
+    assert ("llama-3.1-70b-fp8", "H100-SXM") in fits and ("small", "H100-SXM") in fits, fits
+    old = fits[("llama-3.1-70b-fp8", "H100-SXM")]["decode"]["samples"]
+    assert old >= 8
+    time.sleep(3)
+    code, _, usage = get(d, "/admin/v1/usage", since="1h")
+    fits = {(f["model"], f["device"]): f for f in usage["calibration"]}
+    assert fits[("llama-3.1-70b-fp8", "H100-SXM")]["decode"]["samples"] == old   # kept, not fed

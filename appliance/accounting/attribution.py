@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -351,7 +351,8 @@ class Attributor:
     """
 
     def __init__(self, devices: list[DeviceInfo], model: str, window_s: float = 10.0,
-                 calibration: Calibration | None = None, start: float | None = None):
+                 calibration: Calibration | None = None, start: float | None = None,
+                 resumed: bool = False):
         import time
         self.devices = {d.id: d for d in devices}
         self.model = model
@@ -361,6 +362,11 @@ class Attributor:
         self.closed_until = self.started          # every window before this is closed
         self._windows: dict[int, list[tuple[IterationRecord, float]]] = {}
         self.late = 0                             # records that came after their window closed
+        # A restarted accounting process resumes where the ledger's windows end; the
+        # daemon replays its recent records, and what was accounted before is dropped.
+        self.resumed_at = self.started if resumed else None
+        self.worker_models: dict[str, str] = {}   # worker -> served model (else `model`)
+        self.replayed = 0                         # replayed records already accounted
 
     def _index(self, t: float) -> int:
         return int(t // self.window_s)
@@ -368,6 +374,15 @@ class Attributor:
     def add(self, rec: IterationRecord) -> None:
         start, end = rec.start, rec.start + rec.wall_s
         if start < self.closed_until:
+            if self.resumed_at is not None and start < self.resumed_at:
+                # replayed after a restart: the previous accounting process committed
+                # the windows before `resumed_at`; only the part after it is new here
+                if end <= self.resumed_at:
+                    self.replayed += 1
+                    return
+                start = self.resumed_at
+                self._file(rec, start, end, max(start, self.closed_until))
+                return
             # its window already closed: bill it to the first open one (with all of its
             # time; close_until caps busy time at capacity, so conservation still holds)
             self.late += 1
@@ -381,6 +396,14 @@ class Attributor:
             lo, hi = max(start, k * self.window_s), min(end, (k + 1) * self.window_s)
             if hi > lo:
                 self._windows.setdefault(k, []).append((rec, hi - lo))
+
+    def _file(self, rec: IterationRecord, start: float, end: float, open_from: float) -> None:
+        """File the part [start, end) of `rec`; a part before `open_from` (closed
+        windows) goes to the first open window."""
+        for k in range(self._index(start), self._index(end) + 1):
+            lo, hi = max(start, k * self.window_s), min(end, (k + 1) * self.window_s)
+            if hi > lo:
+                self._windows.setdefault(max(k, self._index(open_from)), []).append((rec, hi - lo))
 
     def spans_until(self, t: float, final: bool = False) -> list[tuple[int, float, float]]:
         """The windows `close_until(t, final)` would close, as (index, start, end), without
@@ -434,21 +457,38 @@ class Attributor:
         for dev_id, its in per_device.items():
             # a step spread over several devices (tensor parallel) is one observation, of
             # its first device's model; a window's list holds each step once
-            key = f"{self.model}|{self.devices[dev_id].model}"
+            kind = self.devices[dev_id].model
             for rec, _ in its:
                 if rec.devices[0] == dev_id:
-                    cal.observe(key, rec)
+                    cal.observe(self.key(rec.worker, kind), rec)
         out = []
         for dev_id, its in per_device.items():
             info = self.devices[dev_id]
-            out.append(self._device_window(info, t0, t1, dt, its, meter,
-                                           cal.weights(f"{self.model}|{info.model}")))
+            kind = info.model
+            out.append(self._device_window(
+                info, t0, t1, dt, its, meter,
+                lambda worker, kind=kind: cal.weights(self.key(worker, kind))))
         return out
+
+    def key(self, worker: str, device_model: str) -> str:
+        """Calibration key: the model `worker` serves × the device kind."""
+        return f"{self.worker_models.get(worker, self.model)}|{device_model}"
+
+    def serve(self, worker_models: dict[str, str], devices: list[DeviceInfo]) -> None:
+        """The partition or the served model changed: from now on each worker's steps
+        are fitted and priced under the model it serves (a swap starts new terms; the
+        old model's stay under its name), and devices the new partition adds are
+        accounted from the window they arrive in (the windows already closed did not
+        have them). A device the partition no longer uses stays accounted (idle): it is
+        still provisioned."""
+        self.worker_models = dict(worker_models)
+        for d in devices:
+            self.devices[d.id] = d
 
     @staticmethod
     def _device_window(info: DeviceInfo, t0: float, t1: float, dt: float,
                        its: list[tuple[IterationRecord, float]], meter: EnergyMeter | None,
-                       weights: PhaseWeights) -> DeviceWindow:
+                       weights_of: Callable[[str], PhaseWeights]) -> DeviceWindow:
         measured = info.capacity * dt
         busy = sum(tau for _, tau in its)
         scale = measured / busy if busy > measured else 1.0   # clock jitter, late records
@@ -479,11 +519,15 @@ class Attributor:
         dec: dict[str, float] = {}
         attributed = unattributed = 0.0
         approximate = False
-        p_tok, p_ctx, d_seq, d_ctx = weights.p_tok, weights.p_ctx, weights.d_seq, weights.d_ctx
-        p_c0, d_c0 = weights.p_c0, weights.d_c0
+        terms: dict[str, tuple] = {}            # worker -> its model's fitted terms
         # share[r] = (c0/n + m[r]) · τ / (c0 + Σm): every entry carries an equal part of
         # the step's shared cost and its own marginal part, scaled to the measured τ.
         for rec, tau in its:
+            t = terms.get(rec.worker)
+            if t is None:
+                w = weights_of(rec.worker)
+                t = terms[rec.worker] = (w.p_tok, w.p_ctx, w.d_seq, w.d_ctx, w.p_c0, w.d_c0)
+            p_tok, p_ctx, d_seq, d_ctx, p_c0, d_c0 = t
             tau *= scale
             approximate |= rec.approximate
             entries = rec.entries
