@@ -163,6 +163,10 @@ def prefill_features(entries) -> tuple[float, float]:
     return x1, x2
 
 
+OUTLIER_FACTOR = 3.0    # a step this many times slower than the fit predicts is not fitted
+OUTLIER_SHARE = 0.1     # ... while such steps are fewer than this share of those fitted
+
+
 class Calibration:
     """Least squares of iteration time on batch composition, per model × device kind ×
     phase, intercept kept:
@@ -177,7 +181,9 @@ class Calibration:
     entry as a 1-token chunk); kv_import is a copy, not a model step, and is not fitted. A phase keeps the defaults until it has `min_iterations` steps. A fit with a
     negative term never reaches the bill: the best least-squares fit without the
     negative terms is used instead (exact non-negative least squares over three terms),
-    and `describe` says which term was dropped and why.
+    and `describe` says which term was dropped and why. A step more than
+    OUTLIER_FACTOR times slower than the current fit predicts (the OS or another process
+    held it up) is left out of the fit and counted, as long as such steps stay rare.
     """
 
     def __init__(self, min_iterations: int = 50):
@@ -186,6 +192,7 @@ class Calibration:
         self._sums: dict[tuple[str, str], list[float]] = {}
         self._fits: dict[str, PhaseWeights] = {}
         self._phase_fits: dict[tuple[str, str], PhaseFit] = {}
+        self._outliers: dict[tuple[str, str], int] = {}
         self._dirty: set[str] = set()
 
     def observe(self, key: str, rec: IterationRecord) -> None:
@@ -200,10 +207,18 @@ class Calibration:
             x2 = float(sum(map(_CONTEXT, rec.entries)))
         else:
             return
+        y = rec.wall_s
         s = self._sums.get((key, phase))
         if s is None:
             s = self._sums[(key, phase)] = [0.0] * 10
-        y = rec.wall_s
+        f = self._phase_fits.get((key, phase))
+        if f is not None and f.calibrated and y > OUTLIER_FACTOR * (f.c0 + f.k_tok * x1 + f.k_ctx * x2):
+            # a step the OS or another process held up is not the device's cost model;
+            # unless so many are that the model itself has changed
+            n_out = self._outliers.get((key, phase), 0)
+            if n_out < OUTLIER_SHARE * s[0]:
+                self._outliers[(key, phase)] = n_out + 1
+                return
         s[0] += 1; s[1] += x1; s[2] += x2; s[3] += x1 * x1; s[4] += x1 * x2
         s[5] += x2 * x2; s[6] += y; s[7] += x1 * y; s[8] += x2 * y; s[9] += y * y
         self._dirty.add(key)
@@ -289,7 +304,8 @@ class Calibration:
                                 "c0_s": f.c0 if f.calibrated else None,
                                 per: f.k_tok if f.calibrated else None,
                                 "s_per_context": f.k_ctx if f.calibrated else None,
-                                "rmse_s": f.rmse_s, "mean_step_s": f.mean_s}
+                                "rmse_s": f.rmse_s, "mean_step_s": f.mean_s,
+                                "outliers": self._outliers.get((key, phase), 0)}
             out[key] = entry
         return out
 
