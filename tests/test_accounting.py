@@ -97,7 +97,7 @@ def test_calibration_recovers_the_cost_model_and_bills_context():
         n = rng.randint(1, 4)
         es = [(f"p{i}.{j}", rng.randint(16, 2000), 0) for j in range(n)]
         es = [(r, new, new + rng.randint(0, 500)) for r, new, _ in es]
-        wall = 0.003 + sum(new * (p_tok + p_ctx * ctx) for _, new, ctx in es)
+        wall = 0.003 + sum(new * (p_tok + p_ctx * (ctx - new / 2)) for _, new, ctx in es)
         cal.observe("k", it("p", "prefill", T0, wall, ["g"], es))
         m = rng.randint(1, 64)
         ds = [(f"d{i}.{j}", 1, rng.randint(10, 4000)) for j in range(m)]
@@ -107,21 +107,29 @@ def test_calibration_recovers_the_cost_model_and_bills_context():
     assert w.calibrated
     assert w.p_tok == pytest.approx(p_tok, rel=1e-3) and w.p_ctx == pytest.approx(p_ctx, rel=1e-3)
     assert w.d_seq == pytest.approx(d_seq, rel=1e-3) and w.d_ctx == pytest.approx(d_ctx, rel=1e-3)
+    # the intercept is kept: the shared part of a step
+    assert w.p_c0 == pytest.approx(0.003, rel=1e-3) and w.d_c0 == pytest.approx(0.004, rel=1e-3)
+    shown = cal.describe()["k"]
+    assert shown["decode"]["c0_s"] == pytest.approx(0.004, rel=1e-3)
+    assert shown["prefill"]["status"] == shown["decode"]["status"] == "fit"
     assert w.weight("decode", 1, 4000) > 2 * w.weight("decode", 1, 10)
     # uncalibrated until both phases have enough steps
     assert not Calibration(10 ** 6).weights("k").calibrated
 
 
-def test_mixed_step_splits_by_each_entrys_own_kind():
-    weights = PhaseWeights(p_tok=1e-3, p_ctx=0.0, d_seq=1e-2, d_ctx=0.0, calibrated=True)
+def test_mixed_step_is_priced_as_one_prefill_pass_and_billed_per_entry_phase():
+    weights = PhaseWeights(p_tok=1e-3, p_ctx=0.0, d_seq=1e-2, d_ctx=0.0, calibrated=True,
+                           p_c0=0.03)
     cal = Calibration()
-    cal._fits["m|H100-SXM"] = weights
+    cal.weights = lambda key: weights           # a given fit, not one made from this step
     a = Attributor([DeviceInfo("g0", "H100-SXM", "gpu", False)], "m", 10.0, cal, start=T0)
-    # a 100-token prompt chunk (w = 0.1) with two decoding sequences (w = 0.01 each)
-    a.add(it("w", "mixed", T0 + 1, 1.2, ["g0"], [("P", 100, 100), ("D1", 1, 50), ("D2", 1, 70)]))
+    # a 100-token prompt chunk (m = 0.1) with two decoding sequences (m = 0.001 each, a
+    # 1-token chunk), c0 = 0.03 split three ways: Σ = 0.132, scaled to τ = 1.32
+    a.add(it("w", "mixed", T0 + 1, 1.32, ["g0"], [("P", 100, 100), ("D1", 1, 50), ("D2", 1, 70)]))
     (w,) = a.close_until(T0 + 10, None)
-    assert w.shares[("P", "prefill")][0] == pytest.approx(1.0)
-    assert w.shares[("D1", "decode")][0] == pytest.approx(0.1)
+    assert w.shares[("P", "prefill")][0] == pytest.approx(1.1)
+    assert w.shares[("D1", "decode")][0] == pytest.approx(0.11)
+    check_conserved([w])
 
 
 @pytest.mark.parametrize("seed", range(25))

@@ -83,7 +83,7 @@ class Accountant:
                  window_s: float = 10.0, calibration_min_iterations: int = 50,
                  on_final: Callable[[FinalRow], None] | None = None,
                  on_budget: Callable[[list], None] | None = None, grace_s: float = GRACE_S,
-                 start: float | None = None):
+                 start: float | None = None, resumed: bool = False):
         self.site = site
         self.ledger = ledger
         self.prices = prices
@@ -98,7 +98,7 @@ class Accountant:
         self.on_final = on_final
         self.on_budget = on_budget
         self.calibration = Calibration(calibration_min_iterations)
-        self.attributor = Attributor(devices, model, window_s, self.calibration, start)
+        self.attributor = Attributor(devices, model, window_s, self.calibration, start, resumed)
         self._charges: dict[str, Charge] = {}
         self._finished: dict[str, RequestRecord] = {}
         self._by_finish: list[tuple[float, str]] = []        # heap: which to complete next
@@ -291,7 +291,9 @@ class Accountant:
         return {"window_s": self.attributor.window_s, "windows_closed": self.windows_closed,
                 "cpu_s": {"windows": self.cpu_s, "ledger_writer": self.ledger.cpu_s},
                 "requests_final": self.requests_final, "pending": len(self._finished),
-                "late_iterations": self.attributor.late, "ledger": str(self.ledger.path),
+                "late_iterations": self.attributor.late,
+                "resumed_at": self.attributor.resumed_at,
+                "replayed_iterations": self.attributor.replayed, "ledger": str(self.ledger.path),
                 "ledger_error": self.ledger.error, "calibration": self.calibration.describe()}
 
 

@@ -71,6 +71,11 @@ async def usage(request: web.Request):
     report["budgets"] = acc.budget_report(tenant)
     if caller.admin:
         report["accounting"] = await acc.fresh_status()
+        # the fitted step-time terms per served model × device kind (accounting/attribution.py)
+        report["calibration"] = list(report["accounting"].get("calibration", {}).values())
+        if hasattr(acc, "reconciliation"):
+            rec = await asyncio.to_thread(acc.reconciliation, since, until)
+            report["reconciliation"] = rec.as_json()
     return json_response(report)
 
 

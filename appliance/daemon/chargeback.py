@@ -11,9 +11,11 @@ still add up.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -24,13 +26,14 @@ from appliance.accounting.budgets import Budgets
 from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon
 from appliance.accounting.cost import PriceBook, RateCard
 from appliance.accounting.ledger import LedgerReader
+from appliance.accounting.reconcile import SAMPLE_S, Counters, reconcile
 from appliance.accounting.process import (
-    FORWARD_S, LOCK_TIMEOUT_S, AccountingSpec, AskStatus, ReadMeter, Records, Report, Start,
-    Started, StartFailed, Stop,
+    FORWARD_S, LOCK_TIMEOUT_S, AccountingSpec, AskStatus, ReadMeter, Records, Report, Serving,
+    Start, Started, StartFailed, Stop,
 )
 from appliance.accounting.records import FanoutSink, LogSink, RequestRecord
 from appliance.config import Config
-from appliance.daemon.metrics import TenantMetrics
+from appliance.daemon.metrics import ReconciliationGauge, TenantMetrics
 from appliance.daemon.workers import program_command
 from appliance.engines.messages import IterationRecord
 from appliance.worker import wire
@@ -47,12 +50,14 @@ STATUS_TIMEOUT_S = 2.0         # a busy accounting process: the last tick's repo
 # While the accounting process is down (it died; it is being restarted) records wait
 # in the daemon, up to this many of each kind; beyond, the oldest are dropped and counted.
 BUFFER_MAX = 500_000
+GAUGE_SPAN_S = 300.0           # the reconciliation gauge looks at the last 5 minutes
+GAUGE_EVERY_S = 10.0
 
 
-def device_infos(setup: Setup) -> list[DeviceInfo]:
+def device_infos(setup: Setup, plan=None) -> list[DeviceInfo]:
     """The devices the plan uses, each with as many slots as workers run on it."""
     slots: dict[str, int] = {}
-    for slot in setup.plan.workers():
+    for slot in (plan or setup.plan).workers():
         for d in slot.devices:
             slots[d] = slots.get(d, 0) + 1
     out = []
@@ -99,7 +104,11 @@ class AccountingLink:
     `status()`, `budget_report()`."""
 
     def __init__(self, spec: AccountingSpec, meter: Callable[[], EnergyMeter | None],
-                 metrics: TenantMetrics, state_dir: Path):
+                 metrics: TenantMetrics, state_dir: Path,
+                 busy_device_s: Callable[[], float] | None = None,
+                 energy_counters: Callable[[], list[tuple[str, float, float]]] | None = None,
+                 gauge: ReconciliationGauge | None = None,
+                 serving: Callable[[], tuple] | None = None):
         self.spec = spec
         self.site = spec.site
         self.prices = spec.prices
@@ -122,6 +131,24 @@ class AccountingLink:
         self.last_exit: str | None = None
         self._asked = 0
         self._answered: dict[int, asyncio.Future] = {}
+        # What was sent lately, replayed to a restarted process: it resumes where the
+        # ledger's committed windows end, so the windows the dead one had open are
+        # closed again from these (replayed records it had accounted are dropped).
+        self._recent: deque[tuple[float, Records]] = deque()
+        self.replay_s = 2 * (spec.window_s + spec.grace_s + spec.tick_s
+                             + spec.flush_interval_s) + 5.0
+        # Reconciliation: the daemon's own counters, sampled (accounting/reconcile.py).
+        self.counters = Counters()
+        self.busy_device_s = busy_device_s
+        self.energy_counters = energy_counters
+        self.gauge = gauge
+        # A window is in the ledger once it is closed (window + grace + a tick) and
+        # committed (a flush); a second's margin.
+        self.lag_s = spec.window_s + spec.grace_s + spec.tick_s + spec.flush_interval_s + 1.0
+        # (signature, build Serving): what the workers serve, watched every FORWARD_S
+        self.serving = serving
+        self._served: tuple | None = None
+        self._serving_msg: Serving | None = None
 
     # ---- RecordSink + frame tap (event loop, hot path) --------------------------
     def request(self, rec: RequestRecord) -> None:
@@ -144,8 +171,16 @@ class AccountingLink:
                 pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL)
         finally:
             child.close()
-        reader, self.writer = await asyncio.open_unix_connection(sock=parent)
-        self.writer.write(wire.pack(Start(self.spec)))
+        reader, writer = await asyncio.open_unix_connection(sock=parent)
+        writer.write(wire.pack(Start(dataclasses.replace(self.spec, resume=self.restarts > 0))))
+        if self._serving_msg is not None:
+            writer.write(wire.pack(self._serving_msg))
+        if self.restarts:
+            # before anything new can be sent (no await in between): the process reads
+            # the replay right after Start, in the order it was first sent
+            for _, msg in self._recent:
+                writer.write(wire.pack(msg))
+        self.writer = writer
         try:
             first = await asyncio.wait_for(wire.recv_async(reader), START_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -168,6 +203,7 @@ class AccountingLink:
         loop_tasks = [asyncio.create_task(self._read(reader), name="accounting-read")]
         if not self._tasks:
             loop_tasks.append(asyncio.create_task(self._forward(), name="accounting-forward"))
+            loop_tasks.append(asyncio.create_task(self._sample(), name="accounting-counters"))
         self._tasks = [t for t in self._tasks if not t.done()] + loop_tasks
 
     async def stop(self) -> None:
@@ -208,9 +244,27 @@ class AccountingLink:
         if w is None or w.is_closing():
             self._cap()
             return False
+        if self.serving is not None:
+            signature, build = self.serving()
+            if signature != self._served:
+                # records of the old set-up go first, then the change
+                self._served = signature
+                if self._serving_msg is not None or self._frames:
+                    self._flush(w)
+                self._serving_msg = build()
+                w.write(wire.pack(self._serving_msg))
+        return self._flush(w)
+
+    def _flush(self, w) -> bool:
         frames, self._frames = self._frames, []
         requests, self._requests = self._requests, []
-        w.write(wire.pack(Records(time.time(), frames, requests)))
+        msg = Records(time.time(), frames, requests)
+        w.write(wire.pack(msg))
+        recent = self._recent
+        if frames or requests:
+            recent.append((msg.sent_at, msg))
+        while recent and recent[0][0] < msg.sent_at - self.replay_s:
+            recent.popleft()
         return True
 
     def _cap(self) -> None:
@@ -272,6 +326,38 @@ class AccountingLink:
                 log.error("accounting: %s", exc)
                 delay = min(delay * 2, 30.0)
 
+    # ---- reconciliation ----------------------------------------------------------------
+    def sample_counters(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        if self.busy_device_s is not None:
+            self.counters.sample_busy(now, self.busy_device_s())
+        if self.energy_counters is not None:
+            for device, t, joules in self.energy_counters():
+                self.counters.sample_energy(device, t, joules)
+
+    def reconciliation(self, since: float, until: float, now: float | None = None):
+        """Ledger vs the daemon's counters over [since, until) (runs SQL: call it off
+        the event loop)."""
+        now = time.time() if now is None else now
+        return reconcile(self.ledger.query, self.counters, [d.id for d in self.spec.devices],
+                         since, until, now, self.lag_s)
+
+    async def _sample(self) -> None:
+        next_gauge = time.monotonic() + GAUGE_EVERY_S
+        while True:
+            try:
+                self.sample_counters()
+                if self.gauge is not None and self.ledger is not None \
+                        and time.monotonic() >= next_gauge:
+                    next_gauge = time.monotonic() + GAUGE_EVERY_S
+                    now = time.time()
+                    r = await asyncio.to_thread(self.reconciliation, now - GAUGE_SPAN_S, now, now)
+                    j = r.as_json()
+                    self.gauge.set(j["gpu_seconds"]["gap"], j["energy_joules"]["gap"])
+            except Exception:       # a bad sample must not end the sampling
+                log.exception("accounting: reconciliation sampling failed")
+            await asyncio.sleep(SAMPLE_S)
+
     # ---- what the admin API reads ---------------------------------------------------
     async def fresh_status(self) -> dict:
         """`status()` as of now: what was sent before this call is counted (a report
@@ -298,6 +384,61 @@ class AccountingLink:
         return [b for b in self._budgets if tenant is None or b["tenant"] == tenant]
 
 
+def serving_of(svc: Service) -> Callable[[], tuple]:
+    """(signature, build): the signature changes when the plan, the served model or a
+    worker's loaded model does; build() says which model each worker serves and which
+    devices the plan uses. A worker loaded with a model not yet routed (the first half
+    of a swap) is named after its model spec or directory until routing switches."""
+    names: dict[tuple, str] = {}
+
+    def now() -> tuple:
+        loads = tuple(sorted((w.id, (str(w.spec.model_dir), w.spec.model_spec or None))
+                             for w in list(svc.pool.workers.values())))
+        signature = (id(svc.plan), svc.model_name, loads)
+
+        def build() -> Serving:
+            served = getattr(svc, "model", None)
+            key = (str(served.model_dir), served.model_spec or None) if served is not None else None
+            if key is not None:
+                names[key] = svc.model_name
+            workers = {wid: names.get(ld) or ld[1] or Path(ld[0]).name for wid, ld in loads}
+            return Serving(workers, device_infos(svc.setup, svc.plan))
+        return signature, build
+    return now
+
+
+def busy_counter(svc: Service) -> Callable[[], float]:
+    """Σ over workers of `applianced_engine_busy_seconds_total` × the worker's devices:
+    device-seconds inside engine iterations, as /metrics counts them."""
+    ndev: dict[str, int] = {}
+
+    def read() -> float:
+        total = 0.0
+        for metric in svc.metrics.busy.collect():
+            for sample in metric.samples:
+                if not sample.name.endswith("_total"):
+                    continue
+                worker = sample.labels["worker"]
+                w = svc.pool.workers.get(worker)
+                if w is not None:
+                    ndev[worker] = len(w.spec.devices)
+                total += sample.value * ndev.get(worker, 1)
+        return total
+    return read
+
+
+def energy_counter(svc: Service) -> Callable[[], list[tuple[str, float, float]]]:
+    """Each device's cumulative energy reading (`applianced_device_energy_joules_total`)
+    with the time it was read."""
+    def read() -> list[tuple[str, float, float]]:
+        telemetry = getattr(svc, "telemetry", None)
+        if telemetry is None:
+            return []
+        return [(d["device"], d["t"], d["energy_j"]) for d in telemetry.metric_values()["devices"]
+                if d.get("energy_j") is not None and d.get("t") is not None]
+    return read
+
+
 async def attach(svc: Service, state_dir: Path) -> AccountingLink | None:
     """Start accounting and put it behind svc.sink. Raises ValueError with one line
     (a bad intensity file, an unusable ledger) before any worker starts."""
@@ -319,7 +460,10 @@ async def attach(svc: Service, state_dir: Path) -> AccountingLink | None:
         calibration_min_iterations=a.calibration_min_iterations,
         metered=getattr(svc, "telemetry", None) is not None)
     metrics = TenantMetrics(svc.metrics.registry, svc.simulated)
-    link = AccountingLink(spec, lambda: getattr(svc, "telemetry", None), metrics, state_dir)
+    gauge = ReconciliationGauge(svc.metrics.registry, svc.simulated)
+    link = AccountingLink(spec, lambda: getattr(svc, "telemetry", None), metrics, state_dir,
+                          busy_device_s=busy_counter(svc), energy_counters=energy_counter(svc),
+                          gauge=gauge, serving=serving_of(svc))
     link.method = method_of(cfg, site, prices, embodied)
     try:
         await link.start()
