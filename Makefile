@@ -15,7 +15,7 @@ SOURCES := $(shell find appliance packaging -name '*.py' -o -name '*.tcss' -o -n
 $(DEPS): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,structured]'
 	touch $@
 
 serve: $(DEPS)

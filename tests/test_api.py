@@ -171,7 +171,7 @@ def _error(resp, status, code=None, param=None):
     ({"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
     ({"model": MODEL, "prompt": "x", "suffix": "}"}, "suffix"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-      "response_format": {"type": "json_object"}}, "response_format"),
+      "response_format": {"type": "yaml"}}, "response_format"),
 ])
 def test_bad_parameters_are_400(daemon, payload, param):
     route = "/v1/completions" if "prompt" in payload else "/v1/chat/completions"

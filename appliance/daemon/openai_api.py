@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from appliance.engines.messages import SamplingParams
+from appliance.daemon.structured import parse_guided
+from appliance.engines.messages import GuidedDecoding, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20       # OpenAI's chat bound; completions' is 5 there, 20 here
@@ -75,6 +76,7 @@ class GenerationRequest:
     logprobs: int | None = None         # None: none; k: each token's and the top k
     echo: bool = False                  # completions: the prompt comes back before the answer
     n: int = 1                          # choices
+    guided: GuidedDecoding | None = None  # structured output: what the text must match
 
     def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = (),
                  choice: int = 0) -> SamplingParams:
@@ -89,7 +91,8 @@ class GenerationRequest:
                               frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty,
                               logit_bias=self.logit_bias, logprobs=self.logprobs,
-                              prompt_logprobs=self.logprobs if self.echo else None)
+                              prompt_logprobs=self.logprobs if self.echo else None,
+                              guided=self.guided)
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float,
@@ -269,10 +272,7 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         if value is None or value == off or (off is None and not value):   # [] or "" = none
             continue
         raise bad(f"'{unsupported}' is not supported", unsupported, "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad("'response_format' other than {\"type\": \"text\"} is not supported",
-                  "response_format", "unsupported_parameter")
+    guided = parse_guided(body)
     best_of = _int(body, "best_of", 1)
     if best_of not in (None, n):
         raise bad("'best_of' other than n is not supported", "best_of",
@@ -304,6 +304,9 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad("'ignore_eos' must be true or false", "ignore_eos", "invalid_type")
+    if ignore_eos and guided is not None:
+        raise bad("'ignore_eos' cannot be combined with a structured output: the grammar "
+                  "ends the output", "ignore_eos")
     req = GenerationRequest(
         endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
         max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -311,7 +314,8 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         stop=_stop(body), ignore_eos=ignore_eos, top_k=_top_k(body),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        logit_bias=_logit_bias(body), logprobs=_logprobs(body, endpoint), echo=echo, n=n)
+        logit_bias=_logit_bias(body), logprobs=_logprobs(body, endpoint), echo=echo, n=n,
+        guided=guided)
     if endpoint == "chat":
         req.messages = _messages(body)
     else:

@@ -12,7 +12,7 @@ worker that took the request over after its first token, and after a preemption.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -40,6 +40,7 @@ class SamplingState:
     presence_penalty: float = 0.0
     bias_ids: torch.Tensor | None = None    # logit_bias as two aligned tensors
     bias_values: torch.Tensor | None = None
+    guide: Any = None                       # grammar.Guide of a guided request
 
     @classmethod
     def create(

@@ -25,6 +25,7 @@ import torch
 
 from appliance.engines import cpu_heap
 from appliance.engines.base import BatchEngine, KvLayoutError
+from appliance.engines.grammar import GrammarBook
 from appliance.engines.messages import Decode, Prefill, RequestFailed, SamplingParams
 from appliance.engines.sampling import SamplingState, sample, top_logprobs
 from appliance.engines.scheduler import Batch
@@ -51,9 +52,11 @@ class TorchEngine(BatchEngine):
     logprobs = True
     simulated = False
 
-    def __init__(self, *, model: LlamaModel, share_pool: bool = True, **kwargs):
+    def __init__(self, *, model: LlamaModel, share_pool: bool = True,
+                 grammar: GrammarBook | None = None, **kwargs):
         super().__init__(**kwargs)
         self.model = model
+        self.grammar = grammar      # compiles guided-decoding grammars; None: refused
         s = model.shape
         bs = self.blocks.block_size
         self.kv = handoff.allocate_pool(
@@ -103,6 +106,11 @@ class TorchEngine(BatchEngine):
             top_k=params.top_k, frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty, logit_bias=params.logit_bias,
             vocab_size=self.model.shape.vocab_size)
+        if params.guided is not None:
+            if self.grammar is None:
+                raise ValueError("guided decoding needs the model's tokenizer, which this "
+                                 "engine was built without")
+            state.guide = self.grammar.guide(params.guided)
         if state.temperature != 0.0:
             for _ in range(drawn):   # sampling.sample draws one fp32 uniform per token
                 torch.rand(1, generator=state.generator, device=self.model.device,
@@ -179,7 +187,13 @@ class TorchEngine(BatchEngine):
         # Only finished prompts draw a token: a chunk must not use up the rng.
         last = logits if len(done) == len(batch.seqs) else logits[done]
         seqs = [batch.seqs[i] for i in done]
-        picked = sample(last, [seq.sampler for seq in seqs],
+        pick_from = last
+        guided = [j for j, seq in enumerate(seqs) if seq.sampler.guide is not None]
+        if guided:      # the grammar's mask on a copy: logprobs stay the model's own
+            pick_from = last.float().clone()
+            self.grammar.apply(pick_from, guided, [seqs[j].sampler.guide for j in guided],
+                               [seqs[j].generated for j in guided])
+        picked = sample(pick_from, [seq.sampler for seq in seqs],
                         [seq.generated if seq.sampler.penalized else () for seq in seqs])
         for i, token in zip(done, picked):
             out[i] = token
@@ -281,4 +295,5 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         block_size=spec.block_size, max_batch_tokens=spec.max_batch_tokens,
         max_seqs=spec.max_seqs, max_context=model.shape.max_context,
         eos_token_ids=read_eos_ids(model_dir), handoff_timeout_s=spec.handoff_timeout_s,
-        reserve_ratio=spec.reserve_ratio, prefill_chunk_tokens=spec.prefill_chunk_tokens)
+        reserve_ratio=spec.reserve_ratio, prefill_chunk_tokens=spec.prefill_chunk_tokens,
+        grammar=GrammarBook(model_dir, model.shape.vocab_size, read_eos_ids(model_dir)))
