@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from appliance.daemon.structured import parse_guided
+from appliance.daemon.tool_calls import ToolRequest, message_fields, parse_tools
 from appliance.engines.messages import GuidedDecoding, SamplingParams
 
 MAX_STOP_STRINGS = 4
@@ -18,7 +19,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CHOICES = 16
 # Parameters that would change the output and are not implemented: refused, never
 # ignored. Each maps to the value that means "off", which is accepted.
-_UNSUPPORTED_UNLESS = {"tools": None, "functions": None, "suffix": None,
+_UNSUPPORTED_UNLESS = {"suffix": None,
                        "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -77,6 +78,7 @@ class GenerationRequest:
     echo: bool = False                  # completions: the prompt comes back before the answer
     n: int = 1                          # choices
     guided: GuidedDecoding | None = None  # structured output: what the text must match
+    tools: ToolRequest | None = None    # chat: the tools offered, and tool_choice
 
     def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = (),
                  choice: int = 0) -> SamplingParams:
@@ -228,7 +230,8 @@ def _messages(body: dict) -> list[dict]:
         if role not in CHAT_ROLES:
             raise bad(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}",
                       f"messages[{i}].role")
-        out.append({"role": role, "content": _content_text(m.get("content"), i)})
+        out.append({"role": role, "content": _content_text(m.get("content"), i),
+                    **message_fields(m, i)})
     return out
 
 
@@ -318,7 +321,12 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         guided=guided)
     if endpoint == "chat":
         req.messages = _messages(body)
+        req.tools = parse_tools(body)
     else:
+        for name in ("tools", "functions", "tool_choice"):
+            if body.get(name):
+                raise bad(f"'{name}' is not supported on completions; use "
+                          "/v1/chat/completions", name, "unsupported_parameter")
         req.prompt_text, req.prompt_ids = _prompt(body)
     return req
 

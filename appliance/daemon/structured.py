@@ -41,6 +41,11 @@ def _schema_text(schema, param: str) -> str:
     return orjson.dumps(schema).decode()     # key order kept: it is the output's
 
 
+def check_constraint(spec: GuidedDecoding, param: str) -> GuidedDecoding:
+    """The spec, or the 400 naming `param` that says why it cannot be enforced."""
+    return _checked(spec, param)
+
+
 def _checked(spec: GuidedDecoding, param: str) -> GuidedDecoding:
     try:
         check_guided(spec)

@@ -45,6 +45,10 @@ class ServedTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = self._raise
         self._template = env.from_string(template) if template else None
+        # The tool-call format the template teaches (None: it renders no tools);
+        # the daemon may override it from [engine] tool_parser.
+        from appliance.daemon.tool_calls import detect_parser
+        self.tool_parser = detect_parser(template)
         self.vocab_size = self.tok.get_vocab_size()
         # The most characters one token can stand for (special tokens included): a text of
         # C characters has at least C / this many tokens, whatever it is.
@@ -69,16 +73,18 @@ class ServedTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=True)]
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         return self._template.render(messages=messages, add_generation_prompt=True,
-                                     bos_token=self.bos_token, eos_token=self.eos_token)
+                                     bos_token=self.bos_token, eos_token=self.eos_token,
+                                     tools=tools or None)
 
-    def encode_chat(self, messages: list[dict], limit: int | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], limit: int | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         # The template writes BOS itself, so no special tokens are added here.
-        return self._ids(self.tok.encode(self.render_chat(messages), add_special_tokens=False),
-                         limit)
+        return self._ids(self.tok.encode(self.render_chat(messages, tools),
+                                         add_special_tokens=False), limit)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
