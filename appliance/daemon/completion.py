@@ -34,6 +34,10 @@ def check_token_ids(req: GenerationRequest, vocab_size: int) -> None:
     engines check only what they themselves cannot do."""
     if req.prompt_ids is not None and any(t < 0 or t >= vocab_size for t in req.prompt_ids):
         raise bad(f"token ids must be within [0, {vocab_size})", "prompt")
+    beyond = [t for t in req.stop_token_ids if t >= vocab_size]
+    if beyond:
+        raise bad(f"stop_token_ids names token id {beyond[0]}, outside the vocabulary "
+                  f"[0, {vocab_size})", "stop_token_ids")
     outside = [t for t, _ in req.logit_bias if not 0 <= t < vocab_size]
     if outside:
         raise bad(f"logit_bias names token id {outside[0]}, outside the vocabulary "
@@ -130,7 +134,7 @@ class Choice:
         finish_reason and counts. Entries are (token id, TokenLogprob) of the tokens
         behind the text, when the request asked for logprobs (else always empty)."""
         comp, req = self.comp, self.comp.req
-        detok = comp.svc.tokenizer.stream()
+        detok = comp.svc.tokenizer.stream(req.skip_special_tokens)
         stops = StopMatcher(req.stop)
         # max_tokens 0 (echo only): the engine still runs the prompt, for its logprobs,
         # and the one token it samples is dropped.
@@ -162,6 +166,8 @@ class Choice:
                     text, hit = stops.feed(piece)
                     if hit:
                         self.finish_reason = "stop"
+                        if req.include_stop_str_in_output:
+                            text += stops.matched
                         if text or pending:
                             yield text, pending
                         return

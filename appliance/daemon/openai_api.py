@@ -19,8 +19,11 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CHOICES = 16
 # Parameters that would change the output and are not implemented: refused, never
 # ignored. Each maps to the value that means "off", which is accepted.
-_UNSUPPORTED_UNLESS = {"suffix": None,
-                       "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0}
+_UNSUPPORTED_UNLESS = {"suffix": None, "use_beam_search": False, "length_penalty": 1.0,
+                       "prompt_logprobs": None, "guided_decoding_backend": None,
+                       "truncate_prompt_tokens": None, "bad_words": None,
+                       "allowed_token_ids": None, "spaces_between_special_tokens": True}
+MAX_STOP_TOKEN_IDS = 64
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -78,6 +81,12 @@ class GenerationRequest:
     echo: bool = False                  # completions: the prompt comes back before the answer
     n: int = 1                          # choices
     guided: GuidedDecoding | None = None  # structured output: what the text must match
+    min_tokens: int = 0                 # vLLM's sampling extensions
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     tools: ToolRequest | None = None    # chat: the tools offered, and tool_choice
 
     def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = (),
@@ -88,13 +97,15 @@ class GenerationRequest:
         if seed is not None and seed >= 1 << 64:      # torch takes seeds below 2**64
             seed -= 1 << 64
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, seed=seed, stop_token_ids=stop_token_ids,
+                              top_p=self.top_p, seed=seed,
+                              stop_token_ids=tuple(stop_token_ids) + self.stop_token_ids,
                               ignore_eos=self.ignore_eos, top_k=self.top_k,
                               frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty,
                               logit_bias=self.logit_bias, logprobs=self.logprobs,
                               prompt_logprobs=self.logprobs if self.echo else None,
-                              guided=self.guided)
+                              guided=self.guided, min_tokens=self.min_tokens,
+                              repetition_penalty=self.repetition_penalty, min_p=self.min_p)
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float,
@@ -168,6 +179,29 @@ def _logprobs(body: dict, endpoint: str) -> int | None:
     if k > MAX_TOP_LOGPROBS:
         raise bad(f"'{param}' must be at most {MAX_TOP_LOGPROBS}, got {k}", param)
     return k
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"'{key}' must be true or false", key, "invalid_type")
+    return value
+
+
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+    """Ids beyond the vocabulary are refused by `completion.check_token_ids`."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids",
+                  "invalid_type")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
+    return tuple(sorted(set(ids)))
 
 
 def _seed(body: dict) -> int | None:
@@ -318,7 +352,14 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body), logprobs=_logprobs(body, endpoint), echo=echo, n=n,
-        guided=guided)
+        guided=guided, min_tokens=_int(body, "min_tokens", 0) or 0,
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0), stop_token_ids=_stop_token_ids(body),
+        skip_special_tokens=_flag(body, "skip_special_tokens", True),
+        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise bad(f"'min_tokens' ({req.min_tokens}) must not exceed max_tokens "
+                  f"({req.max_tokens})", "min_tokens")
     if endpoint == "chat":
         req.messages = _messages(body)
         req.tools = parse_tools(body)

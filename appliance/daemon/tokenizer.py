@@ -89,8 +89,8 @@ class ServedTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def stream(self) -> "Detokenizer":
-        return Detokenizer(self.tok)
+    def stream(self, skip_special_tokens: bool = True) -> "Detokenizer":
+        return Detokenizer(self.tok, skip_special_tokens)
 
 
 class Detokenizer:
@@ -98,11 +98,12 @@ class Detokenizer:
     `flush` at the end gives whatever a full decode has beyond that (e.g. a trailing
     partial character), so streamed text always equals the full decode."""
 
-    __slots__ = ("_tok", "_stream", "_ids", "_emitted")
+    __slots__ = ("_tok", "_stream", "_ids", "_emitted", "_skip")
 
-    def __init__(self, tok: Tokenizer):
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True):
         self._tok = tok
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
         self._emitted = 0
 
@@ -118,7 +119,7 @@ class Detokenizer:
         return text
 
     def flush(self) -> str:
-        full = self._tok.decode(self._ids, skip_special_tokens=True)
+        full = self._tok.decode(self._ids, skip_special_tokens=self._skip)
         rest = full[self._emitted:]
         self._emitted = len(full)
         return rest
@@ -128,10 +129,11 @@ class StopMatcher:
     """Finds stop strings across chunk boundaries, holding back text that might be
     the start of one so a streamed client never sees part of a stop string."""
 
-    __slots__ = ("stops", "_pending", "_hold")
+    __slots__ = ("stops", "_pending", "_hold", "matched")
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
+        self.matched = ""           # the stop string that was hit
         self._pending = ""
         self._hold = max((len(s) for s in self.stops), default=1) - 1
 
@@ -140,8 +142,11 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buf = self._pending + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        first = min(hits, key=lambda h: (h[0], len(h[1]))) if hits else (-1, "")
+        cut = first[0]
         if cut >= 0:
+            self.matched = first[1]
             self._pending = ""
             return buf[:cut], True
         keep = 0

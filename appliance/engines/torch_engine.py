@@ -105,7 +105,12 @@ class TorchEngine(BatchEngine):
             params.temperature, params.top_p, params.seed, device=self.model.device,
             top_k=params.top_k, frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty, logit_bias=params.logit_bias,
-            vocab_size=self.model.shape.vocab_size)
+            vocab_size=self.model.shape.vocab_size, min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            # min_tokens gives way to a grammar, which may allow nothing but the end
+            min_tokens=0 if params.guided is not None else params.min_tokens,
+            stop_ids=(() if params.ignore_eos else tuple(self.eos_token_ids))
+            + tuple(params.stop_token_ids))
         if params.guided is not None:
             if self.grammar is None:
                 raise ValueError("guided decoding needs the model's tokenizer, which this "
@@ -194,7 +199,9 @@ class TorchEngine(BatchEngine):
             self.grammar.apply(pick_from, guided, [seqs[j].sampler.guide for j in guided],
                                [seqs[j].generated for j in guided])
         picked = sample(pick_from, [seq.sampler for seq in seqs],
-                        [seq.generated if seq.sampler.penalized else () for seq in seqs])
+                        [seq.generated if seq.sampler.penalized or seq.sampler.min_tokens
+                         else () for seq in seqs],
+                        [seq.tokens if seq.sampler.repeats else () for seq in seqs])
         for i, token in zip(done, picked):
             out[i] = token
         self._logprobs(last, seqs, picked)
