@@ -200,3 +200,11 @@ def test_a_guide_rebuilt_from_the_tokens_so_far_continues_the_grammar(tiny_model
     rebuilt = book.guide(spec)
     assert book.allowed(rebuilt, generated) == book.allowed(guide, generated)
     assert rebuilt.taken == len(generated)
+
+
+def test_models_advertise_capabilities(daemon):
+    (model,) = daemon.client().models.list().data
+    caps = model.model_extra["capabilities"]
+    assert caps["json_schema"] is True and caps["json_object"] is True
+    assert caps["tools"] is True and caps["tool_choice_required"] is True
+    assert caps["tool_parser"] == "hermes"

@@ -121,3 +121,23 @@ def parse_guided(body: dict) -> GuidedDecoding | None:
                    f"('{found[0][1]}' is already given)", found[1][1])
     spec, param = found[0]
     return _checked(spec, param)
+
+
+# The simulator and the torch engine apply the mask themselves; TensorRT-LLM gets the same
+# grammar for its own guided decoding (mapped and contract-tested, not run on hardware).
+GUIDED_ENGINES = ("sim", "torch", "trtllm")
+
+
+def capabilities(engine: str, tool_parser: str | None) -> dict:
+    """What /v1/models advertises, so a client can check before it sends: JSON schema
+    (and the other constraints) where the engine enforces grammars and xgrammar is
+    installed; tools where the chat template renders them (with the parser's family)."""
+    try:
+        import importlib.util
+        grammar = importlib.util.find_spec("xgrammar") is not None
+    except (ImportError, ValueError):
+        grammar = False
+    guided = grammar and engine in GUIDED_ENGINES
+    return {"json_schema": guided, "json_object": guided, "structured_outputs": guided,
+            "tools": tool_parser is not None, "tool_choice_required": tool_parser is not None
+            and guided, "tool_parser": tool_parser}

@@ -279,3 +279,10 @@ class GrammarBook:
         bits = (mask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
         flat = bits.reshape(-1)[:self.vocab_size]
         return torch.nonzero(flat, as_tuple=True)[0].tolist()
+
+
+def ebnf(spec: GuidedDecoding) -> str:
+    """The spec's grammar as xgrammar EBNF text: what an engine with its own grammar
+    backend (TensorRT-LLM's guided decoding) is given, so it enforces exactly what the
+    torch engine and the simulator do."""
+    return str(_grammar(spec))
