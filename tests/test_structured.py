@@ -43,7 +43,8 @@ def daemon(request, tiny_model, tmp_path_factory):
     args = ["--devices", "cpu", "--engine", request.param]
     if request.param == "sim":
         args += ["--sim-speed", "50"]
-    d = start_daemon(tmp_path_factory.mktemp(f"structured-{request.param}"), tiny_model, *args)
+    d = start_daemon(tmp_path_factory.mktemp(f"structured-{request.param}"), tiny_model, *args,
+                     config="[server]\nlog_requests = true\n")
     d.engine = request.param
     yield d
     d.stop()
@@ -208,3 +209,26 @@ def test_models_advertise_capabilities(daemon):
     assert caps["json_schema"] is True and caps["json_object"] is True
     assert caps["tools"] is True and caps["tool_choice_required"] is True
     assert caps["tool_parser"] == "hermes"
+
+
+def test_request_records_say_when_a_grammar_was_applied(daemon):
+    client = daemon.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
+    guided = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+        response_format=fmt).headers["x-request-id"]
+    free = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}],
+        max_tokens=5).headers["x-request-id"]
+    import time
+    deadline = time.monotonic() + 10
+    rows = {}
+    while time.monotonic() < deadline and len(rows) < 2:
+        for line in daemon.log_text().splitlines():
+            if line.startswith("{") and '"request_id"' in line:
+                row = json.loads(line)
+                if row["request_id"] in (guided, free):
+                    rows[row["request_id"]] = row
+        time.sleep(0.1)
+    assert rows[guided]["structured"] is True
+    assert rows[free]["structured"] is False

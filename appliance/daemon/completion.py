@@ -284,7 +284,8 @@ class Completion:
             arrival=self.arrival, first_token=min(starts) if starts else None,
             finish=time.time(), prefill_worker=t.prefill_worker, decode_worker=t.decode_worker,
             status=self.status, finish_reason=first.finish_reason, error=self.error,
-            simulated=self.svc.simulated, choices=len(self.choices))
+            simulated=self.svc.simulated, choices=len(self.choices),
+            structured=self.req.guided is not None)
 
     # ---- logprobs ------------------------------------------------------------
     def logprob_entries(self, entries: list) -> list[dict]:
