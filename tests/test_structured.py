@@ -232,3 +232,32 @@ def test_request_records_say_when_a_grammar_was_applied(daemon):
         time.sleep(0.1)
     assert rows[guided]["structured"] is True
     assert rows[free]["structured"] is False
+
+
+def test_grammar_state_survives_preemption(tiny_model):
+    """A KV pool too small for the batch: decoding sequences are preempted and recomputed,
+    and their matchers carry on from the tokens they kept (torch engine, no daemon)."""
+    from appliance.daemon.tokenizer import ServedTokenizer
+    from appliance.engines.messages import Prefill, RequestFailed, SamplingParams, Tokens
+    from test_torch_engine import make_engine
+
+    eng = make_engine(tiny_model, "p0", num_blocks=8, reserve_ratio=0.0)
+    spec = GuidedDecoding("json_schema", json.dumps(PET_SCHEMA))
+    for i in range(6):
+        prompt = [0] + [100 + 7 * i + k for k in range(23)]
+        eng.add(Prefill(f"r{i}", prompt, SamplingParams(max_tokens=90, temperature=0.0,
+                                                        guided=spec), False))
+    out: dict[str, list[int]] = {}
+    reasons = {}
+    while eng.has_work():
+        for ev in eng.step():
+            assert not isinstance(ev, RequestFailed), ev
+            if isinstance(ev, Tokens):
+                out.setdefault(ev.request_id, []).extend(ev.tokens)
+                if ev.finish_reason:
+                    reasons[ev.request_id] = ev.finish_reason
+    assert eng.scheduler.preemptions > 0
+    tok = ServedTokenizer(tiny_model)
+    assert reasons == {f"r{i}": "stop" for i in range(6)}
+    for rid, ids in out.items():
+        valid_pet(tok.decode(ids))
