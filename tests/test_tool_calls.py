@@ -194,3 +194,34 @@ def test_text_that_is_not_a_call_stays_content():
         assert parser.parse(text) == (text, [])
         out = "".join(parser.feed(text[k:k + 4])[0] for k in range(0, len(text), 4))
         assert out + parser.finish()[0] == text
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    """The daemon's response shapes, on a model output with two calls."""
+    from types import SimpleNamespace
+
+    from appliance.daemon.completion import Completion
+    from appliance.daemon.openai_api import parse_request
+
+    text = ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    for parallel, want in ((True, 2), (False, 1)):
+        req = parse_request({"model": MODEL, "messages": ASK, "tools": [CLOCK],
+                             "parallel_tool_calls": parallel}, "chat")
+        svc = SimpleNamespace(tokenizer=SimpleNamespace(tool_parser="hermes"),
+                              model_name=MODEL, simulated=False, fingerprint="f",
+                              next_request_id=lambda: "r1")
+        comp = Completion(svc, req, "t")
+        comp.choices[0].finish_reason = "stop"
+        comp.choices[0].trace.cached_tokens = 0
+        body = comp.full([text], [[]])
+        assert len(body["choices"][0]["message"]["tool_calls"]) == want
+        assert body["choices"][0]["finish_reason"] == "tool_calls"
+        # streamed: the same number of calls
+        comp = Completion(svc, req, "t")
+        comp.choices[0].finish_reason = "stop"
+        out = comp.chunk(0, text, None) + comp.chunk(0, None, "stop")
+        events = [json.loads(line[6:]) for line in out.decode().split("\n\n") if line]
+        ids = {d["id"] for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])
+               if "id" in d}
+        assert len(ids) == want

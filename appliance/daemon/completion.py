@@ -379,6 +379,8 @@ class Completion:
             delta["content"] = content
             out += self._event(index, delta, None, logprobs)
         first_index = parser.calls_sent - len(calls)
+        if not self.req.tools.parallel:     # one call at most: the first
+            calls = calls[:max(0, 1 - first_index)]
         for d in call_deltas(calls, first_index):
             out += self._event(index, {"tool_calls": [d]}, None)
         if finish is not None:
@@ -401,6 +403,8 @@ class Completion:
                 finish = c.finish_reason
                 if c.parser is not None:
                     content, calls = c.parser.parse(text)
+                    if not self.req.tools.parallel:
+                        calls = calls[:1]
                     if calls:
                         message = {"role": "assistant", "content": content.strip() or None,
                                    "tool_calls": [call.openai() for call in calls]}
