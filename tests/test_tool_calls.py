@@ -225,3 +225,21 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
         ids = {d["id"] for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])
                if "id" in d}
         assert len(ids) == want
+
+
+def test_configured_tool_parser_overrides_the_template(tiny_model, tmp_path):
+    from appliance import config
+    assert ServedTokenizer(tiny_model, "mistral").tool_parser == "mistral"
+    assert ServedTokenizer(tiny_model, "none").tool_parser is None
+    with pytest.raises(config.ConfigError, match="tool_parser"):
+        config.parse('[engine]\ntool_parser = "qwen"\n', "test")
+    d = start_daemon(tmp_path, tiny_model, "--devices", "cpu", "--engine", "sim",
+                     "--mode", "agg", config='[engine]\ntool_parser = "none"\n')
+    try:
+        (model,) = d.client().models.list().data
+        assert model.model_extra["capabilities"]["tools"] is False
+        code, _, err = d.post("/v1/chat/completions", {"model": MODEL, "messages": ASK,
+                                                       "tools": [WEATHER]})
+        assert code == 400 and err["error"]["param"] == "tools", err
+    finally:
+        d.stop()

@@ -32,7 +32,7 @@ def _token_text(value) -> str | None:
 
 
 class ServedTokenizer:
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, tool_parser: str = ""):
         self.model_dir = Path(model_dir)
         self.tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         cfg_path = self.model_dir / "tokenizer_config.json"
@@ -45,10 +45,11 @@ class ServedTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = self._raise
         self._template = env.from_string(template) if template else None
-        # The tool-call format the template teaches (None: it renders no tools);
-        # the daemon may override it from [engine] tool_parser.
+        # The tool-call format the template teaches (None: it renders no tools), unless
+        # [engine] tool_parser names one ("none": no tool calling).
         from appliance.daemon.tool_calls import detect_parser
-        self.tool_parser = detect_parser(template)
+        self.tool_parser = (detect_parser(template) if not tool_parser else
+                            None if tool_parser == "none" else tool_parser)
         self.vocab_size = self.tok.get_vocab_size()
         # The most characters one token can stand for (special tokens included): a text of
         # C characters has at least C / this many tokens, whatever it is.
