@@ -261,3 +261,18 @@ def test_grammar_state_survives_preemption(tiny_model):
     assert reasons == {f"r{i}": "stop" for i in range(6)}
     for rid, ids in out.items():
         valid_pet(tok.decode(ids))
+
+
+def test_logprobs_come_with_structured_output(daemon):
+    if daemon.engine == "sim":
+        pytest.skip("the simulator has no logprobs")
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
+    r = ask(daemon.client(), response_format=fmt, logprobs=True, top_logprobs=2, seed=6)
+    c = r.choices[0]
+    valid_pet(c.message.content)
+    tokens = c.logprobs.content
+    assert "".join(t.token for t in tokens) == c.message.content
+    # The model's own log-probabilities (before the mask): the grammar's forced tokens
+    # are not certain for a random model.
+    assert any(t.logprob < -0.5 for t in tokens)
+    assert all(len(t.top_logprobs) == 2 for t in tokens)
