@@ -16,7 +16,7 @@ SOURCES := $(shell find appliance packaging -name '*.py' -o -name '*.tcss' -o -n
 $(DEPS): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,docs]'
+	$(BIN)/python -m pip install -q -e '.[test,docs,structured]'
 	touch $@
 
 serve: $(DEPS)

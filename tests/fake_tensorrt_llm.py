@@ -164,6 +164,16 @@ class DisaggregatedParams:
 
 
 @dataclass(slots=True, kw_only=True)
+class GuidedDecodingParams:
+    """tensorrt_llm/sampling_params.py: one of these is set (validated by SamplingParams)."""
+    json: Optional[Any] = None
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+    structural_tag: Optional[str] = None
+
+
+@dataclass(slots=True, kw_only=True)
 class SamplingParams:
     end_id: Optional[int] = None
     pad_id: Optional[int] = None
@@ -624,13 +634,15 @@ def modules() -> dict[str, types.ModuleType]:
                       "DisaggregatedParams": DisaggregatedParams, "KvCacheConfig": KvCacheConfig,
                       "CacheTransceiverConfig": CacheTransceiverConfig,
                       "RequestOutput": RequestOutput, "CompletionOutput": CompletionOutput,
-                      "RequestError": RequestError, "TorchLlmArgs": TorchLlmArgs}.items():
+                      "RequestError": RequestError, "TorchLlmArgs": TorchLlmArgs,
+                      "GuidedDecodingParams": GuidedDecodingParams}.items():
         setattr(llmapi, name, obj)
     for name, obj in {"KvCacheConfig": KvCacheConfig, "CacheTransceiverConfig":
                       CacheTransceiverConfig, "TorchLlmArgs": TorchLlmArgs}.items():
         setattr(llm_args, name, obj)
     disagg.DisaggregatedParams = DisaggregatedParams
     sampling.SamplingParams = SamplingParams
+    sampling.GuidedDecodingParams = GuidedDecodingParams
     root.llmapi = llmapi
     llmapi.llm_args = llm_args
     return {"tensorrt_llm": root, "tensorrt_llm.llmapi": llmapi,

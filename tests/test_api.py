@@ -164,14 +164,14 @@ def _error(resp, status, code=None, param=None):
     ({"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"model": MODEL, "prompt": "x", "logit_bias": [5, 1]}, "logit_bias"),
-    ({"model": MODEL, "prompt": "x", "min_p": 0.1}, "min_p"),
+    ({"model": MODEL, "prompt": "x", "min_p": 1.1}, "min_p"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "echo": "yes"}, "echo"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
-    ({"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 2.5}, "repetition_penalty"),
     ({"model": MODEL, "prompt": "x", "suffix": "}"}, "suffix"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-      "response_format": {"type": "json_object"}}, "response_format"),
+      "response_format": {"type": "yaml"}}, "response_format"),
 ])
 def test_bad_parameters_are_400(daemon, payload, param):
     route = "/v1/completions" if "prompt" in payload else "/v1/chat/completions"

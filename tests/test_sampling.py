@@ -136,3 +136,48 @@ def test_nucleus_and_top_k_agree_with_a_full_sort():
             allowed = set(ref_ids[:keep].tolist())
             got = draws(logits, 200, top_p=top_p, top_k=top_k)
             assert got <= allowed and (len(allowed) > 3 or got == allowed), (peaked, top_p)
+
+
+# ---- vLLM's extensions: min_p, repetition_penalty, min_tokens ------------------------
+
+def test_min_p_drops_tokens_below_a_share_of_the_likeliest():
+    logits = three_way([0.5, 0.3, 0.2])       # 0.2 < 0.5 * 0.5; 0.3 is not
+    assert draws(logits) == {0, 1, 2}
+    assert draws(logits, min_p=0.5) == {0, 1}
+    assert draws(logits, min_p=0.7) == {0}
+
+
+def test_repetition_penalty_divides_seen_positive_logits_and_multiplies_negative():
+    logits = torch.zeros(1, V)
+    logits[0, 3], logits[0, 4], logits[0, 5] = 2.0, 1.5, -1.0
+    state = SamplingState.create(0.0, repetition_penalty=2.0)
+    # Token 3 was seen (in the prompt): 2.0 / 2 = 1.0 < 1.5, so 4 wins.
+    assert sample(logits, [state], [()], [[3, 3, 9]]) == [4]
+    assert sample(logits, [SamplingState.create(0.0)], [()], [[3]]) == [3]
+    # A seen negative logit goes further down: 5 at -2 stays below the zeros.
+    flat = torch.zeros(1, V)
+    flat[0, 5] = -1.0
+    state = SamplingState.create(1.0, seed=0, repetition_penalty=2.0)
+    probs_seen = [sample(flat, [SamplingState.create(1.0, seed=s, repetition_penalty=2.0)],
+                         [()], [[5]])[0] for s in range(2000)].count(5)
+    probs_not = [sample(flat, [SamplingState.create(1.0, seed=s)], [()], [[5]])[0]
+                 for s in range(2000)].count(5)
+    assert probs_seen < probs_not
+    assert state.repeats and not SamplingState.create(1.0).repeats
+
+
+def test_min_tokens_masks_stop_tokens_until_reached():
+    logits = torch.zeros(1, V)
+    logits[0, 7] = 50.0          # the stop token is by far the likeliest
+    state = SamplingState.create(0.0, min_tokens=3, stop_ids=(7, 8))
+    assert sample(logits, [state], [[1, 2]]) != [7]          # 2 generated < 3
+    assert sample(logits, [state], [[1, 2, 3]]) == [7]       # 3 reached
+    assert SamplingState.create(0.0, min_tokens=3).stop_ids is None   # nothing to mask
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 3.0}, "repetition_penalty"), ({"min_tokens": -1}, "min_tokens")])
+def test_bad_extensions_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingState.create(1.0, **kw)

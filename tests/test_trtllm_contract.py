@@ -462,3 +462,28 @@ def test_disaggregated_roles_refused_without_kv_transfer_timeout(build, monkeypa
     assert not fake.LLM.instances                    # refused before any LLM was built
     build("agg")                                     # agg needs no transceiver
     assert fake.LLM.instances[0].cache_transceiver_config is None
+
+
+# ---- structured outputs and vLLM's sampling extensions -----------------------------
+
+def test_guided_decoding_and_extensions_reach_tensorrt_llm(build):
+    pytest.importorskip("xgrammar")
+    from appliance.engines.grammar import ebnf
+    from appliance.engines.messages import GuidedDecoding
+    agg = build("agg")
+    assert fake.LLM.instances[0].kwargs["guided_decoding_backend"] == "xgrammar"
+    spec = GuidedDecoding("json_schema", json.dumps(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}))
+    agg.add(Prefill("g", PROMPT, SamplingParams(max_tokens=2, guided=spec, min_tokens=1,
+                                                repetition_penalty=1.3, min_p=0.05), False))
+    agg.add(Prefill("plain", PROMPT, SamplingParams(max_tokens=2), False))
+    (bad,) = agg.add(Prefill("bad", PROMPT, SamplingParams(
+        max_tokens=2, guided=GuidedDecoding("regex", "((")), False))
+    assert bad.code == "invalid_request" and "regex" in bad.message.lower()
+    drive(agg, idle(agg))
+    (g, plain) = [sp for _, sp, _, _ in fake.LLM.instances[0].submitted]
+    assert isinstance(g.guided_decoding, fake.GuidedDecodingParams)
+    assert g.guided_decoding.grammar == ebnf(spec) and "root ::=" in g.guided_decoding.grammar
+    assert (g.min_tokens, g.repetition_penalty, g.min_p) == (1, 1.3, 0.05)
+    assert (plain.guided_decoding, plain.min_tokens, plain.repetition_penalty,
+            plain.min_p) == (None, None, None, None)

@@ -36,6 +36,9 @@ class RequestRecord:
     # n > 1: the choices ran as engine requests `request_id`, `request_id.1`, … (their
     # iteration records carry those ids); the token counts above cover all of them.
     choices: int = 1
+    # A grammar constrained the output (structured output or a forced tool call): its
+    # mask's cost is part of the request's decode time like any other.
+    structured: bool = False
 
 
 class RecordSink(Protocol):

@@ -293,8 +293,9 @@ class Service:
         self.max_context = setup.max_context
         self.simulated = setup.simulated
         self.fingerprint = f"applianced-{__version__}-{setup.engine}"
-        self.tokenizer = ServedTokenizer(setup.model_dir)
+        self.tokenizer = ServedTokenizer(setup.model_dir, cfg.engine.tool_parser)
         self.prepare_pool = PreparePool(setup.model_dir, tokenizer=self.tokenizer,
+                                        tool_parser=cfg.engine.tool_parser,
                                         inline_bytes=cfg.server.prepare_inline_bytes)
         self.sink = sink or LogSink(enabled=cfg.server.log_requests)
         self.accountant = None          # chargeback.attach sets it (accounting enabled)
@@ -352,7 +353,7 @@ class Service:
         """Serve `model` from now on (the routing switch of swap-model): its name on
         /v1/models, its tokenizer, its context capped by the pools of `workers`."""
         if model.model_dir != self.model.model_dir:
-            self.tokenizer = ServedTokenizer(Path(model.model_dir))
+            self.tokenizer = ServedTokenizer(Path(model.model_dir), self.cfg.engine.tool_parser)
         self.setup.model_dir = Path(model.model_dir)
         self.model_name = self.setup.model_name = self.metrics.model = model.name
         self.model = model

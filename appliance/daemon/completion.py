@@ -17,6 +17,7 @@ from appliance.accounting.records import RequestRecord
 from appliance.daemon.openai_api import ApiError, GenerationRequest, bad, usage
 from appliance.daemon.router import Trace
 from appliance.daemon.tokenizer import PromptTooLong, ServedTokenizer, StopMatcher
+from appliance.daemon.tool_calls import call_deltas, forced_grammar, new_parser
 
 if TYPE_CHECKING:
     from appliance.daemon.app import Service
@@ -33,6 +34,10 @@ def check_token_ids(req: GenerationRequest, vocab_size: int) -> None:
     engines check only what they themselves cannot do."""
     if req.prompt_ids is not None and any(t < 0 or t >= vocab_size for t in req.prompt_ids):
         raise bad(f"token ids must be within [0, {vocab_size})", "prompt")
+    beyond = [t for t in req.stop_token_ids if t >= vocab_size]
+    if beyond:
+        raise bad(f"stop_token_ids names token id {beyond[0]}, outside the vocabulary "
+                  f"[0, {vocab_size})", "stop_token_ids")
     outside = [t for t, _ in req.logit_bias if not 0 <= t < vocab_size]
     if outside:
         raise bad(f"logit_bias names token id {outside[0]}, outside the vocabulary "
@@ -72,10 +77,20 @@ def prepare_prompt(tok: ServedTokenizer, req: GenerationRequest, model_name: str
     param = "messages" if req.endpoint == "chat" else "prompt"
     check_token_ids(req, tok.vocab_size)
     prompt_cost_bound(req, tok.max_token_chars, max_context)
+    tools = req.tools.tools if req.tools is not None and req.tools.active else None
+    if tools and tok.tool_parser is None:
+        raise bad("this model's chat template does not render tools, so it cannot call "
+                  "them", "tools")
+    if req.tools is not None and req.tools.forced:
+        if req.guided is not None:
+            raise bad("a forced 'tool_choice' cannot be combined with a structured output",
+                      "tool_choice")
+        from appliance.daemon.structured import check_constraint
+        req.guided = check_constraint(forced_grammar(tok.tool_parser, req.tools), "tools")
     try:
         if req.endpoint == "chat":
             try:
-                prompt = tok.encode_chat(req.messages, limit=max_context)
+                prompt = tok.encode_chat(req.messages, limit=max_context, tools=tools)
             except PromptTooLong:
                 raise
             except ValueError as exc:       # ChatTemplateError and the like
@@ -108,13 +123,18 @@ class Choice:
         self.trace = Trace(rid, comp.arrival)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        tools = comp.req.tools
+        # Streamed output goes through the tool-call parser of the model's family.
+        self.parser = (new_parser(comp.svc.tokenizer.tool_parser, tools.names)
+                       if tools is not None and tools.active
+                       and comp.svc.tokenizer.tool_parser else None)
 
     async def run(self) -> AsyncIterator[tuple[str, list]]:
         """Yield (text delta, logprob entries) until this choice finishes; sets
         finish_reason and counts. Entries are (token id, TokenLogprob) of the tokens
         behind the text, when the request asked for logprobs (else always empty)."""
         comp, req = self.comp, self.comp.req
-        detok = comp.svc.tokenizer.stream()
+        detok = comp.svc.tokenizer.stream(req.skip_special_tokens)
         stops = StopMatcher(req.stop)
         # max_tokens 0 (echo only): the engine still runs the prompt, for its logprobs,
         # and the one token it samples is dropped.
@@ -146,6 +166,8 @@ class Choice:
                     text, hit = stops.feed(piece)
                     if hit:
                         self.finish_reason = "stop"
+                        if req.include_stop_str_in_output:
+                            text += stops.matched
                         if text or pending:
                             yield text, pending
                         return
@@ -262,7 +284,8 @@ class Completion:
             arrival=self.arrival, first_token=min(starts) if starts else None,
             finish=time.time(), prefill_worker=t.prefill_worker, decode_worker=t.decode_worker,
             status=self.status, finish_reason=first.finish_reason, error=self.error,
-            simulated=self.svc.simulated, choices=len(self.choices))
+            simulated=self.svc.simulated, choices=len(self.choices),
+            structured=self.req.guided is not None)
 
     # ---- logprobs ------------------------------------------------------------
     def logprob_entries(self, entries: list) -> list[dict]:
@@ -308,6 +331,8 @@ class Completion:
     # ---- response shapes ---------------------------------------------------
     def chunk(self, index: int, text: str | None, finish: str | None, first: bool = False,
               logprobs: dict | None = None) -> bytes:
+        if self.choices[index].parser is not None:
+            return self._tool_chunks(index, text, finish, first, logprobs)
         if self.req.endpoint == "chat":
             delta: dict = {}
             if first:
@@ -326,6 +351,42 @@ class Completion:
             "model": self.svc.model_name, "choices": [choice],
             "simulated": self.svc.simulated}) + b"\n\n"
 
+    def _event(self, index: int, delta: dict, finish: str | None,
+               logprobs: dict | None = None) -> bytes:
+        return b"data: " + orjson.dumps({
+            "id": self.object_id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.svc.model_name,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                         "finish_reason": finish}],
+            "simulated": self.svc.simulated}) + b"\n\n"
+
+    def _tool_chunks(self, index: int, text: str | None, finish: str | None, first: bool,
+                     logprobs: dict | None) -> bytes:
+        """A chat choice with tools: content as it comes (held back where it may be the
+        start of a call), each call as OpenAI streams it once it is complete, and
+        finish_reason "tool_calls" when the answer was calls."""
+        choice = self.choices[index]
+        parser = choice.parser
+        content, calls = parser.feed(text) if text else ("", [])
+        if finish is not None:
+            rest, more = parser.finish()
+            content, calls = content + rest, calls + more
+            if parser.calls and finish == "stop":
+                finish = choice.finish_reason = "tool_calls"
+        out = b""
+        if first or content or logprobs is not None:
+            delta: dict = {"role": "assistant"} if first else {}
+            delta["content"] = content
+            out += self._event(index, delta, None, logprobs)
+        first_index = parser.calls_sent - len(calls)
+        if not self.req.tools.parallel:     # one call at most: the first
+            calls = calls[:max(0, 1 - first_index)]
+        for d in call_deltas(calls, first_index):
+            out += self._event(index, {"tool_calls": [d]}, None)
+        if finish is not None:
+            out += self._event(index, {}, finish)
+        return out
+
     def usage_chunk(self) -> bytes:
         obj = "chat.completion.chunk" if self.req.endpoint == "chat" else "text_completion"
         return b"data: " + orjson.dumps({
@@ -338,9 +399,19 @@ class Completion:
         for c, text, lps in zip(self.choices, texts, entries):
             logprobs = self.logprobs(lps)
             if self.req.endpoint == "chat":
-                choices.append({"index": c.index,
-                                "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+                message = {"role": "assistant", "content": text}
+                finish = c.finish_reason
+                if c.parser is not None:
+                    content, calls = c.parser.parse(text)
+                    if not self.req.tools.parallel:
+                        calls = calls[:1]
+                    if calls:
+                        message = {"role": "assistant", "content": content.strip() or None,
+                                   "tool_calls": [call.openai() for call in calls]}
+                        if finish == "stop":
+                            finish = c.finish_reason = "tool_calls"
+                choices.append({"index": c.index, "message": message,
+                                "logprobs": logprobs, "finish_reason": finish})
             else:
                 choices.append({"index": c.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})

@@ -20,6 +20,7 @@ from appliance.daemon.responses import (
     RETRY_AFTER_S, SERVICE, error_response, json_response, request_id,
 )
 from appliance.daemon.router import EngineError, NoWorker
+from appliance.daemon.structured import capabilities
 from appliance.daemon.workers import WorkerGone
 
 if TYPE_CHECKING:
@@ -170,6 +171,7 @@ async def models(request: web.Request):
     return json_response({"object": "list", "data": [{
         "id": svc.model_name, "object": "model", "created": int(svc.started_at),
         "owned_by": "applianced", "max_model_len": svc.max_context,
+        "capabilities": capabilities(svc.setup.engine, svc.tokenizer.tool_parser),
         "simulated": svc.simulated}]})
 
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from appliance.engines.messages import SamplingParams
+from appliance.daemon.structured import parse_guided
+from appliance.daemon.tool_calls import ToolRequest, message_fields, parse_tools
+from appliance.engines.messages import GuidedDecoding, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20       # OpenAI's chat bound; completions' is 5 there, 20 here
@@ -17,8 +19,11 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CHOICES = 16
 # Parameters that would change the output and are not implemented: refused, never
 # ignored. Each maps to the value that means "off", which is accepted.
-_UNSUPPORTED_UNLESS = {"tools": None, "functions": None, "suffix": None,
-                       "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0}
+_UNSUPPORTED_UNLESS = {"suffix": None, "use_beam_search": False, "length_penalty": 1.0,
+                       "prompt_logprobs": None, "guided_decoding_backend": None,
+                       "truncate_prompt_tokens": None, "bad_words": None,
+                       "allowed_token_ids": None, "spaces_between_special_tokens": True}
+MAX_STOP_TOKEN_IDS = 64
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -75,6 +80,14 @@ class GenerationRequest:
     logprobs: int | None = None         # None: none; k: each token's and the top k
     echo: bool = False                  # completions: the prompt comes back before the answer
     n: int = 1                          # choices
+    guided: GuidedDecoding | None = None  # structured output: what the text must match
+    min_tokens: int = 0                 # vLLM's sampling extensions
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    tools: ToolRequest | None = None    # chat: the tools offered, and tool_choice
 
     def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = (),
                  choice: int = 0) -> SamplingParams:
@@ -84,12 +97,15 @@ class GenerationRequest:
         if seed is not None and seed >= 1 << 64:      # torch takes seeds below 2**64
             seed -= 1 << 64
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, seed=seed, stop_token_ids=stop_token_ids,
+                              top_p=self.top_p, seed=seed,
+                              stop_token_ids=tuple(stop_token_ids) + self.stop_token_ids,
                               ignore_eos=self.ignore_eos, top_k=self.top_k,
                               frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty,
                               logit_bias=self.logit_bias, logprobs=self.logprobs,
-                              prompt_logprobs=self.logprobs if self.echo else None)
+                              prompt_logprobs=self.logprobs if self.echo else None,
+                              guided=self.guided, min_tokens=self.min_tokens,
+                              repetition_penalty=self.repetition_penalty, min_p=self.min_p)
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float,
@@ -165,6 +181,29 @@ def _logprobs(body: dict, endpoint: str) -> int | None:
     return k
 
 
+def _flag(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"'{key}' must be true or false", key, "invalid_type")
+    return value
+
+
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+    """Ids beyond the vocabulary are refused by `completion.check_token_ids`."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids",
+                  "invalid_type")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
+    return tuple(sorted(set(ids)))
+
+
 def _seed(body: dict) -> int | None:
     seed = _int(body, "seed")
     if seed is not None and not -(1 << 63) <= seed < 1 << 64:
@@ -225,7 +264,8 @@ def _messages(body: dict) -> list[dict]:
         if role not in CHAT_ROLES:
             raise bad(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}",
                       f"messages[{i}].role")
-        out.append({"role": role, "content": _content_text(m.get("content"), i)})
+        out.append({"role": role, "content": _content_text(m.get("content"), i),
+                    **message_fields(m, i)})
     return out
 
 
@@ -269,10 +309,7 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         if value is None or value == off or (off is None and not value):   # [] or "" = none
             continue
         raise bad(f"'{unsupported}' is not supported", unsupported, "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad("'response_format' other than {\"type\": \"text\"} is not supported",
-                  "response_format", "unsupported_parameter")
+    guided = parse_guided(body)
     best_of = _int(body, "best_of", 1)
     if best_of not in (None, n):
         raise bad("'best_of' other than n is not supported", "best_of",
@@ -304,6 +341,9 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad("'ignore_eos' must be true or false", "ignore_eos", "invalid_type")
+    if ignore_eos and guided is not None:
+        raise bad("'ignore_eos' cannot be combined with a structured output: the grammar "
+                  "ends the output", "ignore_eos")
     req = GenerationRequest(
         endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
         max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -311,10 +351,23 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         stop=_stop(body), ignore_eos=ignore_eos, top_k=_top_k(body),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        logit_bias=_logit_bias(body), logprobs=_logprobs(body, endpoint), echo=echo, n=n)
+        logit_bias=_logit_bias(body), logprobs=_logprobs(body, endpoint), echo=echo, n=n,
+        guided=guided, min_tokens=_int(body, "min_tokens", 0) or 0,
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0), stop_token_ids=_stop_token_ids(body),
+        skip_special_tokens=_flag(body, "skip_special_tokens", True),
+        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise bad(f"'min_tokens' ({req.min_tokens}) must not exceed max_tokens "
+                  f"({req.max_tokens})", "min_tokens")
     if endpoint == "chat":
         req.messages = _messages(body)
+        req.tools = parse_tools(body)
     else:
+        for name in ("tools", "functions", "tool_choice"):
+            if body.get(name):
+                raise bad(f"'{name}' is not supported on completions; use "
+                          "/v1/chat/completions", name, "unsupported_parameter")
         req.prompt_text, req.prompt_ids = _prompt(body)
     return req
 

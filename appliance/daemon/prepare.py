@@ -50,12 +50,12 @@ def _exit_with(parent: int) -> None:
     os._exit(0)
 
 
-def _child_init(model_dir: str) -> None:
+def _child_init(model_dir: str, tool_parser: str = "") -> None:
     # Ctrl-C reaches the whole process group: the daemon drains, then ends the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     global _tokenizer
-    _tokenizer = ServedTokenizer(Path(model_dir))
+    _tokenizer = ServedTokenizer(Path(model_dir), tool_parser)
 
 
 def prepare_request(tok: ServedTokenizer, raw: bytes, endpoint: str, model_name: str,
@@ -76,9 +76,11 @@ class PreparePool:
     `tokenizer`, bigger ones in `processes` child processes."""
 
     def __init__(self, model_dir: Path, processes: int | None = None,
-                 tokenizer: ServedTokenizer | None = None, inline_bytes: int = 0):
+                 tokenizer: ServedTokenizer | None = None, inline_bytes: int = 0,
+                 tool_parser: str = ""):
         self.processes = processes or machine_cores()
         self._model_dir = str(model_dir)
+        self._tool_parser = tool_parser
         self._executor = self._new_executor()
         self.tokenizer = tokenizer
         self.inline_bytes = inline_bytes if tokenizer is not None else 0
@@ -87,7 +89,8 @@ class PreparePool:
 
     def _new_executor(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_child_init, initargs=(self._model_dir,))
+                                   initializer=_child_init,
+                                   initargs=(self._model_dir, self._tool_parser))
 
     async def start(self) -> None:
         """Start the children now (they load the tokenizer), not on the first request."""

@@ -32,7 +32,7 @@ def _token_text(value) -> str | None:
 
 
 class ServedTokenizer:
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, tool_parser: str = ""):
         self.model_dir = Path(model_dir)
         self.tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         cfg_path = self.model_dir / "tokenizer_config.json"
@@ -45,6 +45,11 @@ class ServedTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = self._raise
         self._template = env.from_string(template) if template else None
+        # The tool-call format the template teaches (None: it renders no tools), unless
+        # [engine] tool_parser names one ("none": no tool calling).
+        from appliance.daemon.tool_calls import detect_parser
+        self.tool_parser = (detect_parser(template) if not tool_parser else
+                            None if tool_parser == "none" else tool_parser)
         self.vocab_size = self.tok.get_vocab_size()
         # The most characters one token can stand for (special tokens included): a text of
         # C characters has at least C / this many tokens, whatever it is.
@@ -69,22 +74,24 @@ class ServedTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=True)]
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         return self._template.render(messages=messages, add_generation_prompt=True,
-                                     bos_token=self.bos_token, eos_token=self.eos_token)
+                                     bos_token=self.bos_token, eos_token=self.eos_token,
+                                     tools=tools or None)
 
-    def encode_chat(self, messages: list[dict], limit: int | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], limit: int | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         # The template writes BOS itself, so no special tokens are added here.
-        return self._ids(self.tok.encode(self.render_chat(messages), add_special_tokens=False),
-                         limit)
+        return self._ids(self.tok.encode(self.render_chat(messages, tools),
+                                         add_special_tokens=False), limit)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def stream(self) -> "Detokenizer":
-        return Detokenizer(self.tok)
+    def stream(self, skip_special_tokens: bool = True) -> "Detokenizer":
+        return Detokenizer(self.tok, skip_special_tokens)
 
 
 class Detokenizer:
@@ -92,11 +99,12 @@ class Detokenizer:
     `flush` at the end gives whatever a full decode has beyond that (e.g. a trailing
     partial character), so streamed text always equals the full decode."""
 
-    __slots__ = ("_tok", "_stream", "_ids", "_emitted")
+    __slots__ = ("_tok", "_stream", "_ids", "_emitted", "_skip")
 
-    def __init__(self, tok: Tokenizer):
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True):
         self._tok = tok
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
         self._emitted = 0
 
@@ -112,7 +120,7 @@ class Detokenizer:
         return text
 
     def flush(self) -> str:
-        full = self._tok.decode(self._ids, skip_special_tokens=True)
+        full = self._tok.decode(self._ids, skip_special_tokens=self._skip)
         rest = full[self._emitted:]
         self._emitted = len(full)
         return rest
@@ -122,10 +130,11 @@ class StopMatcher:
     """Finds stop strings across chunk boundaries, holding back text that might be
     the start of one so a streamed client never sees part of a stop string."""
 
-    __slots__ = ("stops", "_pending", "_hold")
+    __slots__ = ("stops", "_pending", "_hold", "matched")
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
+        self.matched = ""           # the stop string that was hit
         self._pending = ""
         self._hold = max((len(s) for s in self.stops), default=1) - 1
 
@@ -134,8 +143,11 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buf = self._pending + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        first = min(hits, key=lambda h: (h[0], len(h[1]))) if hits else (-1, "")
+        cut = first[0]
         if cut >= 0:
+            self.matched = first[1]
             self._pending = ""
             return buf[:cut], True
         keep = 0

@@ -37,6 +37,22 @@ def on_the_wire(cls):
 
 @on_the_wire
 @dataclass(slots=True)
+class GuidedDecoding:
+    """What the output must match, as the request gave it (not compiled: each worker
+    compiles it against its own tokenizer, once per distinct grammar, so a decode worker
+    that takes a request over rebuilds the same constraint from this and the tokens so far).
+
+    kind: "json_schema" (source: the schema as JSON text), "json_object" (source unused),
+    "regex", "choice" (source: a JSON list of strings), "ebnf" (GBNF text), or
+    "tagged_json" (source: JSON {"begin", "schema", "end"}: a literal, then JSON valid for
+    the schema, then a literal; how a tool call is forced)."""
+
+    kind: str
+    source: str = ""
+
+
+@on_the_wire
+@dataclass(slots=True)
 class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
@@ -50,6 +66,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs
     logprobs: int | None = None             # None: none; k: the chosen token's and top k
     prompt_logprobs: int | None = None      # the same for every prompt token after the first
+    guided: GuidedDecoding | None = None    # structured output / forced tool call
+    min_tokens: int = 0                     # stop tokens are masked until this many
+    repetition_penalty: float = 1.0         # vLLM/HF's: over prompt and generated tokens
+    min_p: float = 0.0                      # drop tokens below min_p x the top probability
 
 
 @on_the_wire

@@ -1,6 +1,7 @@
-"""Token sampling: greedy, or temperature + top-k + nucleus (top-p) with a generator per
-sequence, after logit bias and OpenAI's presence/frequency penalties; and the log-probs a
-request asked for.
+"""Token sampling: greedy, or temperature + top-k + nucleus (top-p) + min-p with a
+generator per sequence, after logit bias, OpenAI's presence/frequency penalties, the
+repetition penalty and min_tokens' masking of stop tokens; and the log-probs a request
+asked for.
 
 Each sequence draws exactly one uniform number per sampled token from its own generator,
 and its row is processed on its own, so a seeded request yields the same tokens whatever
@@ -12,7 +13,7 @@ worker that took the request over after its first token, and after a preemption.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -20,6 +21,7 @@ __all__ = ["SamplingState", "sample", "top_logprobs"]
 
 MAX_LOGIT_BIAS = 100.0      # OpenAI: biases are in [-100, 100]
 MAX_PENALTY = 2.0           # OpenAI: presence/frequency penalties are in [-2, 2]
+MAX_REPETITION_PENALTY = 2.0    # vLLM takes any > 0; past 2 the output is degenerate
 
 
 class _SamplingLike(Protocol):
@@ -40,6 +42,11 @@ class SamplingState:
     presence_penalty: float = 0.0
     bias_ids: torch.Tensor | None = None    # logit_bias as two aligned tensors
     bias_values: torch.Tensor | None = None
+    guide: Any = None                       # grammar.Guide of a guided request
+    min_p: float = 0.0                      # 0: off
+    repetition_penalty: float = 1.0         # 1: off
+    min_tokens: int = 0                     # stop ids masked until this many are generated
+    stop_ids: torch.Tensor | None = None    # what min_tokens masks (EOS and stop_token_ids)
 
     @classmethod
     def create(
@@ -53,6 +60,10 @@ class SamplingState:
         presence_penalty: float = 0.0,
         logit_bias: Sequence[tuple[int, float]] = (),
         vocab_size: int | None = None,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        stop_ids: Sequence[int] = (),
     ) -> SamplingState:
         """Validate and build; ``seed`` None draws a nondeterministic seed. Raises
         ValueError naming the first bad parameter."""
@@ -66,6 +77,13 @@ class SamplingState:
                             ("presence_penalty", presence_penalty)):
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        if not 0.0 < repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], "
+                             f"got {repetition_penalty}")
+        if min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         bias_ids = bias_values = None
         if logit_bias:
             ids = [int(t) for t, _ in logit_bias]
@@ -84,21 +102,33 @@ class SamplingState:
             gen.seed()
         else:
             gen.manual_seed(seed)
+        stops = None
+        if min_tokens and stop_ids:
+            stops = torch.tensor(sorted(set(int(t) for t in stop_ids)), dtype=torch.long,
+                                 device=device)
         return cls(float(temperature), float(top_p), gen, int(top_k), float(frequency_penalty),
-                   float(presence_penalty), bias_ids, bias_values)
+                   float(presence_penalty), bias_ids, bias_values, None, float(min_p),
+                   float(repetition_penalty), int(min_tokens), stops)
 
     @property
     def penalized(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
+    def repeats(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
     def adjusts(self) -> bool:
-        """Whether the raw logits are changed before the pick (bias or penalties)."""
-        return self.penalized or self.bias_ids is not None
+        """Whether the raw logits are changed before the pick (bias, penalties, or stop
+        tokens masked for min_tokens)."""
+        return (self.penalized or self.bias_ids is not None or self.repeats
+                or self.stop_ids is not None)
 
 
 def _adjusted(rows: torch.Tensor, states: Sequence[SamplingState],
-              generated: Sequence[Sequence[int]]) -> torch.Tensor:
+              generated: Sequence[Sequence[int]],
+              contexts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """``rows [R, V]`` (a copy the caller owns, updated in place) with each state's
     logit_bias added and its penalties taken off (OpenAI: ``mu[j] - c[j] *
     frequency_penalty - (c[j] > 0) * presence_penalty``, c[j] the count of token j among
@@ -120,6 +150,16 @@ def _adjusted(rows: torch.Tensor, states: Sequence[SamplingState],
             freq[r], pres[r] = p.frequency_penalty, p.presence_penalty
     if counts is not None:
         out -= counts * freq + (counts > 0).to(out.dtype) * pres
+    for r, p in enumerate(states):
+        if p.repeats and contexts is not None and contexts[r]:
+            # HF/vLLM's: every token seen in the prompt or the output has its logit
+            # divided by the penalty when positive, multiplied when negative.
+            seen = torch.unique(torch.tensor(contexts[r], dtype=torch.long, device=out.device))
+            vals = out[r, seen]
+            out[r, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                       vals * p.repetition_penalty)
+        if p.stop_ids is not None and len(generated[r]) < p.min_tokens:
+            out[r, p.stop_ids] = float("-inf")
     return out
 
 
@@ -145,6 +185,9 @@ NUCLEUS_FIRST_TRY = 64      # candidates tried first for top-p; then 64 times as
 
 def _sample_row(logits: torch.Tensor, p: _SamplingLike) -> int:
     probs = torch.softmax(logits.float() / p.temperature, dim=-1)
+    min_p = getattr(p, "min_p", 0.0)
+    if min_p > 0.0:     # keep tokens at least min_p times as likely as the likeliest
+        probs = torch.where(probs < min_p * probs.max(), 0.0, probs)
     n = probs.numel()
     top_k = getattr(p, "top_k", 0)
     if 0 < top_k < n:
@@ -179,12 +222,14 @@ def _sample_row(logits: torch.Tensor, p: _SamplingLike) -> int:
 
 
 def sample(logits: torch.Tensor, params: Sequence[_SamplingLike],
-           generated: Sequence[Sequence[int]] | None = None) -> list[int]:
+           generated: Sequence[Sequence[int]] | None = None,
+           contexts: Sequence[Sequence[int]] | None = None) -> list[int]:
     """One token id per row of ``logits [B, V]``.
 
     Greedy (argmax, ties -> lowest id) when temperature == 0, else temperature + top-k +
-    top-p. ``generated[i]``: row i's tokens generated so far, needed when its state has
-    penalties.
+    top-p + min-p. ``generated[i]``: row i's tokens generated so far, needed when its state
+    has penalties or min_tokens; ``contexts[i]``: all its tokens (prompt and output),
+    needed when it has a repetition penalty.
     """
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} sampling params")
@@ -195,7 +240,9 @@ def sample(logits: torch.Tensor, params: Sequence[_SamplingLike],
         # (indexing with a list copies the rows, which _adjusted then updates in place)
         logits[adjust] = _adjusted(logits[adjust], [params[i] for i in adjust],
                                    [generated[i] if generated is not None else ()
-                                    for i in adjust])
+                                    for i in adjust],
+                                   [contexts[i] for i in adjust] if contexts is not None
+                                   else None)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
     if greedy:
         rows = logits if len(greedy) == len(params) else logits[greedy]

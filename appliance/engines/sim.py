@@ -11,6 +11,8 @@ import time
 import zlib
 
 from appliance.engines.base import BatchEngine, KvLayoutError
+from appliance.engines.grammar import GrammarBook
+from appliance.engines.messages import Decode, Prefill, RequestFailed
 from appliance.engines.roofline import StepTimeModel
 from appliance.engines.scheduler import Batch
 from appliance.engines.sequence import Sequence
@@ -19,15 +21,24 @@ from appliance.engines.sequence import Sequence
 MIN_SLEEP_S = 20e-6
 
 
+class SimSampler(random.Random):
+    """The simulator's per-request generator, and the request's grammar if it has one."""
+
+    guide = None
+
+
 class SimEngine(BatchEngine):
     name = "sim"
     simulated = True
 
     def __init__(self, *, timing: StepTimeModel, vocab_ids: list[int], speed: float = 1.0,
-                 **kwargs):
+                 grammar: GrammarBook | None = None, **kwargs):
         super().__init__(**kwargs)
         self.timing = timing
         self.vocab_ids = vocab_ids
+        self.grammar = grammar
+        # What a guided pick may take: the regular ids and the end-of-sequence ones.
+        self._pickable = set(vocab_ids) | set(self.eos_token_ids)
         self.speed = speed
         m = timing.model
         self._layout = (f"sim-L{m.layers}-kvh{m.kv_heads}-hd{m.head_dim}-"
@@ -36,12 +47,33 @@ class SimEngine(BatchEngine):
     def layout(self) -> str:
         return self._layout
 
-    def new_sampler(self, request_id: str, params, drawn: int = 0) -> random.Random:
+    def add(self, msg: Prefill | Decode) -> list:
+        try:
+            return super().add(msg)
+        except ValueError as exc:     # a grammar this worker cannot compile
+            return [RequestFailed(msg.request_id, str(exc), "invalid_request")]
+
+    def new_sampler(self, request_id: str, params, drawn: int = 0) -> SimSampler:
         seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
-        rng = random.Random(seed)
+        rng = SimSampler(seed)
+        if params.guided is not None:
+            if self.grammar is None:
+                raise ValueError("guided decoding needs the model's tokenizer, which this "
+                                 "engine was built without")
+            rng.guide = self.grammar.guide(params.guided)
         for _ in range(drawn):
             rng.randrange(len(self.vocab_ids))
         return rng
+
+    def _pick(self, seq: Sequence) -> int:
+        """A random regular token; for a guided request a random one among those its
+        grammar allows, so simulated output is valid for the request's schema."""
+        rng = seq.sampler
+        if rng.guide is None:
+            return self.vocab_ids[rng.randrange(len(self.vocab_ids))]
+        allowed = self.grammar.allowed(rng.guide, seq.generated)
+        pickable = [t for t in allowed if t in self._pickable] or allowed
+        return pickable[rng.randrange(len(pickable))]
 
     def _sleep(self, seconds: float) -> None:
         seconds /= self.speed
@@ -49,16 +81,15 @@ class SimEngine(BatchEngine):
             time.sleep(seconds)
 
     def run_batch(self, batch: Batch) -> list[int | None]:
-        ids = self.vocab_ids
         P = batch.num_prefill
         if not P:
             self._sleep(self.timing.decode_s([len(s.tokens) for s in batch.seqs]))
-            return [ids[s.sampler.randrange(len(ids))] for s in batch.seqs]
+            return [self._pick(s) for s in batch.seqs]
         # Prompts (or chunks) and, in a mixed batch, one new token per decoding sequence
         # over its cached context: one pass over the weights for all of them.
         new = [s.step_tokens if i < P else 1 for i, s in enumerate(batch.seqs)]
         self._sleep(self.timing.prefill_s(new, [s.num_cached for s in batch.seqs]))
-        return [ids[s.sampler.randrange(len(ids))] if i >= P or s.step_tokens == s.uncached
+        return [self._pick(s) if i >= P or s.step_tokens == s.uncached
                 else None for i, s in enumerate(batch.seqs)]
 
     def import_kv(self, seqs: list[Sequence]) -> None:

@@ -28,6 +28,7 @@ import torch
 
 from appliance.engines import cpu_heap, torch_attention
 from appliance.engines.base import BatchEngine, KvLayoutError
+from appliance.engines.grammar import GrammarBook
 from appliance.engines.messages import Decode, Prefill, RequestFailed, SamplingParams
 from appliance.engines.sampling import SamplingState, sample, top_logprobs
 from appliance.engines.scheduler import Batch
@@ -66,9 +67,11 @@ class TorchEngine(BatchEngine):
     logprobs = True
     simulated = False
 
-    def __init__(self, *, model: LlamaModel, share_pool: bool = True, **kwargs):
+    def __init__(self, *, model: LlamaModel, share_pool: bool = True,
+                 grammar: GrammarBook | None = None, **kwargs):
         super().__init__(**kwargs)
         self.model = model
+        self.grammar = grammar      # compiles guided-decoding grammars; None: refused
         s = model.shape
         bs = self.blocks.block_size
         # One block past the block manager's ids holds a known pattern (the canary): a peer
@@ -141,7 +144,17 @@ class TorchEngine(BatchEngine):
             params.temperature, params.top_p, params.seed, device=self.model.device,
             top_k=params.top_k, frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty, logit_bias=params.logit_bias,
-            vocab_size=self.model.shape.vocab_size)
+            vocab_size=self.model.shape.vocab_size, min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            # min_tokens gives way to a grammar, which may allow nothing but the end
+            min_tokens=0 if params.guided is not None else params.min_tokens,
+            stop_ids=(() if params.ignore_eos else tuple(self.eos_token_ids))
+            + tuple(params.stop_token_ids))
+        if params.guided is not None:
+            if self.grammar is None:
+                raise ValueError("guided decoding needs the model's tokenizer, which this "
+                                 "engine was built without")
+            state.guide = self.grammar.guide(params.guided)
         if state.temperature != 0.0:
             for _ in range(drawn):   # sampling.sample draws one fp32 uniform per token
                 torch.rand(1, generator=state.generator, device=self.model.device,
@@ -252,8 +265,16 @@ class TorchEngine(BatchEngine):
         # Only finished prompts draw a token: a chunk must not use up the rng.
         last = logits if len(done) == len(batch.seqs) else logits[done]
         seqs = [batch.seqs[i] for i in done]
-        picked = sample(last, [seq.sampler for seq in seqs],
-                        [seq.generated if seq.sampler.penalized else () for seq in seqs])
+        pick_from = last
+        guided = [j for j, seq in enumerate(seqs) if seq.sampler.guide is not None]
+        if guided:      # the grammar's mask on a copy: logprobs stay the model's own
+            pick_from = last.float().clone()
+            self.grammar.apply(pick_from, guided, [seqs[j].sampler.guide for j in guided],
+                               [seqs[j].generated for j in guided])
+        picked = sample(pick_from, [seq.sampler for seq in seqs],
+                        [seq.generated if seq.sampler.penalized or seq.sampler.min_tokens
+                         else () for seq in seqs],
+                        [seq.tokens if seq.sampler.repeats else () for seq in seqs])
         for i, token in zip(done, picked):
             out[i] = token
         self._logprobs(last, seqs, picked)
@@ -451,7 +472,8 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         block_size=spec.block_size, max_batch_tokens=spec.max_batch_tokens,
         max_seqs=spec.max_seqs, max_context=model.shape.max_context,
         eos_token_ids=read_eos_ids(model_dir), handoff_timeout_s=spec.handoff_timeout_s,
-        reserve_ratio=spec.reserve_ratio, prefill_chunk_tokens=spec.prefill_chunk_tokens)
+        reserve_ratio=spec.reserve_ratio, prefill_chunk_tokens=spec.prefill_chunk_tokens,
+        grammar=GrammarBook(model_dir, model.shape.vocab_size, read_eos_ids(model_dir)))
     engine.memory_plan = plan
     return engine
 

@@ -107,6 +107,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from appliance.engines.grammar import ebnf
 from appliance.engines.messages import (
     Decode, IterationRecord, KvHandle, KvImported, Prefill, PrefillDone, RequestFailed,
     SamplingParams, Tokens, WorkerStats,
@@ -124,7 +125,7 @@ USED_API: dict[str, dict[str, tuple[str, ...]]] = {
     "modules": {
         "tensorrt_llm": ("LLM", "SamplingParams", "DisaggregatedParams"),
         "tensorrt_llm.llmapi": ("KvCacheConfig", "CacheTransceiverConfig", "RequestOutput",
-                                "CompletionOutput"),
+                                "CompletionOutput", "GuidedDecodingParams"),
     },
     "methods": {
         "LLM": ("generate_async", "get_stats_async", "shutdown"),
@@ -133,13 +134,15 @@ USED_API: dict[str, dict[str, tuple[str, ...]]] = {
     "params": {     # keyword arguments we pass (LLM: its signature plus TorchLlmArgs)
         "LLM": ("model", "tensor_parallel_size", "kv_cache_config", "cache_transceiver_config",
                 "disable_overlap_scheduler", "enable_iter_perf_stats", "max_batch_size",
-                "max_num_tokens"),
+                "max_num_tokens", "guided_decoding_backend"),
         "LLM.generate_async": ("inputs", "sampling_params", "streaming", "disaggregated_params"),
     },
     "fields": {
         "SamplingParams": ("max_tokens", "temperature", "top_p", "seed", "stop_token_ids",
                            "end_id", "ignore_eos", "detokenize", "include_stop_str_in_output",
-                           "top_k", "frequency_penalty", "presence_penalty"),
+                           "top_k", "frequency_penalty", "presence_penalty",
+                           "guided_decoding", "min_tokens", "repetition_penalty", "min_p"),
+        "GuidedDecodingParams": ("grammar",),
         "DisaggregatedParams": ("request_type", "first_gen_tokens", "ctx_request_id",
                                 "opaque_state"),
         "KvCacheConfig": ("free_gpu_memory_fraction",),
@@ -190,7 +193,9 @@ def import_trtllm() -> SimpleNamespace:
     try:
         import tensorrt_llm
         from tensorrt_llm import LLM, DisaggregatedParams, SamplingParams as TrtSamplingParams
-        from tensorrt_llm.llmapi import CacheTransceiverConfig, KvCacheConfig
+        from tensorrt_llm.llmapi import (
+            CacheTransceiverConfig, GuidedDecodingParams, KvCacheConfig,
+        )
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] == "tensorrt_llm":
             raise TrtllmUnavailable(MISSING_MESSAGE) from None
@@ -201,7 +206,8 @@ def import_trtllm() -> SimpleNamespace:
                                 "use --engine torch") from None
     return SimpleNamespace(module=tensorrt_llm, LLM=LLM, SamplingParams=TrtSamplingParams,
                            DisaggregatedParams=DisaggregatedParams, KvCacheConfig=KvCacheConfig,
-                           CacheTransceiverConfig=CacheTransceiverConfig)
+                           CacheTransceiverConfig=CacheTransceiverConfig,
+                           GuidedDecodingParams=GuidedDecodingParams)
 
 
 # ---- the KV handle payload ---------------------------------------------------------
@@ -397,6 +403,11 @@ class TrtllmEngine:
             what = "logit_bias" if p.logit_bias else "logprobs"
             return [RequestFailed(rid, f"{what} is not available from the trtllm engine",
                                   "invalid_request")]
+        if p.guided is not None:
+            try:
+                ebnf(p.guided)
+            except ValueError as exc:       # GrammarError: no xgrammar, or a bad grammar
+                return [RequestFailed(rid, str(exc), "invalid_request")]
         disagg = None
         if isinstance(msg, Decode):
             handle = msg.handle
@@ -541,6 +552,16 @@ class TrtllmEngine:
             kw["frequency_penalty"] = p.frequency_penalty
         if p.presence_penalty:
             kw["presence_penalty"] = p.presence_penalty
+        if p.min_tokens:
+            kw["min_tokens"] = p.min_tokens
+        if p.repetition_penalty != 1.0:
+            kw["repetition_penalty"] = p.repetition_penalty
+        if p.min_p:
+            kw["min_p"] = p.min_p
+        if p.guided is not None:
+            # TensorRT-LLM's own guided decoding (its xgrammar backend), given the same
+            # grammar the other engines enforce, as EBNF: one conversion for every engine.
+            kw["guided_decoding"] = self.api.GuidedDecodingParams(grammar=ebnf(p.guided))
         if p.temperature == 0.0 or p.top_p <= 0:
             # Greedy as top_k=1, the one spelling every release reads as greedy: older ones
             # decide `SamplingParams._greedy_decoding` by top_k in (None, 1) and top_p in
@@ -751,7 +772,7 @@ def llm_kwargs(api: SimpleNamespace, spec, model_dir: Path) -> dict:
         model=str(model_dir), tensor_parallel_size=tp,
         kv_cache_config=api.KvCacheConfig(free_gpu_memory_fraction=spec.gpu_mem_fraction),
         max_batch_size=spec.max_seqs, max_num_tokens=spec.max_batch_tokens,
-        enable_iter_perf_stats=True)
+        enable_iter_perf_stats=True, guided_decoding_backend="xgrammar")
     if spec.role in ("prefill", "decode"):
         if "kv_transfer_timeout_ms" not in getattr(api.CacheTransceiverConfig, "model_fields", {}):
             version = getattr(api.module, "__version__", "?")

@@ -68,17 +68,49 @@ EMBED_STD = 1.0
 TOKENIZER_CORPUS_BYTES = 4_000_000
 
 # Llama-3 style. String content or OpenAI-style lists of {"type": "text", "text": ...}.
+# Tools (HF's `tools=`) are rendered Hermes-style, as Qwen's templates do: their
+# signatures in a system turn inside <tools></tools>, an assistant's calls as
+# <tool_call>{"name", "arguments"}</tool_call>, a tool's result as <tool_response>.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_FORMAT = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
 CHAT_TEMPLATE = (
     "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{%- if message['content'] is string %}"
-    "{%- set content = message['content'] %}"
-    "{%- else %}"
-    "{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
-    " | map(attribute='text') | join('') %}"
+    "{%- macro text(content) %}"
+    "{%- if content is none %}"
+    "{%- elif content is string %}{{- content }}"
+    "{%- else %}{{- content | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') }}"
     "{%- endif %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
-    " + content + '<|eot_id|>' }}"
+    "{%- endmacro %}"
+    "{%- set skip_first = tools and messages[0]['role'] == 'system' %}"
+    "{%- if tools %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{%- if skip_first %}{{- text(messages[0]['content']) + '\\n\\n' }}{%- endif %}"
+    "{{- " + repr(TOOLS_PREAMBLE) + " }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- " + repr(TOOLS_FORMAT) + " + '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (loop.first and skip_first) %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' }}"
+    "{%- else %}{{- text(message['content']) }}"
+    "{%- endif %}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set args = call['function']['arguments'] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": ' }}{{- call['function']['name'] | tojson }}"
+    "{{- ', \"arguments\": ' }}"
+    "{%- if args is string %}{{- args }}{%- else %}{{- args | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"

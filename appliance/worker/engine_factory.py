@@ -53,8 +53,11 @@ def _build_sim(spec: WorkerSpec, model_dir: Path):
     if num_blocks < 1:
         raise ValueError(f"model {model.name} ({model.weight_total_bytes() / 1e9:.0f} GB of "
                          f"weights) leaves no room for KV on {tp}x{shape.name}")
+    from appliance.engines.grammar import GrammarBook
+    vocab_ids = regular_token_ids(model_dir)
     return SimEngine(
-        timing=timing, vocab_ids=regular_token_ids(model_dir), speed=spec.sim_speed,
+        timing=timing, vocab_ids=vocab_ids, speed=spec.sim_speed,
+        grammar=GrammarBook(model_dir, 0, read_eos_ids(model_dir)),
         worker=spec.worker, devices=tuple(spec.devices), num_blocks=num_blocks,
         block_size=spec.block_size, max_batch_tokens=spec.max_batch_tokens,
         max_seqs=spec.max_seqs, max_context=model.max_context,

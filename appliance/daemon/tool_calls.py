@@ -1,0 +1,375 @@
+"""Tool calling: the request's `tools` and `tool_choice`, the history's calls and results,
+and the model's output turned back into OpenAI `tool_calls`.
+
+Models call tools in their family's own text format, which the chat template teaches
+them; a parser per family reads it back:
+- "hermes": `<tool_call>{"name", "arguments"}</tool_call>` (Qwen 2.5/3, Hermes, the
+  generated tiny model);
+- "llama3_json": the whole answer is `{"name", "parameters"}` (Llama 3.1+; several joined
+  by `;`), optionally after `<|python_tag|>`;
+- "mistral": `[TOOL_CALLS][{"name", "arguments"}, ...]`.
+The family comes from the chat template (what it tells the model to write) unless
+configured. `tool_choice: "required"` or a named function is enforced by a grammar for
+that format (the output must be one call of an allowed tool with arguments valid for
+its schema), so even a random-weights model returns a valid call.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+
+from appliance.engines.messages import GuidedDecoding
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+MAX_TOOLS = 128
+ARGUMENT_FRAGMENT = 24      # characters per streamed `arguments` delta
+
+
+def _bad(message: str, param: str):
+    from appliance.daemon.openai_api import bad
+    return bad(message, param)
+
+
+@dataclass(slots=True)
+class ToolRequest:
+    """The tools a request offers and how the model may use them."""
+
+    tools: list[dict]                       # OpenAI shape: {"type": "function", "function"}
+    choice: str = "auto"                    # "none" | "auto" | "required" | "named"
+    name: str | None = None                 # the function, when choice == "named"
+    parallel: bool = True
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        """Whether tools are shown to the model and its output is parsed for calls."""
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def forced(self) -> bool:
+        return self.active and self.choice in ("required", "named")
+
+    def schemas(self) -> list[tuple[str, dict]]:
+        picked = [t["function"] for t in self.tools
+                  if self.choice != "named" or t["function"]["name"] == self.name]
+        return [(f["name"], f.get("parameters") or {"type": "object", "properties": {}})
+                for f in picked]
+
+
+def parse_tools(body: dict) -> ToolRequest | None:
+    """`tools`, `tool_choice`, `parallel_tool_calls` (and the legacy `functions`, refused)
+    -> the ToolRequest, or None when there are no tools; a 400 naming the field."""
+    if body.get("functions"):
+        raise _bad("'functions' is deprecated and not supported; use 'tools'", "functions")
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise _bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise _bad("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise _bad(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
+    names = []
+    clean = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise _bad(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
+                       "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise _bad(f"tools[{i}].function.name must be a name of 1-64 characters", "tools")
+        if name in names:
+            raise _bad(f"tools[{i}]: function {name!r} is given twice", "tools")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise _bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        names.append(name)
+        out = {"name": name}
+        if isinstance(fn.get("description"), str):
+            out["description"] = fn["description"]
+        out["parameters"] = params if params is not None else {"type": "object",
+                                                                "properties": {}}
+        clean.append({"type": "function", "function": out})
+    req = ToolRequest(clean, parallel=parallel, names=names)
+    if choice is None or choice in ("auto", "none", "required"):
+        req.choice = choice or "auto"
+    elif (isinstance(choice, dict) and choice.get("type") == "function"
+          and isinstance(choice.get("function"), dict)):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise _bad(f"'tool_choice' names function {name!r}, which is not in 'tools'",
+                       "tool_choice")
+        req.choice, req.name = "named", name
+    else:
+        raise _bad("'tool_choice' must be 'none', 'auto', 'required' or "
+                   "{'type': 'function', 'function': {'name'}}", "tool_choice")
+    return req
+
+
+def message_fields(m: dict, i: int) -> dict:
+    """What a history message carries beyond role and content: an assistant's
+    `tool_calls` (arguments kept as the JSON text they were) and a tool result's
+    `tool_call_id`, checked so a template never sees a malformed call."""
+    out: dict = {}
+    calls = m.get("tool_calls")
+    if calls:
+        if m.get("role") != "assistant" or not isinstance(calls, list):
+            raise _bad(f"messages[{i}].tool_calls must be a list on an assistant message",
+                       f"messages[{i}].tool_calls")
+        clean = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise _bad(f"messages[{i}].tool_calls[{j}] needs function.name",
+                           f"messages[{i}].tool_calls")
+            args = fn.get("arguments", "{}")
+            if not isinstance(args, str):
+                args = json.dumps(args)
+            clean.append({"id": str(call.get("id", "")), "type": "function",
+                          "function": {"name": fn["name"], "arguments": args}})
+        out["tool_calls"] = clean
+    if m.get("role") == "tool":
+        tid = m.get("tool_call_id")
+        if not isinstance(tid, str) or not tid:
+            raise _bad(f"messages[{i}].tool_call_id is required on a tool message",
+                       f"messages[{i}].tool_call_id")
+        out["tool_call_id"] = tid
+    return out
+
+
+def detect_parser(template: str | None) -> str | None:
+    """The tool-call format a chat template teaches its model, or None (no tools)."""
+    if not template or "tools" not in template:
+        return None
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return None
+
+
+# ---- forcing a call ----------------------------------------------------------------
+
+def forced_grammar(parser: str, tools: ToolRequest) -> GuidedDecoding:
+    """The grammar that makes the output one call, in `parser`'s format, of one of the
+    allowed tools with arguments valid for its parameters."""
+    args_key = "parameters" if parser == "llama3_json" else "arguments"
+    options = [{"type": "object", "properties": {"name": {"const": name}, args_key: params},
+                "required": ["name", args_key], "additionalProperties": False}
+               for name, params in tools.schemas()]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    begin, end = {"hermes": ("<tool_call>\n", "\n</tool_call>"),
+                  "llama3_json": ("", ""),
+                  "mistral": ("[TOOL_CALLS][", "]")}[parser]
+    return GuidedDecoding("tagged_json", json.dumps({"begin": begin, "schema": schema,
+                                                      "end": end}))
+
+
+# ---- reading calls back ---------------------------------------------------------------
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str          # JSON text
+    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+    def openai(self) -> dict:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _call(obj, args_keys: tuple[str, ...], names: list[str]) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if names and obj["name"] not in names:
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+
+
+def _json_values(text: str) -> list:
+    """Consecutive JSON values in text (separated by whitespace, `;` or `,`), or raise."""
+    dec = json.JSONDecoder()
+    out, i = [], 0
+    while True:
+        while i < len(text) and text[i] in " \n\t\r;,":
+            i += 1
+        if i >= len(text):
+            return out
+        value, i = dec.raw_decode(text, i)
+        out.append(value)
+
+
+class ToolParser:
+    """One choice's output: content text and tool calls, whole or streamed."""
+
+    start = ""              # where calls begin in the text (the family's marker)
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        self.buffer = ""
+        self.content_sent = 0       # characters of buffer sent as content
+        self.calls: list[ToolCall] = []
+        self.calls_sent = 0
+        self.in_calls = False
+
+    # whole text -------------------------------------------------------------
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content before the calls, calls); no calls when the text holds none that
+        parse: then all of it is content."""
+        at = self._find_start(text)
+        if at < 0:
+            return text, []
+        calls = self._calls(text[at:])
+        if not calls:
+            return text, []
+        return text[:at], calls
+
+    def _find_start(self, text: str) -> int:
+        return text.find(self.start)
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        raise NotImplementedError
+
+    # streaming --------------------------------------------------------------
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content safe to send now, calls complete so far and not yet sent)."""
+        self.buffer += text
+        if not self.in_calls:
+            at = self._find_start(self.buffer)
+            if at >= 0:
+                self.in_calls = True
+                out = self.buffer[self.content_sent:at]
+                self.content_sent = at
+                return out, self._complete_calls()
+            safe = self._safe_end()
+            out = self.buffer[self.content_sent:safe]
+            self.content_sent = safe
+            return out, []
+        return "", self._complete_calls()
+
+    def _safe_end(self) -> int:
+        """How much of a buffer without the start marker may go out as content: all but
+        a tail that could be the marker's beginning."""
+        buf = self.buffer
+        for k in range(min(len(self.start) - 1, len(buf)), 0, -1):
+            if self.start.startswith(buf[-k:]):
+                return len(buf) - k
+        return len(buf)
+
+    def _complete_calls(self) -> list[ToolCall]:
+        return []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """At the end of the output: the rest of the content and the calls not sent.
+        Text that looked like the start of calls but does not parse goes out as content."""
+        content, calls = self.parse(self.buffer)
+        if calls:
+            rest = content[self.content_sent:]
+            new = calls[self.calls_sent:]
+            self.calls = self.calls[:self.calls_sent] + new
+            self.calls_sent = len(self.calls)
+            self.content_sent = max(self.content_sent, len(content))
+            return rest, new
+        if self.calls_sent:     # calls went out; what follows them does not parse
+            return "", []
+        rest = self.buffer[self.content_sent:]
+        self.content_sent = len(self.buffer)
+        return rest, []
+
+
+class HermesParser(ToolParser):
+    start = "<tool_call>"
+    end = "</tool_call>"
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        out = []
+        for block in text.split(self.start)[1:]:
+            body = block.split(self.end, 1)[0]
+            try:
+                values = _json_values(body)
+            except ValueError:
+                return []
+            calls = [_call(v, ("arguments",), self.names) for v in values]
+            if not calls or None in calls:
+                return []
+            out.extend(calls)
+        return out
+
+    def _complete_calls(self) -> list[ToolCall]:
+        """Each `<tool_call>…</tool_call>` goes out as soon as it is closed."""
+        done = self.buffer[self.content_sent:]
+        closed = done.rfind(self.end)
+        if closed < 0:
+            return []
+        calls = self._calls(done[:closed + len(self.end)])
+        new = calls[self.calls_sent:]
+        self.calls.extend(new)
+        self.calls_sent += len(new)
+        return new
+
+
+class Llama3JsonParser(ToolParser):
+    start = "{"
+    tag = "<|python_tag|>"
+
+    def _find_start(self, text: str) -> int:
+        """Calls are the whole answer: a JSON object first (after the tag, if any)."""
+        stripped = text.lstrip()
+        if stripped.startswith(self.tag):
+            stripped = stripped[len(self.tag):].lstrip()
+        return len(text) - len(stripped) if stripped.startswith("{") else -1
+
+    def _safe_end(self) -> int:
+        stripped = self.buffer.lstrip()
+        if not stripped or self.tag.startswith(stripped[:len(self.tag)]):
+            return self.content_sent     # cannot tell yet
+        return len(self.buffer)
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        try:
+            values = _json_values(text)
+        except ValueError:
+            return []
+        calls = [_call(v, ("parameters", "arguments"), self.names) for v in values]
+        return [] if not calls or None in calls else calls
+
+
+class MistralParser(ToolParser):
+    start = "[TOOL_CALLS]"
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        try:
+            values = _json_values(text[len(self.start):])
+        except ValueError:
+            return []
+        flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
+        calls = [_call(v, ("arguments",), self.names) for v in flat]
+        return [] if not calls or None in calls else calls
+
+
+def new_parser(family: str, names: list[str]) -> ToolParser:
+    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
+            "mistral": MistralParser}[family](names)
+
+
+def call_deltas(calls: list[ToolCall], first_index: int) -> list[dict]:
+    """OpenAI's streamed shape: per call a delta with index, id, type and function.name
+    (arguments ""), then the arguments in fragments."""
+    out = []
+    for k, call in enumerate(calls, first_index):
+        out.append({"index": k, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}})
+        args = call.arguments
+        for a in range(0, len(args), ARGUMENT_FRAGMENT):
+            out.append({"index": k, "function": {"arguments": args[a:a + ARGUMENT_FRAGMENT]}})
+    return out

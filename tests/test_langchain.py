@@ -1,0 +1,58 @@
+"""LangChain's ChatOpenAI against a real daemon (simulator and torch engine): the calls
+agent frameworks make, `bind_tools(...).invoke(...)` and `with_structured_output(...)`."""
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel, Field
+
+from conftest import start_daemon
+
+pytest.importorskip("xgrammar")
+langchain_openai = pytest.importorskip("langchain_openai")
+
+MODEL = "tiny-llama"
+
+
+class Weather(BaseModel):
+    """Look up the current weather in a city."""
+
+    city: str = Field(max_length=10)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+class Verdict(BaseModel):
+    answer: Literal["yes", "no"]
+    confidence: int = Field(ge=0, le=10)
+
+
+@pytest.fixture(scope="module", params=["sim", "torch"])
+def llm(request, tiny_model, tmp_path_factory):
+    args = ["--devices", "cpu", "--engine", request.param]
+    if request.param == "sim":
+        args += ["--sim-speed", "50"]
+    d = start_daemon(tmp_path_factory.mktemp(f"lc-{request.param}"), tiny_model, *args)
+    yield langchain_openai.ChatOpenAI(model=MODEL, base_url=d.url + "/v1", api_key="unused",
+                                      max_tokens=80, max_retries=0, temperature=0, timeout=60)
+    d.stop()
+
+
+def test_bind_tools_invoke_returns_tool_calls(llm):
+    msg = llm.bind_tools([Weather], tool_choice="required").invoke("Weather in Oslo?")
+    (call,) = msg.tool_calls
+    assert call["name"] == "Weather"
+    Weather.model_validate(call["args"])
+    assert call["id"].startswith("call_")
+
+
+def test_with_structured_output_returns_a_parsed_object(llm):
+    for method in ("json_schema", "function_calling"):
+        out = llm.with_structured_output(Verdict, method=method).invoke("Is water wet?")
+        assert isinstance(out, Verdict), method
+
+
+def test_json_mode_returns_a_dict(llm):
+    out = llm.bind(max_tokens=400, seed=1).with_structured_output(method="json_mode").invoke(
+        "Answer in JSON")
+    assert isinstance(out, dict)

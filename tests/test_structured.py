@@ -1,0 +1,278 @@
+"""Structured outputs: response_format and vLLM's structured_outputs / guided_* through
+the official `openai` client against real daemons (simulator, and the torch engine with
+random weights in disaggregated mode, so the grammar crosses the prefill->decode
+handoff). A random model's output is valid for the schema only because of the grammar:
+that is what these tests check."""
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from appliance.engines.grammar import GrammarBook, MAX_SCHEMA_BYTES
+from appliance.engines.messages import GuidedDecoding
+from conftest import start_daemon
+
+pytest.importorskip("xgrammar")
+
+MODEL = "tiny-llama"
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=8)
+    age: int = Field(ge=0, le=30)
+    vaccinated: bool
+    kind: Literal["cat", "dog", "fish"]
+
+
+PET_SCHEMA = Pet.model_json_schema()
+
+
+def valid_pet(text: str) -> Pet:
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age", "vaccinated", "kind"}, obj
+    return Pet.model_validate(obj)
+
+
+@pytest.fixture(scope="module", params=["sim", "torch"])
+def daemon(request, tiny_model, tmp_path_factory):
+    args = ["--devices", "cpu", "--engine", request.param]
+    if request.param == "sim":
+        args += ["--sim-speed", "50"]
+    d = start_daemon(tmp_path_factory.mktemp(f"structured-{request.param}"), tiny_model, *args,
+                     config="[server]\nlog_requests = true\n")
+    d.engine = request.param
+    yield d
+    d.stop()
+
+
+def ask(client, **kw):
+    kw.setdefault("max_tokens", 120)
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a pet as JSON"}], **kw)
+
+
+def test_json_schema_output_is_valid_for_every_choice(daemon):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA,
+                                                  "strict": True}}
+    r = ask(daemon.client(), response_format=fmt, n=3, seed=5, temperature=1.0)
+    assert len(r.choices) == 3
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        valid_pet(c.message.content)
+
+
+def test_parse_helper_returns_a_pydantic_object(daemon):
+    r = daemon.client().chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "a pet"}], response_format=Pet,
+        max_tokens=120, temperature=0)
+    pet = r.choices[0].message.parsed
+    assert isinstance(pet, Pet)
+    assert pet == valid_pet(r.choices[0].message.content)
+
+
+def test_streamed_structured_output_is_valid(daemon):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
+    chunks = list(ask(daemon.client(), response_format=fmt, stream=True, seed=9, n=2))
+    texts = {0: "", 1: ""}
+    finish = {}
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert finish == {0: "stop", 1: "stop"}
+    for text in texts.values():
+        valid_pet(text)
+
+
+def test_max_tokens_cuts_the_json_with_finish_length(daemon):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
+    r = ask(daemon.client(), response_format=fmt, max_tokens=4, seed=1)
+    c = r.choices[0]
+    assert c.finish_reason == "length"
+    assert r.usage.completion_tokens == 4
+    assert '{"name": "'.startswith(c.message.content[:10])  # the schema's first property
+    with pytest.raises(ValueError):
+        json.loads(c.message.content)
+
+
+def test_json_object_mode_gives_an_object(daemon):
+    r = ask(daemon.client(), response_format={"type": "json_object"}, max_tokens=300, seed=3,
+            temperature=0)
+    c = r.choices[0]
+    assert c.message.content.startswith("{")
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.message.content), dict)
+    else:   # a random model may write a long object; what it wrote is still an object
+        assert c.finish_reason == "length"
+
+
+def test_completions_endpoint_takes_response_format(daemon):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
+    r = daemon.client().completions.create(model=MODEL, prompt="pet:", max_tokens=120,
+                                           seed=2, extra_body={"response_format": fmt})
+    assert r.choices[0].finish_reason == "stop"
+    valid_pet(r.choices[0].text)
+
+
+def test_vllm_spellings_choice_regex_and_alias(daemon):
+    client = daemon.client()
+    r = ask(client, extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
+            seed=4, n=3)
+    assert {c.message.content for c in r.choices} <= {"yes", "no", "maybe"}
+    assert all(c.finish_reason == "stop" for c in r.choices)
+    r = ask(client, extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"}, seed=4)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", r.choices[0].message.content)
+    r = ask(client, extra_body={"guided_json": PET_SCHEMA}, seed=4)
+    valid_pet(r.choices[0].message.content)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                 "schema": "{not json"}}},
+     "response_format", "not JSON"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}},
+     "response_format", "'not' is not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "strng"}}}}, "response_format", "strng"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                 "schema": {"$ref": "#/nope"}}}},
+     "response_format", "nope"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ({"guided_regex": "(("}, "guided_regex", "regex"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
+    ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}},
+     "guided_json", "only one"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "grammar"),
+])
+def test_bad_constraints_are_a_400_naming_the_field(daemon, body, param, words):
+    code, _, err = daemon.post("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], **body})
+    assert code == 400, err
+    assert err["error"]["param"] == param
+    assert words in err["error"]["message"], err
+
+
+def test_deep_and_huge_schemas_are_refused(daemon):
+    deep: dict = {"type": "string"}
+    for _ in range(40):
+        deep = {"type": "array", "items": deep}
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200}
+                                             for i in range(MAX_SCHEMA_BYTES // 200)}}
+    for schema, words in ((deep, "deeper"), (huge, "bytes")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            ask(daemon.client(), response_format={"type": "json_schema", "json_schema": {
+                "name": "x", "schema": schema}})
+        assert exc.value.body["param"] == "response_format"
+        assert words in exc.value.body["message"]
+
+
+# ---- the grammar book itself: compile once, rebuild from tokens -----------------------
+
+def test_compiled_grammars_are_cached_by_hash_and_bounded(tiny_model):
+    book = GrammarBook(tiny_model, 0, [1, 4], cache_size=2)
+    a = GuidedDecoding("json_schema", json.dumps(PET_SCHEMA))
+    book.guide(a)
+    book.guide(GuidedDecoding("json_schema", json.dumps(PET_SCHEMA)))
+    assert book.compilations == 1
+    book.guide(GuidedDecoding("regex", "a+"))
+    book.guide(GuidedDecoding("regex", "b+"))
+    book.guide(a)       # evicted by the two regexes: compiled again
+    assert book.compilations == 4
+
+
+def test_a_guide_rebuilt_from_the_tokens_so_far_continues_the_grammar(tiny_model):
+    """What a decode worker does after the handoff (and a preempted sequence after its
+    recompute): a fresh matcher synced with the generated tokens allows what the
+    original one allows."""
+    import random
+    book = GrammarBook(tiny_model, 0, [1, 4])
+    spec = GuidedDecoding("json_schema", json.dumps(PET_SCHEMA))
+    rng = random.Random(0)
+    guide, generated = book.guide(spec), []
+    for _ in range(6):
+        generated.append(rng.choice(book.allowed(guide, generated)))
+    rebuilt = book.guide(spec)
+    assert book.allowed(rebuilt, generated) == book.allowed(guide, generated)
+    assert rebuilt.taken == len(generated)
+
+
+def test_models_advertise_capabilities(daemon):
+    (model,) = daemon.client().models.list().data
+    caps = model.model_extra["capabilities"]
+    assert caps["json_schema"] is True and caps["json_object"] is True
+    assert caps["tools"] is True and caps["tool_choice_required"] is True
+    assert caps["tool_parser"] == "hermes"
+
+
+def test_request_records_say_when_a_grammar_was_applied(daemon):
+    client = daemon.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
+    guided = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+        response_format=fmt).headers["x-request-id"]
+    free = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}],
+        max_tokens=5).headers["x-request-id"]
+    import time
+    deadline = time.monotonic() + 10
+    rows = {}
+    while time.monotonic() < deadline and len(rows) < 2:
+        for line in daemon.log_text().splitlines():
+            if line.startswith("{") and '"request_id"' in line:
+                row = json.loads(line)
+                if row["request_id"] in (guided, free):
+                    rows[row["request_id"]] = row
+        time.sleep(0.1)
+    assert rows[guided]["structured"] is True
+    assert rows[free]["structured"] is False
+
+
+def test_grammar_state_survives_preemption(tiny_model):
+    """A KV pool too small for the batch: decoding sequences are preempted and recomputed,
+    and their matchers carry on from the tokens they kept (torch engine, no daemon)."""
+    from appliance.daemon.tokenizer import ServedTokenizer
+    from appliance.engines.messages import Prefill, RequestFailed, SamplingParams, Tokens
+    from test_torch_engine import make_engine
+
+    eng = make_engine(tiny_model, "p0", num_blocks=8, reserve_ratio=0.0)
+    spec = GuidedDecoding("json_schema", json.dumps(PET_SCHEMA))
+    for i in range(6):
+        prompt = [0] + [100 + 7 * i + k for k in range(23)]
+        eng.add(Prefill(f"r{i}", prompt, SamplingParams(max_tokens=90, temperature=0.0,
+                                                        guided=spec), False))
+    out: dict[str, list[int]] = {}
+    reasons = {}
+    while eng.has_work():
+        for ev in eng.step():
+            assert not isinstance(ev, RequestFailed), ev
+            if isinstance(ev, Tokens):
+                out.setdefault(ev.request_id, []).extend(ev.tokens)
+                if ev.finish_reason:
+                    reasons[ev.request_id] = ev.finish_reason
+    assert eng.scheduler.preemptions > 0
+    tok = ServedTokenizer(tiny_model)
+    assert reasons == {f"r{i}": "stop" for i in range(6)}
+    for rid, ids in out.items():
+        valid_pet(tok.decode(ids))
+
+
+def test_logprobs_come_with_structured_output(daemon):
+    if daemon.engine == "sim":
+        pytest.skip("the simulator has no logprobs")
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
+    r = ask(daemon.client(), response_format=fmt, logprobs=True, top_logprobs=2, seed=6)
+    c = r.choices[0]
+    valid_pet(c.message.content)
+    tokens = c.logprobs.content
+    assert "".join(t.token for t in tokens) == c.message.content
+    # The model's own log-probabilities (before the mask): the grammar's forced tokens
+    # are not certain for a random model.
+    assert any(t.logprob < -0.5 for t in tokens)
+    assert all(len(t.top_logprobs) == 2 for t in tokens)
