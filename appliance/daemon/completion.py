@@ -117,7 +117,10 @@ class Choice:
     """One of the request's answers: its own engine request, text and finish reason."""
 
     def __init__(self, comp: Completion, index: int):
-        self.comp = comp
+        # No reference back to `comp`: a Completion <-> Choice cycle kept every finished
+        # request (its prompt ids, ~40 KB for 1,500 words) alive until a collection of
+        # the generation it had reached, which the daemon's tuned collector runs rarely:
+        # its memory grew with every request. `run` and `prompt_entries` take it instead.
         self.index = index
         rid = comp.request_id if index == 0 else f"{comp.request_id}.{index}"
         self.trace = Trace(rid, comp.arrival)
@@ -129,11 +132,11 @@ class Choice:
                        if tools is not None and tools.active
                        and comp.svc.tokenizer.tool_parser else None)
 
-    async def run(self) -> AsyncIterator[tuple[str, list]]:
+    async def run(self, comp: Completion) -> AsyncIterator[tuple[str, list]]:
         """Yield (text delta, logprob entries) until this choice finishes; sets
         finish_reason and counts. Entries are (token id, TokenLogprob) of the tokens
         behind the text, when the request asked for logprobs (else always empty)."""
-        comp, req = self.comp, self.comp.req
+        req = comp.req
         detok = comp.svc.tokenizer.stream(req.skip_special_tokens)
         stops = StopMatcher(req.stop)
         # max_tokens 0 (echo only): the engine still runs the prompt, for its logprobs,
@@ -146,7 +149,7 @@ class Choice:
             async for tokens, reason, lps in gen:
                 if echoing:
                     echoing = False
-                    yield comp.prompt_text(), self.prompt_entries()
+                    yield comp.prompt_text(), self.prompt_entries(comp)
                     if comp.max_tokens == 0:
                         self.finish_reason = "length"
                         return
@@ -182,12 +185,12 @@ class Choice:
         finally:
             await gen.aclose()
 
-    def prompt_entries(self) -> list:
+    def prompt_entries(self, comp: Completion) -> list:
         """(token id, TokenLogprob or None) for the echoed prompt, when logprobs were asked."""
         lps = self.trace.prompt_logprobs
-        if self.comp.req.logprobs is None or lps is None:
+        if comp.req.logprobs is None or lps is None:
             return []
-        return list(zip(self.comp.prompt, lps))
+        return list(zip(comp.prompt, lps))
 
 
 class Completion:
@@ -226,14 +229,14 @@ class Completion:
         compute only the prompt's last partial block, not n copies of the prompt (on
         the same prefill worker; the router does not yet route by prefix)."""
         if len(self.choices) == 1:
-            async for text, lps in self.choices[0].run():
+            async for text, lps in self.choices[0].run(self):
                 yield 0, text, lps
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: Choice) -> None:
             try:
-                async for text, lps in choice.run():
+                async for text, lps in choice.run(self):
                     queue.put_nowait((choice.index, text, lps))
             except Exception as exc:    # (cancellation passes: nobody is listening)
                 queue.put_nowait((choice.index, exc, None))
@@ -250,7 +253,10 @@ class Completion:
                 if text is _END:
                     live -= 1
                 elif isinstance(text, Exception):
-                    raise text
+                    try:
+                        raise text
+                    finally:    # the traceback holds this frame: no cycle through it
+                        text = None
                 else:
                     yield index, text, lps
         finally:
