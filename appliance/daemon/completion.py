@@ -1,5 +1,5 @@
 """One OpenAI generation request in flight: its prompt, its choices, and the response
-shapes (whole, or as SSE chunks). No aiohttp here: http.py moves the bytes.
+shapes (whole, or as SSE chunks). No aiohttp here: openai_routes.py moves the bytes.
 
 Each of a request's `n` choices is an engine request of its own (ids `R`, `R.1`, `R.2`…;
 seeds `seed`, `seed + 1`… so choice 0 is what n = 1 gives), running concurrently once

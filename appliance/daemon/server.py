@@ -9,14 +9,16 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from appliance.daemon import admin, admin_live, admin_plan, admin_usage, admin_workflows, http
+from appliance.daemon import (
+    admin, admin_live, admin_plan, admin_usage, admin_workflows, openai_routes,
+)
 from appliance.daemon.auth import guard
 from appliance.daemon.responses import SERVICE, errors_as_json, stamp_request_id
 
 if TYPE_CHECKING:
     from appliance.daemon.app import Service
 
-SURFACES = (http, admin, admin_live, admin_plan, admin_usage, admin_workflows)
+SURFACES = (openai_routes, admin, admin_live, admin_plan, admin_usage, admin_workflows)
 
 
 def build_app(svc: Service, max_body_bytes: int) -> web.Application:
