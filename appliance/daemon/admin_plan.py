@@ -19,7 +19,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from appliance.config import parse_duration
 from appliance.daemon.auth import require_admin
-from appliance.daemon.openai_api import ApiError
+from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import SERVICE, json_response
 
 log = logging.getLogger("applianced.planner")

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from appliance.accounting import reports
 from appliance.daemon.auth import CALLER, Caller, require_admin
-from appliance.daemon.openai_api import ApiError
+from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import SERVICE, json_response
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from appliance.daemon.auth import require_admin
-from appliance.daemon.openai_api import ApiError
+from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import SERVICE, json_response
 from appliance.workflows.journal import NotFound, Refused
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 import orjson
 
 from appliance.accounting.records import RequestRecord
-from appliance.daemon.openai_api import ApiError, GenerationRequest, bad, usage
+from appliance.daemon.openai_protocol import ApiError, GenerationRequest, bad, usage
 from appliance.daemon.router import Trace
 from appliance.daemon.tokenizer import PromptTooLong, ServedTokenizer, StopMatcher
 

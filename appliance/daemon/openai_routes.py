@@ -15,7 +15,7 @@ import orjson
 from aiohttp import web
 
 from appliance.daemon.completion import Completion
-from appliance.daemon.openai_api import ApiError
+from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import (
     RETRY_AFTER_S, SERVICE, error_response, json_response, request_id,
 )

@@ -8,7 +8,7 @@ import logging
 import orjson
 from aiohttp import web
 
-from appliance.daemon.openai_api import ApiError
+from appliance.daemon.openai_protocol import ApiError
 
 log = logging.getLogger("applianced.http")
 
