@@ -31,7 +31,7 @@ from appliance.daemon.auth import Auth
 from appliance.daemon.control import Control, kill_orphans
 from appliance.daemon.metrics import Metrics
 from appliance.daemon.prepare import PreparePool
-from appliance.daemon.protocol import ApplianceRunner
+from appliance.daemon.http_parser_errors import ApplianceRunner
 from appliance.daemon.router import Router
 from appliance.daemon.server import build_app
 from appliance.daemon.tokenizer import ServedTokenizer

@@ -28,7 +28,7 @@ def request_id(request: web.Request) -> str:
 async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
     """`on_response_prepare`: every response that leaves through the app (handlers, errors
     of the middlewares, aiohttp's own 404/405) carries `X-Request-Id`. Failures of the
-    HTTP parser never reach the app; `protocol.JsonErrorProtocol` stamps those."""
+    HTTP parser never reach the app; `http_parser_errors.JsonErrorProtocol` stamps those."""
     if "X-Request-Id" not in response.headers:
         response.headers["X-Request-Id"] = request_id(request)
 
