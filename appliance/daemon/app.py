@@ -26,7 +26,7 @@ from aiohttp import web
 from appliance import __version__
 from appliance.accounting.records import LogSink, RecordSink
 from appliance.config import Config
-from appliance.daemon import chargeback, systemd
+from appliance.daemon import accounting_link, systemd
 from appliance.daemon.auth import Auth
 from appliance.daemon.control import Control, kill_orphans
 from appliance.daemon.metrics import Metrics
@@ -295,7 +295,7 @@ class Service:
         self.prepare_pool = PreparePool(setup.model_dir, tokenizer=self.tokenizer,
                                         inline_bytes=cfg.server.prepare_inline_bytes)
         self.sink = sink or LogSink(enabled=cfg.server.log_requests)
-        self.accountant = None          # chargeback.attach sets it (accounting enabled)
+        self.accountant = None          # accounting_link.attach sets it (accounting enabled)
         self.pool = WorkerPool(setup.specs, self._on_iteration,
                                backoff_s=cfg.workers.restart_backoff_s,
                                backoff_max_s=cfg.workers.restart_backoff_max_s,
@@ -514,7 +514,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     svc.pool.ready_listeners.append(
         lambda w: journal.worker_started(w.id, w.proc.pid, list(w.spec.devices)))
     try:
-        accountant = await chargeback.attach(svc, state_dir)
+        accountant = await accounting_link.attach(svc, state_dir)
     except ValueError as exc:   # a bad carbon intensity file, an unusable ledger
         raise StartupError(str(exc)) from None
     phase = ["loading"]
