@@ -108,7 +108,7 @@ def _config(args):
 
 def cmd_serve(args) -> int:
     from appliance import config
-    from appliance.daemon.app import serve
+    from appliance.daemon.main import serve
     cfg = _config(args)
     return serve(cfg, config.state_dir(cfg, args.state_dir))
 

@@ -19,7 +19,7 @@ from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import SERVICE
 
 if TYPE_CHECKING:
-    from appliance.daemon.app import Service
+    from appliance.daemon.service import Service
 
 MIN_INTERVAL_S = 0.25
 MAX_INTERVAL_S = 1.0

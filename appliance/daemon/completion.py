@@ -19,7 +19,7 @@ from appliance.daemon.router import Trace
 from appliance.daemon.tokenizer import PromptTooLong, ServedTokenizer, StopMatcher
 
 if TYPE_CHECKING:
-    from appliance.daemon.app import Service
+    from appliance.daemon.service import Service
 
 _END = object()
 # Normalizers (NFC and the like) can shorten a text before it is tokenized; the cost bound

@@ -1,9 +1,11 @@
-"""What every route shares: the service key, JSON responses, and the middleware that
-turns every failure into OpenAI-shaped JSON (the traceback goes to the log, never out)."""
+"""What every route shares: the app keys through which handlers reach the service and
+its subsystems, JSON responses, and the middleware that turns every failure into
+OpenAI-shaped JSON (the traceback goes to the log, never out)."""
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
@@ -12,7 +14,17 @@ from appliance.daemon.openai_protocol import ApiError
 
 log = logging.getLogger("applianced.http")
 
-SERVICE = web.AppKey("service", object)
+if TYPE_CHECKING:
+    from appliance.daemon.accounting_link import AccountingLink
+    from appliance.daemon.service import Service
+    from appliance.planner.planner import Planner
+    from appliance.workflows.engine import WorkflowEngine
+
+# What a handler uses, set once by `server.build_app` from what `daemon.main` built.
+SERVICE: web.AppKey[Service] = web.AppKey("service")
+WORKFLOWS: web.AppKey[WorkflowEngine] = web.AppKey("workflows")
+PLANNER: web.AppKey[Planner | None] = web.AppKey("planner")           # None: not built
+ACCOUNTING: web.AppKey[AccountingLink | None] = web.AppKey("accounting")   # None: off
 RETRY_AFTER_S = "1"
 
 

@@ -155,7 +155,7 @@ class GroupView:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerView:
+class WorkerRow:
     worker: str
     role: str
     state: str                        # up | restarting | down (or the daemon's own word)
@@ -212,7 +212,7 @@ class Overview:
     itl_p50: float | None
     itl_p99: float | None
     groups: tuple[GroupView, ...]
-    workers: tuple[WorkerView, ...]
+    workers: tuple[WorkerRow, ...]
 
     def group(self, name: str) -> GroupView | None:
         return next((g for g in self.groups if g.name == name), None)
@@ -315,7 +315,7 @@ def overview_from_status(status: dict, history: "History | None" = None) -> Over
     source_words += [d.source for d in devices if d.source]
     simulated = bool(status.get("simulated")) or any(d.simulated for d in devices) \
         or "simulated" in source_words
-    workers = tuple(WorkerView(
+    workers = tuple(WorkerRow(
         worker=text(w.get("worker"), "?"), role=text(w.get("role"), "?"),
         state=WORKER_STATES.get(str(w.get("state")), text(w.get("state"))),
         restarts=_int(w.get("restarts")), pid=_int(w.get("pid")), devices=_worker_devices(w),
