@@ -13,6 +13,9 @@ BELOW = {
     # The planner gets callables from the daemon; it never speaks HTTP itself.
     "planner": ("appliance.daemon", "appliance.commands", "appliance.cli", "appliance.tui",
                 "aiohttp", "urllib.request", "http.client"),
+    # The console's view models are computed from JSON alone: no widgets, no HTTP.
+    "tui/views": ("textual", "appliance.tui.screens", "appliance.tui.app", "appliance.tui.feed",
+                  "aiohttp", "urllib.request", "http.client", "httpx"),
 }
 
 
