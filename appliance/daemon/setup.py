@@ -1,10 +1,10 @@
 """What to run, decided before any process starts: config + devices -> worker specs.
 
 Pure functions of the config, the machine's devices and the model directory (and the
-device profiles under the state dir, for `engine.max_batch_tokens = 0`); no process, no
-event loop. `applianced devices` prints what `plan_setup` decides; the daemon
-(`daemon.main`) starts the workers it lists; a workflow's `Control` derives a restarted
-worker's spec here too, so a worker started later gets what it would have got at start-up.
+device profiles under the state dir, for `engine.max_batch_tokens = 0`); no event loop,
+and no process but the one-off generation of the default model. The daemon (`daemon.main`) starts the workers `plan_setup` lists; a
+workflow's `Control` derives a restarted worker's spec here too (`specs_for_plan`), so a
+worker started later gets what it would have got at start-up.
 """
 from __future__ import annotations
 
