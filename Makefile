@@ -1,4 +1,5 @@
 # Quick start: `make serve` (install + run the daemon), `make test` (install + run the tests).
+# `make docs` builds the manual (docs/) into site/ in strict mode.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -9,13 +10,13 @@ DESTDIR ?=
 BINARY := dist/applianced/applianced
 SOURCES := $(shell find appliance packaging -name '*.py' -o -name '*.tcss' -o -name '*.spec')
 
-.PHONY: serve test bench bench-serving binary install promtool clean
+.PHONY: serve test docs bench bench-serving binary install promtool clean
 
 # The CPU build of torch first: a bare `torch` from an index is a multi-GB CUDA build.
 $(DEPS): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,docs]'
 	touch $@
 
 serve: $(DEPS)
@@ -25,6 +26,11 @@ serve: $(DEPS)
 # build older than the sources is rebuilt first so they never test stale code.
 test: $(DEPS) promtool $(if $(wildcard $(BINARY)),binary)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The manual as a static site (MkDocs, Material theme). Strict: a broken link or anchor,
+# or a page missing from mkdocs.yml's nav, fails the build (tests/test_docs.py runs it too).
+docs: $(DEPS)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # promtool checks and unit-tests deploy/prometheus/ (and the fleet test runs a real
 # Prometheus): Debian's `prometheus` package, installed here when missing and root.
@@ -51,6 +57,7 @@ install: $(BINARY)
 	mkdir -p $(DESTDIR)/opt
 	cp -a dist/applianced $(DESTDIR)/opt/applianced.new
 	install -m 644 README.md $(DESTDIR)/opt/applianced.new/README.md
+	cp -r docs $(DESTDIR)/opt/applianced.new/docs        # the manual's pages, beside the README
 	rm -rf $(DESTDIR)/opt/applianced.old
 	if [ -e $(DESTDIR)/opt/applianced ]; then mv $(DESTDIR)/opt/applianced $(DESTDIR)/opt/applianced.old; fi
 	mv $(DESTDIR)/opt/applianced.new $(DESTDIR)/opt/applianced
@@ -62,7 +69,7 @@ install: $(BINARY)
 	install -D -m 644 systemd/applianced.sysusers $(DESTDIR)/usr/lib/sysusers.d/applianced.conf
 	install -d -m 755 $(DESTDIR)/etc/applianced
 	test -e $(DESTDIR)/etc/applianced/config.toml || \
-	  $(BIN)/python packaging/default_config.py README.md > $(DESTDIR)/etc/applianced/config.toml
+	  $(BIN)/python packaging/default_config.py docs/configuration.md > $(DESTDIR)/etc/applianced/config.toml
 	install -d -m 750 $(DESTDIR)/var/lib/applianced
 	$(DESTDIR)/opt/applianced/applianced model ensure-default $(DESTDIR)/var/lib/applianced
 	if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then \
@@ -75,4 +82,4 @@ bench-serving: $(DEPS)
 	$(BIN)/python bench/bench_serving.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache build dist
+	rm -rf $(VENV) *.egg-info .pytest_cache build dist site

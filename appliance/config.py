@@ -105,6 +105,15 @@ class SiteConfig:
     carbon_intensity: float = 480.0
     carbon_intensity_file: str = ""   # Electricity Maps-style CSV or JSON time series; "" = static
     carbon_intensity_kind: str = "average"   # average | marginal (what the figures mean)
+    # Market-based factor in gCO2e/kWh (supplier contracts, certificates: GHG Protocol
+    # Scope 2). Reported as a second column beside the location-based figures, never
+    # mixed into SCI. -1 = none stated (no market-based column).
+    carbon_intensity_market: float = -1.0
+    # Power of the node beyond its accelerator boards (CPUs, memory, NICs, fans), in W:
+    # what the boards' energy counters do not see. A DGX H100 is rated ~10.2 kW for
+    # 8 × 700 W = 5.6 kW of GPUs, so ~4.6 kW at full load; state yours (0 = not counted).
+    # Allocated with the idle/static share and shown as its own component.
+    node_overhead_w: float = 0.0
     # Per device model (catalogue name, or "cpu"): embodied kgCO2e and lifetime in years;
     # unset = the catalogue's defaults.
     embodied_kgco2e: dict[str, float] = field(default_factory=dict)
@@ -121,6 +130,12 @@ class AccountingConfig:
     # $ per device-hour by device model (catalogue name or "cpu"); unset = the catalogue's.
     usd_per_gpu_hour: dict[str, float] = field(default_factory=dict)
     usd_per_kwh: float = 0.0          # energy price on top of the device price; 0 = none
+    currency: str = "USD"             # ISO 4217 code of every price here and every report
+    # Versioned rate cards (docs/operations/allocation-and-carbon.md): a list of tables
+    # { effective = "2027-01-01T00:00:00Z", per_device_hour = { "H100-SXM" = 3.2 },
+    #   per_kwh = 0.15 }, each in force from `effective` until the next; what a card does
+    # not name keeps the previous card's (the first: the two keys above).
+    rate_cards: list = field(default_factory=list, metadata={"tables": True})
     calibration_min_iterations: int = 50   # per model x device x phase before weights are fitted
     retention_days: float = 90.0      # request and window rows; 0 = keep forever
     rollup_retention_days: float = 730.0   # hour/day rollups; 0 = keep forever
@@ -224,6 +239,10 @@ def _fill(obj, data: dict, prefix: str):
             if not isinstance(value, dict):
                 raise ConfigError(f"config: {path} must be a table")
             setattr(obj, key, dict(value))
+        elif isinstance(current, list) and fields[key].metadata.get("tables"):
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                raise ConfigError(f"config: {path} must be a list of tables")
+            setattr(obj, key, [dict(v) for v in value])
         elif isinstance(current, list):
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ConfigError(f"config: {path} must be a list of strings")
@@ -343,10 +362,68 @@ def _validate_accounting(cfg: Config) -> None:
                        ("accounting.calibration_min_iterations", acc.calibration_min_iterations)]:
         if value < 0:
             raise ConfigError(f"config: {key} must be 0 or more, got {value}")
+    if not (site.carbon_intensity_market == -1.0 or site.carbon_intensity_market >= 0):
+        raise ConfigError("config: site.carbon_intensity_market must be 0 or more (gCO2e/kWh), "
+                          f"or -1 for none, got {site.carbon_intensity_market}")
+    if site.node_overhead_w < 0:
+        raise ConfigError(f"config: site.node_overhead_w must be 0 or more, got {site.node_overhead_w}")
+    if not re.fullmatch(r"[A-Z]{3}", acc.currency):
+        raise ConfigError(f"config: accounting.currency must be an ISO 4217 code such as USD or "
+                          f"EUR, got {acc.currency!r}")
+    acc.rate_cards = [_rate_card(i, c) for i, c in enumerate(acc.rate_cards)]
+    starts = [c["effective"] for c in acc.rate_cards]
+    if len(set(starts)) != len(starts):
+        raise ConfigError("config: accounting.rate_cards: two cards have the same effective time")
     if bud.period not in ("day", "week", "month"):
         raise ConfigError(f"config: budgets.period must be day, week or month, got {bud.period!r}")
     for name in ("gpu_hours", "usd", "kgco2e"):
         _number_table(f"budgets.{name}", getattr(bud, name))
+
+
+def _instant(value) -> float:
+    """A TOML date, datetime (naive = UTC) or ISO 8601 string -> unix seconds."""
+    import datetime as dt
+    if isinstance(value, dt.datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)).timestamp()
+    if isinstance(value, dt.date):
+        return dt.datetime(value.year, value.month, value.day, tzinfo=dt.timezone.utc).timestamp()
+    if isinstance(value, str):
+        t = dt.datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+        return (t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)).timestamp()
+    raise ValueError(value)
+
+
+def _rate_card(i: int, card: dict) -> dict:
+    """One `[[accounting.rate_cards]]` entry, checked: {effective: unix s,
+    per_device_hour: {model: price}, per_kwh: price or None}."""
+    key = f"accounting.rate_cards[{i}]"
+    if "effective" in card and isinstance(card["effective"], float) and set(card) <= {
+            "effective", "per_device_hour", "per_kwh"} and isinstance(
+            card.get("per_device_hour", {}), dict):
+        return card                     # already checked (validate runs once per parse)
+    unknown = set(card) - {"effective", "per_device_hour", "per_kwh"}
+    if unknown:
+        raise ConfigError(f"config: unknown key {key}.{sorted(unknown)[0]} "
+                          "(known here: effective, per_device_hour, per_kwh)")
+    if "effective" not in card:
+        raise ConfigError(f"config: {key} needs effective (the date it holds from, e.g. "
+                          '"2027-01-01T00:00:00Z")')
+    try:
+        effective = _instant(card["effective"])
+    except (ValueError, TypeError):
+        raise ConfigError(f"config: {key}.effective must be a date or time (ISO 8601), "
+                          f"got {card['effective']!r}") from None
+    prices = card.get("per_device_hour", {})
+    if not isinstance(prices, dict):
+        raise ConfigError(f"config: {key}.per_device_hour must be a table of device model = price")
+    prices = dict(prices)
+    _number_table(f"{key}.per_device_hour", prices, positive=False)
+    kwh = card.get("per_kwh")
+    if kwh is not None:
+        if isinstance(kwh, bool) or not isinstance(kwh, (int, float)) or kwh < 0:
+            raise ConfigError(f"config: {key}.per_kwh must be a number, 0 or more, got {kwh!r}")
+        kwh = float(kwh)
+    return {"effective": effective, "per_device_hour": prices, "per_kwh": kwh}
 
 
 def parse(text: str, origin: str = "config") -> Config:

@@ -4,7 +4,7 @@ check and the console's idle CPU.
     .venv/bin/python bench/bench_tui.py                 # ~1 min: starts a sim:8xH100 daemon
     .venv/bin/python bench/bench_tui.py --url URL       # against a running daemon
     .venv/bin/python bench/bench_tui.py --size 200x60 --seconds 30
-    .venv/bin/python bench/bench_tui.py --capture docs/tui-overview.txt   # the README's capture
+    .venv/bin/python bench/bench_tui.py --capture docs/tui-overview.txt   # the manual's capture
 
 1. Starts the console at the given size and waits for its first screen to show PREFILL,
    DECODE, the eight devices, SIMULATED and a ratio `N:1` (a few seconds of mixed load

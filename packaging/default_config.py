@@ -1,9 +1,10 @@
-"""Write the default /etc/applianced/config.toml: the README's configuration block with
-every line commented out. The daemon runs on its built-in defaults, and the operator sees
-every key, its default and what it means in one place; uncommenting a line changes one
-setting. Generated from the README so the two cannot drift apart.
+"""Write the default /etc/applianced/config.toml: the manual's configuration block
+(docs/configuration.md) with every line commented out. The daemon runs on its built-in
+defaults, and the operator sees every key, its default and what it means in one place;
+uncommenting a line changes one setting. Generated from the manual so the two cannot
+drift apart.
 
-    python packaging/default_config.py README.md > config.toml
+    python packaging/default_config.py docs/configuration.md > config.toml
 """
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ HEADER = """\
 """
 
 
-def readme_config_block(readme: str) -> str:
-    section = readme.split("\n## Configuration", 1)[1]
-    match = re.search(r"```toml\n(.*?)```", section, re.S)
+def config_block(page: str) -> str:
+    """The first TOML block of the configuration page: every key at its default."""
+    match = re.search(r"```toml\n(.*?)```", page, re.S)
     if not match:
-        raise SystemExit("no ```toml block under '## Configuration' in the README")
+        raise SystemExit("no ```toml block in the configuration page")
     return match.group(1)
 
 
@@ -33,8 +34,8 @@ def commented(block: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    readme = Path(argv[1] if len(argv) > 1 else "README.md").read_text()
-    sys.stdout.write(commented(readme_config_block(readme)))
+    page = Path(argv[1] if len(argv) > 1 else "docs/configuration.md").read_text()
+    sys.stdout.write(commented(config_block(page)))
     return 0
 
 

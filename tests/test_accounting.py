@@ -97,7 +97,7 @@ def test_calibration_recovers_the_cost_model_and_bills_context():
         n = rng.randint(1, 4)
         es = [(f"p{i}.{j}", rng.randint(16, 2000), 0) for j in range(n)]
         es = [(r, new, new + rng.randint(0, 500)) for r, new, _ in es]
-        wall = 0.003 + sum(new * (p_tok + p_ctx * ctx) for _, new, ctx in es)
+        wall = 0.003 + sum(new * (p_tok + p_ctx * (ctx - new / 2)) for _, new, ctx in es)
         cal.observe("k", it("p", "prefill", T0, wall, ["g"], es))
         m = rng.randint(1, 64)
         ds = [(f"d{i}.{j}", 1, rng.randint(10, 4000)) for j in range(m)]
@@ -107,21 +107,29 @@ def test_calibration_recovers_the_cost_model_and_bills_context():
     assert w.calibrated
     assert w.p_tok == pytest.approx(p_tok, rel=1e-3) and w.p_ctx == pytest.approx(p_ctx, rel=1e-3)
     assert w.d_seq == pytest.approx(d_seq, rel=1e-3) and w.d_ctx == pytest.approx(d_ctx, rel=1e-3)
+    # the intercept is kept: the shared part of a step
+    assert w.p_c0 == pytest.approx(0.003, rel=1e-3) and w.d_c0 == pytest.approx(0.004, rel=1e-3)
+    shown = cal.describe()["k"]
+    assert shown["decode"]["c0_s"] == pytest.approx(0.004, rel=1e-3)
+    assert shown["prefill"]["status"] == shown["decode"]["status"] == "fit"
     assert w.weight("decode", 1, 4000) > 2 * w.weight("decode", 1, 10)
     # uncalibrated until both phases have enough steps
     assert not Calibration(10 ** 6).weights("k").calibrated
 
 
-def test_mixed_step_splits_by_each_entrys_own_kind():
-    weights = PhaseWeights(p_tok=1e-3, p_ctx=0.0, d_seq=1e-2, d_ctx=0.0, calibrated=True)
+def test_mixed_step_is_priced_as_one_prefill_pass_and_billed_per_entry_phase():
+    weights = PhaseWeights(p_tok=1e-3, p_ctx=0.0, d_seq=1e-2, d_ctx=0.0, calibrated=True,
+                           p_c0=0.03)
     cal = Calibration()
-    cal._fits["m|H100-SXM"] = weights
+    cal.weights = lambda key: weights           # a given fit, not one made from this step
     a = Attributor([DeviceInfo("g0", "H100-SXM", "gpu", False)], "m", 10.0, cal, start=T0)
-    # a 100-token prompt chunk (w = 0.1) with two decoding sequences (w = 0.01 each)
-    a.add(it("w", "mixed", T0 + 1, 1.2, ["g0"], [("P", 100, 100), ("D1", 1, 50), ("D2", 1, 70)]))
+    # a 100-token prompt chunk (m = 0.1) with two decoding sequences (m = 0.001 each, a
+    # 1-token chunk), c0 = 0.03 split three ways: Σ = 0.132, scaled to τ = 1.32
+    a.add(it("w", "mixed", T0 + 1, 1.32, ["g0"], [("P", 100, 100), ("D1", 1, 50), ("D2", 1, 70)]))
     (w,) = a.close_until(T0 + 10, None)
-    assert w.shares[("P", "prefill")][0] == pytest.approx(1.0)
-    assert w.shares[("D1", "decode")][0] == pytest.approx(0.1)
+    assert w.shares[("P", "prefill")][0] == pytest.approx(1.1)
+    assert w.shares[("D1", "decode")][0] == pytest.approx(0.11)
+    check_conserved([w])
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -298,11 +306,12 @@ def test_accountant_rows_conserve_and_report(tmp_path):
     assert tot["attributed_energy_joules"] + tot["idle_energy_joules"] + \
         tot["unattributed_energy_joules"] == pytest.approx(tot["measured_energy_joules"], rel=0.005)
     assert sum(r["gpu_seconds"] for r in rep["rows"]) == pytest.approx(tot["attributed_gpu_seconds"])
-    # allocation basis: the whole bill of the windows that had requests lands on tenants
-    # (g0's second window ran nothing: nobody to share its 10 s with)
+    # allocation basis: the whole bill of the query window lands on tenants (g0's second
+    # window ran nothing: its idle is shared over the window's usage too)
     price = 3.0 / 3600
     billed = sum(r["cost_allocation"] for r in rep["rows"])
-    assert billed == pytest.approx((tot["measured_gpu_seconds"] - 10.0) * price)
+    assert billed == pytest.approx(tot["measured_gpu_seconds"] * price, rel=0.005)
+    assert tot["capacity_cost"] == pytest.approx(tot["measured_gpu_seconds"] * price)
     assert sum(r["cost_usage"] for r in rep["rows"]) == pytest.approx(tot["attributed_gpu_seconds"] * price)
     by = {(r["tenant"], r["phase"]): r for r in rep["rows"]}
     assert by[("ta", "prefill")]["prompt_tokens"] == 10 and by[("ta", "prefill")]["output_tokens"] == 0
@@ -372,7 +381,7 @@ def test_ledger_recovers_unfinished_rows_and_counts_each_request_once(tmp_path):
     assert db.execute("SELECT count(*) FROM requests").fetchone() == (0,)
     (blob,) = db.execute("SELECT rows FROM pending").fetchone()
     db.close()
-    assert [r[0] for r in unpack_rows(blob)] == ["A"]
+    assert [r.request_id for r in unpack_rows(blob)] == ["A"]
     led = Ledger(tmp_path / "ledger.db", retention_days=0, rollup_retention_days=0)
     assert led.recovered == 1
     assert led.query("SELECT count(*), final, incomplete FROM requests") == [(1, 1, 1)]
@@ -390,7 +399,7 @@ def test_pending_blob_lives_until_its_last_request_is_final(tmp_path):
     db = sqlite3.connect(tmp_path / "ledger.db")
 
     def pending():
-        return sorted(r[0] for (blob,) in db.execute("SELECT rows FROM pending")
+        return sorted(r.request_id for (blob,) in db.execute("SELECT rows FROM pending")
                       for r in unpack_rows(blob))
 
     # A and B in one batch, C in the next
@@ -441,16 +450,16 @@ def test_many_rows_per_statement_write_every_row_and_keep_final_rows(tmp_path, n
     """The writer packs rows into multi-row statements (sizes 819, 64, 8, 1): every row of
     a batch lands whatever its count, a provisional and a final row of the same request
     in one batch leave the final one, and a final row is never overwritten."""
-    from appliance.accounting.ledger import REQUEST_COLUMNS, _REQ_CONFLICT, connect, write_rows
+    from appliance.accounting.ledger import (
+        REQUEST_COLUMNS, _REQ_CONFLICT, RequestRow, connect, write_rows,
+    )
     Ledger(tmp_path / "ledger.db").stop()          # the schema
     conn = connect(tmp_path / "ledger.db")
-    idx = {c: i for i, c in enumerate(REQUEST_COLUMNS)}
+    zero = RequestRow._make([0] * len(REQUEST_COLUMNS))
 
-    def row(i: int, final: int, gpu_s: float) -> tuple:
-        r = [0] * len(REQUEST_COLUMNS)
-        r[idx["request_id"]], r[idx["tenant"]] = f"R{i}", f"t{i % 3}"
-        r[idx["finish"]], r[idx["prefill_gpu_s"]], r[idx["final"]] = T0 + i, gpu_s, final
-        return tuple(r)
+    def row(i: int, final: int, gpu_s: float) -> RequestRow:
+        return zero._replace(request_id=f"R{i}", tenant=f"t{i % 3}", finish=T0 + i,
+                             prefill_gpu_s=gpu_s, final=final)
 
     batch = [row(i, 0, 0.0) for i in range(n)] + [row(i, 1, i + 0.5) for i in range(0, n, 2)]
     with conn:

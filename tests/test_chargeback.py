@@ -135,7 +135,18 @@ def test_two_tenants_on_simulated_h100s(daemon_factory, tmp_path):
         assert r["cost_allocation"] >= r["cost_usage"] >= 0
         assert (r["cost_usage"] > 0) == (r["gpu_seconds"] > 0)
     assert rows[("b", "decode")]["cost_usage"] == pytest.approx(
-        rows[("b", "decode")]["gpu_seconds"] * 3.0 / 3600, rel=1e-6)      # H100 at $3/h
+        rows[("b", "decode")]["gpu_seconds"] * 3.0 / 3600, rel=0.005)     # H100 at $3/h
+    # the allocation basis adds up to the devices' capacity cost of the query window
+    t = body["totals"]
+    assert t["capacity_cost"] == pytest.approx(t["measured_gpu_seconds"] * 3.0 / 3600, rel=1e-6)
+    assert sum(r["cost_allocation"] for r in body["rows"]) == \
+        pytest.approx(t["capacity_cost"], rel=0.005)
+    assert body["currency"] == "USD"
+    code, _, rates = get(d, "/admin/v1/rates")
+    assert code == 200 and rates["currency"] == "USD"
+    assert rates["cards"][0]["per_device_hour"] == {"H100-SXM": 3.0}
+    code, _, err = get(d, "/admin/v1/rates", KEY_A)
+    assert code == 403
     # B's 0.36 s budget: both thresholds crossed, once each, in the API, metric and log
     (bud,) = [x for x in body["budgets"] if x["tenant"] == "b"]
     assert [a["threshold"] for a in bud["alerts"]] == [0.8, 1.0] and bud["used_ratio"] > 1
@@ -161,9 +172,15 @@ def test_two_tenants_on_simulated_h100s(daemon_factory, tmp_path):
     code, _, carbon = get(d, "/admin/v1/carbon", group_by="site,tenant", since="1h")
     assert code == 200
     (cb,) = [r for r in carbon["rows"] if r["tenant"] == "b"]
-    assert cb["co2e_operational_grams"] == pytest.approx(
-        cb["energy_joules"] / 3.6e6 * 1.56 * 480.0, rel=1e-6)
-    assert cb["co2e_embodied_grams"] > 0
+    # all the devices' energy (idle included) × PUE × the static intensity is on the rows
+    ct = carbon["totals"]
+    assert ct["co2e_operational_grams"] == pytest.approx(
+        ct["energy_joules"] / 3.6e6 * 1.56 * 480.0, rel=1e-6)
+    assert sum(r["co2e_operational_grams"] for r in carbon["rows"]) == \
+        pytest.approx(ct["co2e_operational_grams"], rel=0.005)
+    assert cb["co2e_operational_grams"] > cb["energy_joules"] / 3.6e6 * 1.56 * 480.0
+    assert cb["co2e_embodied_grams"] > 0 and cb["co2e_complete"]
+    assert cb["provenance"]["basis"] == "location" and cb["co2e_market_operational_grams"] is None
     assert cb["provenance"]["energy"] == "estimated or simulated"
     assert cb["provenance"]["sources"] == ["static"] and cb["simulated"]
     assert cb["sci_grams_per_request"] == pytest.approx(cb["co2e_grams"] / 4)
@@ -182,11 +199,15 @@ def test_two_tenants_on_simulated_h100s(daemon_factory, tmp_path):
     lines = out.stdout.splitlines()
     assert lines[2].split()[0] == "b" and lines[3].split()[0] == "a", out.stdout
     assert "= measured" in out.stdout and "budget b gpu_hours per day" in out.stdout
+    assert "capacity cost" in out.stdout and "USD" in out.stdout
     assert "ALERT 80%,100%" in out.stdout and "[SIMULATED]" in out.stdout
     out = cli("usage", "--url", d.url, "--by", "tenant,phase", "--since", "1h", "--csv")
     assert out.stdout.splitlines()[0].startswith("tenant,model,phase,site,requests")
     out = cli("carbon", "--url", d.url, "--by", "site")
     assert out.returncode == 0 and "embodied" in out.stdout and "static average" in out.stdout
+    assert "SCI" in out.stdout and "node" in out.stdout
+    out = cli("rates", "--url", d.url)
+    assert out.returncode == 0 and "H100-SXM 3/h" in out.stdout and "USD" in out.stdout
     out = cli("usage", "--url", d.url, "--since", "last tuesday")
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and "not a time" in out.stderr
 
@@ -290,7 +311,7 @@ def test_kill_9_loses_at_most_the_last_batch(daemon_factory, tmp_path, victims):
     # blob stays until the last of its requests is final)
     final = set(ids)
     provisional = [r[0] for (blob,) in db.execute("SELECT rows FROM pending")
-                   for r in unpack_rows(blob) if r[0] not in final]
+                   for r in unpack_rows(blob) if r.request_id not in final]
     (blobs,) = db.execute("SELECT count(*) FROM pending").fetchone()
     db.close()
     ids += provisional

@@ -239,10 +239,15 @@ def test_sim_8xh100_partition_and_routing(daemon_factory, tiny_model):
     for t in threads:
         t.join(60)
     assert len(results) == 16 and all(r.usage.completion_tokens == 20 for r in results)
-    status = d.status()
-    used = {w["worker"]: w["iterations"] for w in status["workers"] if w["iterations"]}
-    assert sum(1 for w in used if w.startswith("prefill")) >= 2, used
-    assert sum(1 for w in used if w.startswith("decode")) >= 2, used
+    # Workers report their iteration counts with their stats (every 50 ms): wait for them.
+    def used(s):
+        return {w["worker"]: w["iterations"] for w in s["workers"] if w["iterations"]}
+
+    def spread(s):
+        u = used(s)
+        return (sum(1 for w in u if w.startswith("prefill")) >= 2
+                and sum(1 for w in u if w.startswith("decode")) >= 2)
+    d.wait_for(spread, timeout=10, what="two prefill and two decode workers used")
     d.wait_for(kv_idle, what="all sim workers idle")
 
 

@@ -32,9 +32,9 @@ def recorded_names() -> set[str]:
 
 
 def exported_series() -> set[str]:
-    """The appliance's series as the README's fleet section lists them (the contract)."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Fleet monitoring with Prometheus", 1)[1].split("\n## ", 1)[0]
+    """The appliance's series as the manual's fleet page lists them (the contract)."""
+    page = (ROOT / "docs" / "operations" / "fleet.md").read_text()
+    section = page.split("## Series each appliance exports", 1)[1].split("\n## ", 1)[0]
     names = set(re.findall(r"`(applianced_[a-z0-9_]+)[{`]", section))
     assert len(names) >= 15, names
     return names

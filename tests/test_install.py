@@ -1,6 +1,6 @@
 """`make install` into a DESTDIR: binary, units, sysusers file, default config and the
 generated model land in their FHS places; a second install keeps the operator's config.
-The commented default config is the README's block and parses to the defaults."""
+The commented default config is docs/configuration.md's block and parses to the defaults."""
 from __future__ import annotations
 
 import filecmp
@@ -22,8 +22,9 @@ sys.path.insert(0, str(ROOT / "packaging"))
 import default_config  # noqa: E402
 
 
-def test_default_config_is_the_readme_block_commented_out():
-    text = default_config.commented(default_config.readme_config_block((ROOT / "README.md").read_text()))
+def test_default_config_is_the_manual_block_commented_out():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    text = default_config.commented(default_config.config_block(page))
     assert config.parse(text, "default") == config.Config()        # as shipped: defaults
     lines = [line for line in text.splitlines() if line.strip()]
     body = lines[lines.index(next(line for line in lines if line.startswith("#state_dir"))):]
@@ -58,6 +59,7 @@ def check_install(dest: Path, tiny_model: Path) -> None:
     assert os.access(binary, os.X_OK)
     assert (dest / "opt/applianced/_internal").is_dir()
     assert (dest / "opt/applianced/README.md").is_file()     # the unit's Documentation=
+    assert (dest / "opt/applianced/docs/configuration.md").is_file()   # the manual beside it
     assert os.readlink(dest / "usr/local/bin/applianced") == "/opt/applianced/applianced"
     assert filecmp.cmp(dest / "etc/systemd/system/applianced.service", ROOT / "systemd/applianced.service")
     assert filecmp.cmp(dest / "etc/systemd/system/applianced.socket", ROOT / "systemd/applianced.socket")

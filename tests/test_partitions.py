@@ -645,3 +645,46 @@ def test_fake_handles_are_unhashable_pointers_like_pynvmls():
     assert fake.calls["nvmlDeviceGetMigMode"] == 1
     nvml.call("nvmlDeviceGetMigMode", nvml.call("nvmlDeviceGetHandleByIndex", 1))
     assert fake.calls["nvmlDeviceGetMigMode"] == 2      # the other GPU is still asked
+
+
+# ---- issue 24 §2: MIG and engines the plan cannot run ---------------------------------
+
+def test_mig_enabled_gpus_are_left_out_of_the_plan_with_one_warning(caplog):
+    gpus = [FakeGpu(mig=True)] + [FakeGpu(mig=False) for _ in range(3)] + [FakeGpu(mig=True)]
+    inv = inv_from(FakeNvml(topology=fake_nvml.all_nvlink(5), gpus=gpus))
+    with caplog.at_level("WARNING", logger="applianced.partitions"):
+        plan = plan_partition(inv, tp=1, mode="agg")
+    used = {d for s in plan.workers() for d in s.devices}
+    assert used == {"gpu1", "gpu2", "gpu3"}
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert one_line(warning) and warning.startswith("2 MIG-enabled GPUs excluded (gpu0, gpu4)")
+    assert warning in plan.reason
+    only_mig = inv_from(FakeNvml(gpus=[FakeGpu(mig=True), FakeGpu(mig=True)]))
+    with pytest.raises(PlanError) as err:
+        plan_partition(only_mig, tp=1, mode="disagg")
+    assert one_line(str(err.value)) and "no usable devices: 2 MIG-enabled GPUs" in str(err.value)
+
+
+def test_torch_engine_with_tp_above_1_is_refused_at_planning_time():
+    from appliance.partitions.plan import check_engine
+    plan2 = plan_partition(discover("sim:4xH100"), tp=2)
+    with pytest.raises(PlanError) as err:
+        check_engine(plan2, "torch")
+    assert one_line(str(err.value)) and "devices.tp = 2" in str(err.value)
+    check_engine(plan2, "trtllm")
+    check_engine(plan2, "sim")
+    check_engine(plan_partition(discover("sim:4xH100"), tp=1), "torch")
+
+
+def test_serve_refuses_torch_with_tp_2_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "appliance", "serve", "--devices", "sim:4xH100",
+                        "--tp", "2", "--engine", "torch", "--state-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, cwd=root,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("applianced:")]
+    assert len(lines) == 1 and "engine = torch runs one GPU per worker" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr

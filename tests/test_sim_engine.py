@@ -6,6 +6,8 @@ import time
 
 import pytest
 
+from appliance.engines import base
+from appliance.engines.base import HANDOFF_MARGIN_S
 from appliance.engines.messages import (
     Decode, IterationRecord, KvHandle, KvImported, Prefill, PrefillDone, RequestFailed,
     SamplingParams, Tokens,
@@ -153,11 +155,16 @@ def test_layout_mismatch_is_refused():
 def test_sweep_frees_orphaned_handoffs_after_timeout():
     p = engine("p0", handoff_timeout_s=30.0)
     p.add(Prefill("r1", prompt(40), SamplingParams(max_tokens=5), handoff=True))
-    p.step()
+    (done,) = of(p.step(), PrefillDone)
     assert p.stats().kv_blocks_handed_off == 3
-    p.sweep(time.time() + 1.0)                        # not yet expired
+    # The deadline travels in the handle, on the host-wide monotonic clock.
+    assert done.handle.expires_at == pytest.approx(time.monotonic() + 30.0, abs=5.0)
+    p.sweep(time.monotonic() + 1.0)                   # not yet expired
     assert p.stats().kv_blocks_handed_off == 3
-    p.sweep(time.time() + 31.0)
+    # Past the deadline but within the margin a decode worker may still be copying.
+    p.sweep(done.handle.expires_at + HANDOFF_MARGIN_S / 2)
+    assert p.stats().kv_blocks_handed_off == 3
+    p.sweep(done.handle.expires_at + HANDOFF_MARGIN_S + 0.01)
     st = p.stats()
     assert st.kv_blocks_handed_off == 0
     assert st.kv_blocks_free == 64
@@ -387,3 +394,76 @@ def test_chunked_prefill_in_the_simulator():
     while not done:
         done = of(pre.step(), PrefillDone)
     assert done[0].handle.num_tokens == 150 and pre.stats().kv_blocks_handed_off == 10
+
+
+def _handed_off(pre: SimEngine, rid: str, n: int = 40):
+    pre.add(Prefill(rid, prompt(n), SamplingParams(max_tokens=6), handoff=True))
+    (done,) = of(pre.step(), PrefillDone)
+    return done
+
+
+def test_decode_recomputes_an_import_past_its_deadline():
+    """Never copies blocks its source may have freed: past the deadline the prompt is
+    prefilled here instead; the source is told it may free (KvImported)."""
+    pre, dec = engine("p0", handoff_timeout_s=0.0), engine("d0")
+    done = _handed_off(pre, "r1")
+    copied = []
+    dec.import_kv = lambda seqs: copied.extend(seqs)
+    assert dec.add(Decode("r1", prompt(40), done.first_token, SamplingParams(max_tokens=6),
+                          done.handle)) == []
+    time.sleep(0.01)
+    events = dec.step()
+    assert copied == []
+    assert [(e.request_id, e.source_worker) for e in of(events, KvImported)] == [("r1", "p0")]
+    events += run_until_idle(dec)
+    toks, reasons = stream(events, "r1")
+    assert len(toks) == 5 and reasons[-1] == "length"   # the first token came from p0
+    phases = [e.phase for e in events if isinstance(e, IterationRecord)]
+    assert "prefill" in phases
+    st = dec.stats()
+    assert st.kv_recomputes == 1 and st.kv_blocks_free == 64
+
+
+def test_decode_discards_a_copy_that_ended_past_deadline_plus_margin(monkeypatch):
+    """The copy began before the deadline but ended after the source may have freed the
+    blocks (deadline + margin): the copied KV is thrown away and recomputed."""
+    pre, dec = engine("p0", handoff_timeout_s=30.0), engine("d0")
+    done = _handed_off(pre, "r1")
+    clock = [done.handle.expires_at - 1.0]
+    monkeypatch.setattr(base.time, "monotonic", lambda: clock[0])
+
+    def slow_copy(seqs):
+        clock[0] = done.handle.expires_at + HANDOFF_MARGIN_S + 0.5
+
+    dec.import_kv = slow_copy
+    dec.add(Decode("r1", prompt(40), done.first_token, SamplingParams(max_tokens=6),
+                   done.handle))
+    events = dec.step()
+    assert of(events, KvImported) and dec.stats().kv_recomputes == 1
+    assert dec.scheduler.waiting[0].request_id == "r1" and dec.scheduler.waiting[0].handle is None
+    # A copy that ends within the margin is kept.
+    dec2 = engine("d1")
+    done2 = _handed_off(pre, "r2")
+    clock[0] = done2.handle.expires_at - 1.0
+    dec2.import_kv = lambda seqs: clock.__setitem__(0, done2.handle.expires_at + 0.5)
+    dec2.add(Decode("r2", prompt(40), done2.first_token, SamplingParams(max_tokens=6),
+                    done2.handle))
+    dec2.step()
+    assert dec2.stats().kv_recomputes == 0 and dec2.scheduler.running
+
+
+def test_dead_source_recomputes_its_queued_imports_at_once():
+    pre, other = engine("p0"), engine("p1")
+    dec = engine("d0", max_seqs=1)
+    a, b, c = _handed_off(pre, "a"), _handed_off(pre, "b"), _handed_off(other, "c")
+    for d, src in ((a, "a"), (b, "b"), (c, "c")):
+        dec.add(Decode(src, prompt(40), d.first_token, SamplingParams(max_tokens=6), d.handle))
+    dec.step()                                       # a imported; b, c queued (max_seqs 1)
+    events = dec.detach_peer("p0")
+    assert [e.request_id for e in of(events, KvImported)] == ["b"]
+    waiting = {s.request_id: s.handle for s in dec.scheduler.waiting}
+    assert waiting["b"] is None and waiting["c"] is not None   # only p0's imports
+    events = run_until_idle(dec)
+    for rid in "abc":
+        assert stream(events, rid)[1][-1] == "length"
+    assert dec.stats().kv_recomputes == 1

@@ -387,3 +387,78 @@ def test_engine_uses_only_names_the_real_package_has():
     except (ImportError, OSError, RuntimeError) as exc:     # installed but no libcuda
         pytest.skip(f"tensorrt_llm does not import here: {exc}")
     assert api_drift(mods) == []
+
+
+# ---- release drift (issue 24 §3) -----------------------------------------------------
+
+def _greedy_old(sp) -> bool:
+    """`SamplingParams._greedy_decoding` of older releases (tensorrt_llm/sampling_params.py):
+    temperature is not looked at."""
+    return (not sp.use_beam_search and (sp.top_k is None or sp.top_k == 1)
+            and (sp.top_p is None or sp.top_p == 0.0))
+
+
+def _greedy_new(sp) -> bool:
+    """`SamplingParams.params_imply_greedy_decoding` of current releases."""
+    return (not sp.use_beam_search and (
+        (sp.temperature is None and sp.top_p is None and sp.top_k is None)
+        or sp.top_k == 1 or sp.top_p == 0.0 or sp.temperature == 0))
+
+
+def test_greedy_requests_are_top_k_1_on_every_release(build):
+    agg = build("agg")
+    agg.add(Prefill("g", PROMPT, SamplingParams(max_tokens=2, temperature=0.0), False))
+    agg.add(Prefill("p0", PROMPT, SamplingParams(max_tokens=2, top_p=0.0, top_k=7), False))
+    agg.add(Prefill("s", PROMPT, SamplingParams(max_tokens=2, temperature=0.7), False))
+    drive(agg, idle(agg))
+    g, p0, s = [sp for _, sp, _, _ in fake.LLM.instances[0].submitted]
+    for sp in (g, p0):
+        assert sp.top_k == 1 and sp.temperature is None and sp.top_p is None
+        assert _greedy_old(sp) and _greedy_new(sp)
+    assert not _greedy_old(s) and not _greedy_new(s) and s.temperature == 0.7
+    # What temperature=0 alone (with OpenAI's top_p=1) was on an older release: sampling.
+    assert not _greedy_old(fake.SamplingParams(temperature=0.0, top_p=1.0))
+
+
+def _stats(ts: str, latency_ms: float, **extra) -> dict:
+    return {"timestamp": ts, "iter": 1, "iterLatencyMS": latency_ms,
+            "inflightBatchingStats": {"numScheduledRequests": 1, "numContextRequests": 0,
+                                      "numGenRequests": 1}, **extra}
+
+
+def test_iteration_time_without_scheduler_mode_is_the_timestamp_gap(build):
+    """Older releases have no schedulerMode/hostStepTimeMS and may run the overlap
+    scheduler, whose iterLatencyMS spans two loops: the gap between consecutive stats'
+    timestamps is the iteration (capped by iterLatencyMS when the gap spans idle time)."""
+    agg = build("agg")
+    seq = [_stats("01-02-2026 10:00:00.000000", 41.0),
+           _stats("01-02-2026 10:00:00.020000", 40.0),
+           _stats("01-02-2026 10:00:05.000000", 39.0),    # 5 s idle before this one
+           _stats("01-02-2026 10:00:05.021000", 40.0)]
+    records = [r for r in (agg._on_stats(dict(st)) for st in seq) if r is not None]
+    assert [round(r.wall_s, 4) for r in records] == [0.020, 0.040, 0.021]
+    # Current releases say which scheduler ran: hostStepTimeMS under overlap.
+    agg2 = build("decode")
+    seq = [_stats("01-02-2026 10:00:00.000000", 41.0, schedulerMode="overlap",
+                  hostStepTimeMS=19.5),
+           _stats("01-02-2026 10:00:00.020000", 40.0, schedulerMode="overlap",
+                  hostStepTimeMS=20.0)]
+    (rec,) = [r for r in (agg2._on_stats(dict(st)) for st in seq) if r is not None]
+    assert rec.wall_s == pytest.approx(0.0195)
+    # Whole-second timestamps (no gap to measure): iterLatencyMS as it comes.
+    assert trtllm.iteration_seconds(_stats("01-02-2026 10:00:00", 33.0),
+                                    None) == pytest.approx(0.033)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_disaggregated_roles_refused_without_kv_transfer_timeout(build, monkeypatch, role):
+    fields = dict(fake.CacheTransceiverConfig.model_fields)
+    del fields["kv_transfer_timeout_ms"]
+    monkeypatch.setattr(fake.CacheTransceiverConfig, "model_fields", fields)
+    with pytest.raises(trtllm.TrtllmUnavailable) as err:
+        build(role)
+    msg = str(err.value)
+    assert "\n" not in msg and "kv_transfer_timeout_ms" in msg and "mode = agg" in msg
+    assert not fake.LLM.instances                    # refused before any LLM was built
+    build("agg")                                     # agg needs no transceiver
+    assert fake.LLM.instances[0].cache_transceiver_config is None

@@ -21,7 +21,7 @@ from appliance.accounting.attribution import (
 from appliance.accounting.budgets import Budgets, period_start
 from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon, operational_grams
 from appliance.accounting.cost import PriceBook
-from appliance.accounting.ledger import REQUEST_COLUMNS, Ledger
+from appliance.accounting.ledger import Ledger, WindowRow, co2e_of
 from appliance.accounting.records import RequestRecord
 from appliance.engines.messages import IterationRecord
 
@@ -74,9 +74,6 @@ class FinalRow:
     co2e_g: float
 
 
-_CO2E = slice(REQUEST_COLUMNS.index("prefill_co2e_op_g"), REQUEST_COLUMNS.index("decode_co2e_emb_g") + 1)
-
-
 class Accountant:
     def __init__(self, devices: list[DeviceInfo], model: str, site: Site, ledger: Ledger,
                  prices: PriceBook, embodied: EmbodiedCarbon, budgets: Budgets | None = None,
@@ -86,7 +83,7 @@ class Accountant:
                  window_s: float = 10.0, calibration_min_iterations: int = 50,
                  on_final: Callable[[FinalRow], None] | None = None,
                  on_budget: Callable[[list], None] | None = None, grace_s: float = GRACE_S,
-                 start: float | None = None):
+                 start: float | None = None, resumed: bool = False):
         self.site = site
         self.ledger = ledger
         self.prices = prices
@@ -101,7 +98,7 @@ class Accountant:
         self.on_final = on_final
         self.on_budget = on_budget
         self.calibration = Calibration(calibration_min_iterations)
-        self.attributor = Attributor(devices, model, window_s, self.calibration, start)
+        self.attributor = Attributor(devices, model, window_s, self.calibration, start, resumed)
         self._charges: dict[str, Charge] = {}
         self._finished: dict[str, RequestRecord] = {}
         self._by_finish: list[tuple[float, str]] = []        # heap: which to complete next
@@ -168,9 +165,10 @@ class Accountant:
     # ---- window -> requests ------------------------------------------------------
     def _apply(self, w: DeviceWindow) -> None:
         prices = self.prices
-        rate = prices.usd_per_hour(w.model) / 3600.0
+        # the rate card in force at the window; energy priced as facility energy (× PUE)
+        rate = prices.usd_per_hour(w.model, w.start) / 3600.0
         emb_rate = self.embodied.grams_per_second(w.model)
-        kwh_price = prices.usd_per_kwh / 3.6e6
+        kwh_price = prices.per_kwh(w.start) / 3.6e6 * self.site.pue
         spare_s = w.idle_gpu_s + w.unattributed_gpu_s
         spare_j = ((w.idle_j or 0.0) + (w.unattributed_j or 0.0)) if w.measured_j is not None else 0.0
         idle_cost = spare_s * rate + spare_j * kwh_price
@@ -202,7 +200,7 @@ class Accountant:
                 c.approximate |= approximate
                 c.simulated |= simulated
                 c.last_seen = end
-        self.ledger.put_window((
+        self.ledger.put_window(WindowRow(
             w.device, w.start, w.end, self.site.name, self.site.appliance, w.model,
             w.measured_gpu_s, w.attributed_gpu_s, w.idle_gpu_s, w.unattributed_gpu_s,
             w.measured_j, w.attributed_j, w.idle_j, w.unattributed_j, w.energy_source,
@@ -227,7 +225,7 @@ class Accountant:
         self.requests_final += 1
         if c is None:
             c = Charge()
-        co2e = sum(x or 0.0 for x in row[_CO2E])
+        co2e = co2e_of(row)
         v = c.v
         final = FinalRow(rec, (v[0], v[1]), (v[2], v[3]) if c.energy_known else (None, None),
                          v[4] + v[5], v[6] + v[7], co2e)
@@ -244,6 +242,8 @@ class Accountant:
                 self.on_budget(changed)
 
     def _row(self, rec: RequestRecord, c: Charge | None, final: bool) -> tuple:
+        """The request's row: `ledger.RequestRow`'s columns as a plain tuple (cheaper by
+        ~3 µs a request than the NamedTuple itself; see RequestRow)."""
         second = int(rec.arrival)
         if self._intensity[0] != second:
             i = self.site.intensity.at(rec.arrival)
@@ -291,7 +291,9 @@ class Accountant:
         return {"window_s": self.attributor.window_s, "windows_closed": self.windows_closed,
                 "cpu_s": {"windows": self.cpu_s, "ledger_writer": self.ledger.cpu_s},
                 "requests_final": self.requests_final, "pending": len(self._finished),
-                "late_iterations": self.attributor.late, "ledger": str(self.ledger.path),
+                "late_iterations": self.attributor.late,
+                "resumed_at": self.attributor.resumed_at,
+                "replayed_iterations": self.attributor.replayed, "ledger": str(self.ledger.path),
                 "ledger_error": self.ledger.error, "calibration": self.calibration.describe()}
 
 

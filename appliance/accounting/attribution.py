@@ -1,12 +1,17 @@
 """Who used the device: per-request, phase-aware GPU-seconds and joules inside batches.
 
 A continuous batch runs many requests in one iteration, so a device-second belongs to
-nobody in particular until we say how to split it. We split each iteration's wall time
-τ over its requests by weight w (`gpu_s[r] += τ·w[r]/Σw` per device), with weights that
-follow what the work costs: a prompt chunk costs per token plus an attention term that
-grows with the context, a decoding sequence costs a fixed share plus its context. The
-weights are fitted per model × device from the iteration records themselves
-(`Calibration`), so a long prompt is not billed like a thousand decode steps.
+nobody in particular until we say how to split it. A step's time τ is a shared part c0
+(the weight read, the launches: every entry in the step causes it alike) plus each
+entry's own marginal part m[r] (its tokens, its context), both fitted per served model ×
+device kind from the iteration records themselves (`Calibration`). Each entry gets
+
+    share[r] = (c0/n + m[r]) · τ / (c0 + Σm)
+
+the Shapley value of a fixed-plus-additive cost, scaled so the shares sum to τ exactly.
+Spreading c0 in proportion to m instead would bill a long-context sequence for weight
+reads it did not cause (measured: 4.7× per output token where the device's own cost
+differs by ~1.1×). docs/operations/chargeback-method.md has the method and its why.
 
 Time is cut into aligned windows per device. When a window closes, every device-second
 in it is one of three things, and they add up to what was there (the invariant the
@@ -16,7 +21,7 @@ ledger and every report keep):
 
 and the same for energy: idle = calibrated idle power × Δt (capped at the reading),
 active = the rest, spread over the window's iterations by wall time, then over each
-iteration's requests by weight; active energy in a window with no iteration (or with
+iteration's requests by the same shares; active energy in a window with no iteration (or with
 iterations that carried no request) is unattributed.
 """
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -102,11 +107,33 @@ def entry_phase(rec_phase: str, new_tokens: int) -> str:
 
 
 @dataclass(slots=True)
+class PhaseFit:
+    """One phase's fitted step-time model: τ ≈ c0 + k_tok·x1 + k_ctx·x2 (see Calibration).
+    `status` says how it was reached: "fit", "constrained" (the free fit had a negative
+    term, named in `note`; the least-squares fit without it is used), or "default"."""
+
+    c0: float = 0.0
+    k_tok: float = 1.0
+    k_ctx: float = 0.0
+    status: str = "default"
+    note: str = ""
+    samples: int = 0
+    rmse_s: float | None = None         # root-mean-square residual of the fit, seconds
+    mean_s: float | None = None         # mean step time of the fitted steps
+
+    @property
+    def calibrated(self) -> bool:
+        return self.status != "default"
+
+
+@dataclass(slots=True)
 class PhaseWeights:
-    """Seconds of device time each entry costs at the margin, in one unit for both phases
-    (so a mixed step can weigh a prompt chunk against a decoding sequence):
-    prefill w = new × (p_tok + p_ctx·context) = new × p_tok × (1 + a·context), a = p_ctx/p_tok;
-    decode  w = d_seq + d_ctx·context."""
+    """What a step costs, per phase, in seconds: the shared part `c0` of a step and each
+    entry's own (marginal) part:
+    prefill m = new × (p_tok + p_ctx·(context − new/2))   (a chunk's own attention triangle)
+    decode  m = d_seq + d_ctx·context.
+    The defaults (nothing fitted yet): no shared part, one prompt token weighs like one
+    decoding sequence, no context term."""
 
     p_tok: float = 1.0
     p_ctx: float = 0.0
@@ -114,72 +141,133 @@ class PhaseWeights:
     d_ctx: float = 0.0
     calibrated: bool = False
     samples: int = 0
+    p_c0: float = 0.0
+    d_c0: float = 0.0
 
     def weight(self, phase: str, new_tokens: int, context: int) -> float:
+        """An entry's marginal cost (its own part of a step)."""
         if phase == PREFILL:
-            return new_tokens * (self.p_tok + self.p_ctx * context)
+            return new_tokens * (self.p_tok + self.p_ctx * (context - new_tokens / 2))
         return self.d_seq + self.d_ctx * context
 
 
 DEFAULT_WEIGHTS = PhaseWeights()
 
 
-class Calibration:
-    """Least squares of iteration time on batch composition, per model × device × phase.
+def prefill_features(entries) -> tuple[float, float]:
+    """(Σnew, Σ new·(context − new/2)): a chunk of `new` tokens after `context − new`
+    cached ones attends to the cached ones and to its own earlier tokens, a triangle."""
+    x1 = x2 = 0.0
+    for _, new, ctx in entries:
+        x1 += new
+        x2 += new * (ctx - new / 2)
+    return x1, x2
 
-    prefill: τ ≈ c0 + p_tok·Σnew + p_ctx·Σ(new·context)
-    decode:  τ ≈ c0 + d_seq·n     + d_ctx·Σcontext
-    The intercept (per-step overhead) is not a weight: it is spread with the rest. Only
-    pure prefill and decode steps are fitted (mixed steps reuse both fits; kv_import is a
-    copy, not a model step). Until both phases have `min_iterations` steps, or when a fit
-    gives a non-positive per-token or per-sequence cost, the defaults hold (one prompt
-    token weighs like one decoding sequence, no context term).
+
+OUTLIER_FACTOR = 3.0    # a step this many times slower than the fit predicts is not fitted
+OUTLIER_SHARE = 0.1     # ... while such steps are fewer than this share of those fitted
+
+
+class Calibration:
+    """Least squares of iteration time on batch composition, per model × device kind ×
+    phase, intercept kept:
+
+    prefill: τ ≈ c0 + p_tok·Σnew + p_ctx·Σ new·(context − new/2)
+    decode:  τ ≈ c0 + d_seq·n    + d_ctx·Σcontext
+
+    c0 is the part of a step no entry causes more than another (the weight read, the
+    launches): the split gives each entry c0/n of it (the Shapley value of a
+    fixed-plus-additive cost). A mixed step (prompt chunks and one-token decodes) runs
+    one prefill pass, so it is fitted and priced with the prefill terms (a decoding
+    entry as a 1-token chunk); kv_import is a copy, not a model step, and is not fitted. A phase keeps the defaults until it has `min_iterations` steps. A fit with a
+    negative term never reaches the bill: the best least-squares fit without the
+    negative terms is used instead (exact non-negative least squares over three terms),
+    and `describe` says which term was dropped and why. A step more than
+    OUTLIER_FACTOR times slower than the current fit predicts (the OS or another process
+    held it up) is left out of the fit and counted, as long as such steps stay rare.
     """
 
     def __init__(self, min_iterations: int = 50):
         self.min_iterations = min_iterations
-        # (key, phase) -> [n, Σx1, Σx2, Σx1², Σx1x2, Σx2², Σy, Σx1y, Σx2y]
+        # (key, phase) -> [n, Σx1, Σx2, Σx1², Σx1x2, Σx2², Σy, Σx1y, Σx2y, Σy²]
         self._sums: dict[tuple[str, str], list[float]] = {}
         self._fits: dict[str, PhaseWeights] = {}
+        self._phase_fits: dict[tuple[str, str], PhaseFit] = {}
+        self._outliers: dict[tuple[str, str], int] = {}
         self._dirty: set[str] = set()
 
     def observe(self, key: str, rec: IterationRecord) -> None:
-        if rec.phase == PREFILL:
-            x1 = x2 = 0.0
-            for _, new, ctx in rec.entries:
-                x1 += new
-                x2 += new * ctx
-        elif rec.phase == DECODE:
+        if not rec.entries or rec.wall_s <= 0:
+            return
+        phase = rec.phase
+        if phase == PREFILL or phase == "mixed":    # one prefill pass either way
+            phase = PREFILL
+            x1, x2 = prefill_features(rec.entries)
+        elif phase == DECODE:
             x1 = float(len(rec.entries))
             x2 = float(sum(map(_CONTEXT, rec.entries)))
         else:
             return
-        if not rec.entries or rec.wall_s <= 0:
-            return
-        s = self._sums.get((key, rec.phase))
-        if s is None:
-            s = self._sums[(key, rec.phase)] = [0.0] * 9
         y = rec.wall_s
+        s = self._sums.get((key, phase))
+        if s is None:
+            s = self._sums[(key, phase)] = [0.0] * 10
+        f = self._phase_fits.get((key, phase))
+        if f is not None and f.calibrated and y > OUTLIER_FACTOR * (f.c0 + f.k_tok * x1 + f.k_ctx * x2):
+            # a step the OS or another process held up is not the device's cost model;
+            # unless so many are that the model itself has changed
+            n_out = self._outliers.get((key, phase), 0)
+            if n_out < OUTLIER_SHARE * s[0]:
+                self._outliers[(key, phase)] = n_out + 1
+                return
         s[0] += 1; s[1] += x1; s[2] += x2; s[3] += x1 * x1; s[4] += x1 * x2
-        s[5] += x2 * x2; s[6] += y; s[7] += x1 * y; s[8] += x2 * y
+        s[5] += x2 * x2; s[6] += y; s[7] += x1 * y; s[8] += x2 * y; s[9] += y * y
         self._dirty.add(key)
 
-    def _solve(self, s: list[float]) -> tuple[float, float] | None:
-        n, x1, x2, x11, x12, x22, y, x1y, x2y = s
+    def fit_phase(self, key: str, phase: str) -> PhaseFit:
+        s = self._sums.get((key, phase))
+        if s is None:
+            return PhaseFit()
+        n = int(s[0])
         if n < max(self.min_iterations, 3):
-            return None
-        a = np.array([[n, x1, x2], [x1, x11, x12], [x2, x12, x22]], dtype=float)
-        b = np.array([y, x1y, x2y], dtype=float)
-        # a touch of ridge: a feature that never varies (every decode batch of one
-        # sequence) must not make the system singular
-        a += np.diag([0.0, 1e-9 * max(a[1, 1], 1.0), 1e-9 * max(a[2, 2], 1.0)])
-        try:
-            _, k1, k2 = np.linalg.solve(a, b)
-        except np.linalg.LinAlgError:
-            return None
-        if not (math.isfinite(k1) and math.isfinite(k2)):
-            return None
-        return float(k1), max(float(k2), 0.0)
+            return PhaseFit(samples=n, note=f"{n} of {max(self.min_iterations, 3)} steps")
+        a = np.array([[s[0], s[1], s[2]], [s[1], s[3], s[4]], [s[2], s[4], s[5]]], dtype=float)
+        b = np.array([s[6], s[7], s[8]], dtype=float)
+        # Scale the columns so a touch of ridge means the same for each: a feature that
+        # never varies (every decode batch of one sequence) must not make it singular.
+        scale = np.sqrt(np.maximum(np.diag(a), 1e-300))
+        an = a / np.outer(scale, scale)
+        bn = b / scale
+        names = ("c0", "per-token" if phase == PREFILL else "per-sequence", "per-context")
+        best = None
+        for subset in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
+            idx = list(subset)
+            sub = an[np.ix_(idx, idx)] + np.eye(len(idx)) * 1e-10
+            try:
+                beta = np.linalg.solve(sub, bn[idx])
+            except np.linalg.LinAlgError:
+                continue
+            if not np.all(np.isfinite(beta)) or np.any(beta < 0):
+                continue
+            full = np.zeros(3)
+            full[idx] = beta / scale[idx]
+            sse = float(s[9] - 2 * full @ b + full @ a @ full)
+            if best is None or sse < best[0] - 1e-15 * max(s[9], 1e-300):
+                best = (sse, full, subset)
+            if subset == (0, 1, 2):
+                break                   # the free fit is non-negative: it is the fit
+        if best is None:
+            return PhaseFit(samples=n, note="no fit with non-negative terms")
+        sse, (c0, k1, k2), subset = best
+        if k1 <= 0 and k2 <= 0:
+            return PhaseFit(samples=n, note="no entry term left after dropping negative ones")
+        rmse = math.sqrt(max(sse, 0.0) / n)
+        if subset == (0, 1, 2):
+            return PhaseFit(float(c0), float(k1), float(k2), "fit", "", n, rmse, s[6] / n)
+        dropped = [names[i] for i in range(3) if i not in subset]
+        return PhaseFit(float(c0), float(k1), float(k2), "constrained",
+                        f"the free fit gave a negative {' and '.join(dropped)} term; "
+                        f"fitted without it", n, rmse, s[6] / n)
 
     def weights(self, key: str) -> PhaseWeights:
         if key in self._dirty:
@@ -188,28 +276,38 @@ class Calibration:
         return self._fits.get(key, DEFAULT_WEIGHTS)
 
     def _fit(self, key: str) -> PhaseWeights:
-        pre, dec = self._sums.get((key, PREFILL)), self._sums.get((key, DECODE))
-        fp = self._solve(pre) if pre else None
-        fd = self._solve(dec) if dec else None
-        if fp is None or fd is None or fp[0] <= 0:
+        fp = self._phase_fits[(key, PREFILL)] = self.fit_phase(key, PREFILL)
+        fd = self._phase_fits[(key, DECODE)] = self.fit_phase(key, DECODE)
+        if not fp.calibrated and not fd.calibrated:
             return DEFAULT_WEIGHTS
-        d_seq, d_ctx = fd
-        if d_seq <= 0 and d_ctx <= 0:
-            return DEFAULT_WEIGHTS
-        # A decoding sequence must always weigh something: a negative per-sequence cost
-        # (the intercept took it) is floored at a tenth of the context-1 cost.
-        d_seq = max(d_seq, 0.1 * (d_seq + d_ctx) if d_seq + d_ctx > 0 else 1e-9, 1e-12)
-        return PhaseWeights(fp[0], fp[1], d_seq, d_ctx, True, int(pre[0] + dec[0]))
+        if fp.calibrated and fd.calibrated:
+            return PhaseWeights(fp.k_tok, fp.k_ctx, fd.k_tok, fd.k_ctx, True,
+                                fp.samples + fd.samples, fp.c0, fd.c0)
+        # One phase fitted: it prices its own steps, the other keeps the defaults (a
+        # step is priced with one phase's terms only, so the units never meet).
+        f = fp if fp.calibrated else fd
+        if fp.calibrated:
+            return PhaseWeights(fp.k_tok, fp.k_ctx, 1.0, 0.0, True, f.samples, fp.c0, 0.0)
+        return PhaseWeights(1.0, 0.0, fd.k_tok, fd.k_ctx, True, f.samples, 0.0, fd.c0)
 
     def describe(self) -> dict[str, dict]:
+        """Per model × device kind: each phase's c0, per-token (per-sequence) and
+        per-context terms, how they were reached, and the fit's error."""
         out = {}
-        for key in {k for k, _ in self._sums}:
+        for key in sorted({k for k, _ in self._sums}):
             w = self.weights(key)
-            out[key] = {"calibrated": w.calibrated, "samples": w.samples,
-                        "prefill_s_per_token": w.p_tok, "prefill_s_per_token_context": w.p_ctx,
-                        "decode_s_per_seq": w.d_seq, "decode_s_per_context": w.d_ctx,
-                        "a": w.p_ctx / w.p_tok if w.p_tok else 0.0,
-                        "b": w.d_seq, "c": w.d_ctx}
+            model, _, device = key.rpartition("|")
+            entry = {"model": model, "device": device, "calibrated": w.calibrated,
+                     "samples": w.samples}
+            for phase, per in ((PREFILL, "s_per_token"), (DECODE, "s_per_seq")):
+                f = self._phase_fits.get((key, phase)) or self.fit_phase(key, phase)
+                entry[phase] = {"status": f.status, "note": f.note, "samples": f.samples,
+                                "c0_s": f.c0 if f.calibrated else None,
+                                per: f.k_tok if f.calibrated else None,
+                                "s_per_context": f.k_ctx if f.calibrated else None,
+                                "rmse_s": f.rmse_s, "mean_step_s": f.mean_s,
+                                "outliers": self._outliers.get((key, phase), 0)}
+            out[key] = entry
         return out
 
 
@@ -270,7 +368,8 @@ class Attributor:
     """
 
     def __init__(self, devices: list[DeviceInfo], model: str, window_s: float = 10.0,
-                 calibration: Calibration | None = None, start: float | None = None):
+                 calibration: Calibration | None = None, start: float | None = None,
+                 resumed: bool = False):
         import time
         self.devices = {d.id: d for d in devices}
         self.model = model
@@ -280,6 +379,11 @@ class Attributor:
         self.closed_until = self.started          # every window before this is closed
         self._windows: dict[int, list[tuple[IterationRecord, float]]] = {}
         self.late = 0                             # records that came after their window closed
+        # A restarted accounting process resumes where the ledger's windows end; the
+        # daemon replays its recent records, and what was accounted before is dropped.
+        self.resumed_at = self.started if resumed else None
+        self.worker_models: dict[str, str] = {}   # worker -> served model (else `model`)
+        self.replayed = 0                         # replayed records already accounted
 
     def _index(self, t: float) -> int:
         return int(t // self.window_s)
@@ -287,6 +391,15 @@ class Attributor:
     def add(self, rec: IterationRecord) -> None:
         start, end = rec.start, rec.start + rec.wall_s
         if start < self.closed_until:
+            if self.resumed_at is not None and start < self.resumed_at:
+                # replayed after a restart: the previous accounting process committed
+                # the windows before `resumed_at`; only the part after it is new here
+                if end <= self.resumed_at:
+                    self.replayed += 1
+                    return
+                start = self.resumed_at
+                self._file(rec, start, end, max(start, self.closed_until))
+                return
             # its window already closed: bill it to the first open one (with all of its
             # time; close_until caps busy time at capacity, so conservation still holds)
             self.late += 1
@@ -300,6 +413,14 @@ class Attributor:
             lo, hi = max(start, k * self.window_s), min(end, (k + 1) * self.window_s)
             if hi > lo:
                 self._windows.setdefault(k, []).append((rec, hi - lo))
+
+    def _file(self, rec: IterationRecord, start: float, end: float, open_from: float) -> None:
+        """File the part [start, end) of `rec`; a part before `open_from` (closed
+        windows) goes to the first open window."""
+        for k in range(self._index(start), self._index(end) + 1):
+            lo, hi = max(start, k * self.window_s), min(end, (k + 1) * self.window_s)
+            if hi > lo:
+                self._windows.setdefault(max(k, self._index(open_from)), []).append((rec, hi - lo))
 
     def spans_until(self, t: float, final: bool = False) -> list[tuple[int, float, float]]:
         """The windows `close_until(t, final)` would close, as (index, start, end), without
@@ -353,21 +474,38 @@ class Attributor:
         for dev_id, its in per_device.items():
             # a step spread over several devices (tensor parallel) is one observation, of
             # its first device's model; a window's list holds each step once
-            key = f"{self.model}|{self.devices[dev_id].model}"
+            kind = self.devices[dev_id].model
             for rec, _ in its:
                 if rec.devices[0] == dev_id:
-                    cal.observe(key, rec)
+                    cal.observe(self.key(rec.worker, kind), rec)
         out = []
         for dev_id, its in per_device.items():
             info = self.devices[dev_id]
-            out.append(self._device_window(info, t0, t1, dt, its, meter,
-                                           cal.weights(f"{self.model}|{info.model}")))
+            kind = info.model
+            out.append(self._device_window(
+                info, t0, t1, dt, its, meter,
+                lambda worker, kind=kind: cal.weights(self.key(worker, kind))))
         return out
+
+    def key(self, worker: str, device_model: str) -> str:
+        """Calibration key: the model `worker` serves × the device kind."""
+        return f"{self.worker_models.get(worker, self.model)}|{device_model}"
+
+    def serve(self, worker_models: dict[str, str], devices: list[DeviceInfo]) -> None:
+        """The partition or the served model changed: from now on each worker's steps
+        are fitted and priced under the model it serves (a swap starts new terms; the
+        old model's stay under its name), and devices the new partition adds are
+        accounted from the window they arrive in (the windows already closed did not
+        have them). A device the partition no longer uses stays accounted (idle): it is
+        still provisioned."""
+        self.worker_models = dict(worker_models)
+        for d in devices:
+            self.devices[d.id] = d
 
     @staticmethod
     def _device_window(info: DeviceInfo, t0: float, t1: float, dt: float,
                        its: list[tuple[IterationRecord, float]], meter: EnergyReader | None,
-                       weights: PhaseWeights) -> DeviceWindow:
+                       weights_of: Callable[[str], PhaseWeights]) -> DeviceWindow:
         measured = info.capacity * dt
         busy = sum(tau for _, tau in its)
         scale = measured / busy if busy > measured else 1.0   # clock jitter, late records
@@ -398,46 +536,58 @@ class Attributor:
         dec: dict[str, float] = {}
         attributed = unattributed = 0.0
         approximate = False
-        p_tok, p_ctx, d_seq, d_ctx = weights.p_tok, weights.p_ctx, weights.d_seq, weights.d_ctx
+        terms: dict[str, tuple] = {}            # worker -> its model's fitted terms
+        # share[r] = (c0/n + m[r]) · τ / (c0 + Σm): every entry carries an equal part of
+        # the step's shared cost and its own marginal part, scaled to the measured τ.
         for rec, tau in its:
+            t = terms.get(rec.worker)
+            if t is None:
+                w = weights_of(rec.worker)
+                t = terms[rec.worker] = (w.p_tok, w.p_ctx, w.d_seq, w.d_ctx, w.p_c0, w.d_c0)
+            p_tok, p_ctx, d_seq, d_ctx, p_c0, d_c0 = t
             tau *= scale
             approximate |= rec.approximate
             entries = rec.entries
             phase = rec.phase
+            n = len(entries)
             if phase == PREFILL:
-                ws = [new * (p_tok + p_ctx * ctx) for _, new, ctx in entries]
-                total = sum(ws)
-                if total <= 0:
+                ms = [new * (p_tok + p_ctx * (ctx - new / 2)) for _, new, ctx in entries]
+                total = p_c0 + sum(ms)
+                if total <= 0 or not n:
                     unattributed += tau
                     continue
                 k = tau / total
-                for (rid, _, _), w in zip(entries, ws):
+                fixed = p_c0 / n
+                for (rid, _, _), m in zip(entries, ms):
                     if "." in rid:
                         rid = rid.partition(".")[0]
-                    pre[rid] = pre.get(rid, 0.0) + w * k
-            elif phase != "mixed":          # decode, kv_import: Σw = n·d_seq + d_ctx·Σcontext
-                total = len(entries) * d_seq + d_ctx * sum(map(_CONTEXT, entries))
-                if total <= 0:
+                    pre[rid] = pre.get(rid, 0.0) + (fixed + m) * k
+            elif phase != "mixed":          # decode, kv_import: Σm = n·d_seq + d_ctx·Σcontext
+                total = d_c0 + n * d_seq + d_ctx * sum(map(_CONTEXT, entries))
+                if total <= 0 or not n:
                     unattributed += tau
                     continue
                 k = tau / total
-                k_seq, k_ctx = d_seq * k, d_ctx * k
+                k_seq, k_ctx = (d_c0 / n + d_seq) * k, d_ctx * k
                 for rid, _, ctx in entries:
                     if "." in rid:
                         rid = rid.partition(".")[0]
                     dec[rid] = dec.get(rid, 0.0) + k_seq + k_ctx * ctx
             else:
-                kinds = [entry_phase(phase, new) for _, new, _ in entries]
-                ws = [weights.weight(ph, new, ctx) for ph, (_, new, ctx) in zip(kinds, entries)]
-                total = sum(ws)
-                if total <= 0:
+                # a chunked-prefill pass: prompt chunks and one-token decodes run as one
+                # prefill kernel, so every entry is priced with the prefill fit and billed
+                # to its own phase
+                ms = [new * (p_tok + p_ctx * (ctx - new / 2)) for _, new, ctx in entries]
+                total = p_c0 + sum(ms)
+                if total <= 0 or not n:
                     unattributed += tau
                     continue
                 k = tau / total
-                for (rid, _, _), ph, w in zip(entries, kinds, ws):
+                fixed = p_c0 / n
+                for (rid, new, _), m in zip(entries, ms):
+                    acc = pre if new > 1 else dec
                     rid = request_of(rid)
-                    acc = pre if ph == PREFILL else dec
-                    acc[rid] = acc.get(rid, 0.0) + w * k
+                    acc[rid] = acc.get(rid, 0.0) + (fixed + m) * k
             attributed += tau
         j_per_s = None
         if energy is not None:

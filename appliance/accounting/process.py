@@ -76,6 +76,9 @@ class AccountingSpec:
     metered: bool = True                # the daemon has an energy meter to ask
     tick_s: float = 1.0
     grace_s: float = GRACE_S
+    # Set by the daemon when it restarts this process: resume at the end of the
+    # ledger's last window (the daemon replays its recent records), not at now.
+    resume: bool = False
 
 
 @dataclass(slots=True)
@@ -88,6 +91,15 @@ class Records:
     sent_at: float                      # every record the daemon had at this time is here
     frames: list[bytes]                 # worker frames (pickled event lists)
     requests: list[RequestRecord]
+
+
+@dataclass(slots=True)
+class Serving:
+    """The partition or the served model changed (a workflow): which model each worker
+    serves now, and the devices the plan uses (new ones are accounted from now on)."""
+
+    workers: dict[str, str]
+    devices: list[DeviceInfo]
 
 
 @dataclass(slots=True)
@@ -174,6 +186,28 @@ def take_lock(path: Path, timeout: float = LOCK_TIMEOUT_S):
             time.sleep(0.1)
 
 
+RESUME_MAX_S = 3600.0       # a ledger whose last window is older than this starts afresh
+
+
+def resume_point(ledger: Ledger, devices: list[str], now: float | None = None) -> float | None:
+    """Where a restarted accounting process picks up: the end of the last window the
+    previous one committed for every device (the earliest device's, should a commit have
+    split a tick), if it is recent. The windows it had not committed are closed again
+    here from the records the daemon replays; none is counted twice (a window closed
+    again replaces its row: same device, same start)."""
+    now = time.time() if now is None else now
+    marks = ", ".join("?" * len(devices))
+    try:
+        ((end,),) = ledger.query(
+            f'SELECT min(e) FROM (SELECT max("end") AS e FROM device_windows '
+            f'WHERE device IN ({marks}) GROUP BY device)', tuple(devices))
+    except Exception:
+        return None
+    if end is None or not (now - RESUME_MAX_S < end <= now):
+        return None
+    return float(end)
+
+
 class Host:
     """The accountant, fed from the socket, ticking on its own clock."""
 
@@ -187,11 +221,13 @@ class Host:
         self.ledger = Ledger(Path(spec.ledger_path), spec.flush_interval_s, spec.retention_days,
                              spec.rollup_retention_days)
         self.totals: dict[str, TenantUsage] = {}
+        start = resume_point(self.ledger, [d.id for d in spec.devices]) if spec.resume else None
         self.acc = Accountant(
             spec.devices, spec.model, spec.site, self.ledger, spec.prices, spec.embodied,
             budgets=spec.budgets, read_meter=self._read_meter if spec.metered else None,
             window_s=spec.window_s, calibration_min_iterations=spec.calibration_min_iterations,
-            on_final=self._final, grace_s=spec.grace_s)
+            on_final=self._final, grace_s=spec.grace_s, start=start,
+            resumed=start is not None)
         self.acc.load_budgets()
         self.ledger.start()
         self.records = 0
@@ -274,6 +310,8 @@ class Host:
                 break
             if isinstance(msg, Records):
                 self._take(msg)
+            elif isinstance(msg, Serving):
+                self.acc.attributor.serve(msg.workers, msg.devices)
             elif isinstance(msg, AskStatus):
                 self.asked = msg.n
                 self._send(self.report())

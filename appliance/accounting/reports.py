@@ -2,10 +2,11 @@
 `/admin/v1/carbon` return (the daemon only adds HTTP around them).
 
 Rows come from request rows (by the request's finish time); totals from the device
-windows (by window start), so over a span that covers whole windows, the rows'
-GPU-seconds add up to `attributed_gpu_seconds` and attributed + idle + unattributed =
-measured. Requests still waiting for their windows to close count with the figures
-they have so far.
+windows overlapping the query window (each clipped to it). Money and carbon are
+computed here, at query time (`allocation.py`): the rows' quantities are their usage,
+the device windows' capacity is the pot, and Σ rows' allocation (+ the `(idle)` row)
+= the devices' capacity cost of the window; the same for carbon. Requests still
+waiting for their windows to close count with the figures they have so far.
 """
 from __future__ import annotations
 
@@ -13,17 +14,20 @@ import csv
 import io
 import re
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from appliance.accounting.carbon import parse_time
+from appliance.accounting.allocation import Method, Pots, fractions, window_pots
+from appliance.accounting.carbon import EmbodiedCarbon, parse_time
+from appliance.accounting.cost import PriceBook
 from appliance.accounting.ledger import Ledger
 
 USAGE_DIMS = ("tenant", "model", "phase", "site")
 CARBON_DIMS = ("site", "tenant", "model")
 IDLE_TENANT = "(idle)"
 ROW_FIELDS = ("tenant", "model", "phase", "site", "requests", "prompt_tokens", "output_tokens",
-              "gpu_seconds", "energy_joules", "cost_usage", "cost_allocation", "co2e_grams",
-              "measured", "simulated")
+              "gpu_seconds", "energy_joules", "cost_usage", "cost_allocation", "currency",
+              "co2e_grams", "co2e_complete", "requests_without_energy", "measured", "simulated")
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -62,9 +66,10 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
+
 def _phase_select(phase: str) -> str:
     p = phase
-    return (f"{p}_gpu_s AS gpu_s, {p}_j AS j, {p}_cost_usage AS cu, {p}_cost_allocation AS ca, "
+    return (f"{p}_gpu_s AS gpu_s, {p}_j AS j, {p}_cost_usage AS cu, "
             f"{p}_co2e_op_g AS op, {p}_co2e_emb_g AS emb, '{p}' AS phase, "
             + ("prompt_tokens AS pt, 0 AS ot" if p == "prefill" else "0 AS pt, output_tokens AS ot"))
 
@@ -73,7 +78,6 @@ _BOTH = ("prefill_gpu_s + decode_gpu_s AS gpu_s, "
          "CASE WHEN prefill_j IS NULL AND decode_j IS NULL THEN NULL "
          "ELSE coalesce(prefill_j, 0) + coalesce(decode_j, 0) END AS j, "
          "prefill_cost_usage + decode_cost_usage AS cu, "
-         "prefill_cost_allocation + decode_cost_allocation AS ca, "
          "CASE WHEN prefill_co2e_op_g IS NULL AND decode_co2e_op_g IS NULL THEN NULL "
          "ELSE coalesce(prefill_co2e_op_g, 0) + coalesce(decode_co2e_op_g, 0) END AS op, "
          "prefill_co2e_emb_g + decode_co2e_emb_g AS emb, NULL AS phase, "
@@ -90,67 +94,218 @@ def _source(by_phase: bool, where: str) -> str:
     return f"SELECT {_BASE}, {_BOTH} FROM requests WHERE {where}"
 
 
-def _where(since: float, until: float, tenant: str | None) -> tuple[str, tuple]:
-    where, args = "finish >= ? AND finish < ?", (since, until)
-    if tenant is not None:
-        where += " AND tenant = ?"
-        args += (tenant,)
-    return where, args
+def default_method(idle_policy: str = "share") -> Method:
+    return Method(PriceBook({}, 0.0, idle_policy), EmbodiedCarbon({}, {}))
 
 
-def totals(ledger: Ledger, since: float, until: float) -> dict:
+@dataclass
+class _Group:
+    """One report row before pricing: its quantities and its usage weights."""
+
+    dims: dict
+    requests: int
+    pt: int
+    ot: int
+    gpu_s: float
+    j: float | None
+    j_null: int                 # requests (or request phases) without an energy reading
+    w_cost: float
+    w_op: float
+    w_emb: float
+    measured: bool
+    simulated: bool
+    imin: float | None = None
+    imax: float | None = None
+    sources: str = ""
+    kinds: str = ""
+    estimated: bool = False
+    # its shares of the pots, filled by _shares
+    f_cost: float = 0.0
+    f_op: float = 0.0
+    f_emb: float = 0.0
+
+
+def _groups(ledger: Ledger, dims: list[str], since: float, until: float) -> list[_Group]:
+    """Request rows that finished in [since, until), grouped by `dims` and always by
+    tenant (a tenant's own view needs every tenant's weights for its shares)."""
+    by_phase = "phase" in dims
+    keys = list(dict.fromkeys([*dims, "tenant"]))
+    where = "finish >= ? AND finish < ?"
+    args = (since, until) * (2 if by_phase else 1)
+    sql = (f"SELECT {', '.join(keys)}, count(DISTINCT request_id), sum(pt), sum(ot), sum(gpu_s), "
+           f"sum(j), sum(j IS NULL AND gpu_s > 0), sum(cu), sum(coalesce(op, 0)), sum(emb), "
+           f"min(energy_source = 'measured'), max(simulated), min(intensity_g_per_kwh), "
+           f"max(intensity_g_per_kwh), group_concat(DISTINCT intensity_source), "
+           f"group_concat(DISTINCT intensity_kind), max(intensity_estimated) "
+           f"FROM ({_source(by_phase, where)}) GROUP BY {', '.join(keys)}")
+    out = []
+    for r in ledger.query(sql, args):
+        vals = dict(zip(keys, r[:len(keys)]))
+        (n, pt, ot, gpu, j, j_null, cu, op, emb, measured, simulated, imin, imax, sources,
+         kinds, est) = r[len(keys):]
+        if not n:
+            continue
+        # a request that ran nothing (rejected) has no energy to read and lacks none
+        out.append(_Group(vals, n, pt or 0, ot or 0, gpu or 0.0, None if j_null else (j or 0.0),
+                          j_null or 0, max(cu or 0.0, 0.0), max(op or 0.0, 0.0),
+                          max(emb or 0.0, 0.0), bool(measured), bool(simulated), imin, imax,
+                          sources or "", kinds or "", bool(est)))
+    return out
+
+
+def _shares(groups: list[_Group]) -> None:
+    gpu = [g.gpu_s for g in groups]
+    n = [float(g.requests) for g in groups]
+    for g, f in zip(groups, fractions([g.w_cost for g in groups], gpu, n)):
+        g.f_cost = f
+    for g, f in zip(groups, fractions([g.w_op for g in groups], gpu, n)):
+        g.f_op = f
+    for g, f in zip(groups, fractions([g.w_emb for g in groups], gpu, n)):
+        g.f_emb = f
+
+
+def _fold(groups: list[_Group], dims: list[str], tenant: str | None) -> list[_Group]:
+    """The internal per-tenant groups folded into the asked dimensions (and, for a
+    tenant's own view, only its own)."""
+    out: dict[tuple, _Group] = {}
+    for g in groups:
+        if tenant is not None and g.dims.get("tenant") != tenant:
+            continue
+        key = tuple(g.dims.get(d) for d in dims)
+        a = out.get(key)
+        if a is None:
+            out[key] = _Group({d: g.dims.get(d) for d in dims}, g.requests, g.pt, g.ot, g.gpu_s,
+                              g.j, g.j_null, g.w_cost, g.w_op, g.w_emb, g.measured, g.simulated,
+                              g.imin, g.imax, g.sources, g.kinds, g.estimated,
+                              g.f_cost, g.f_op, g.f_emb)
+            continue
+        a.requests += g.requests
+        a.pt += g.pt
+        a.ot += g.ot
+        a.gpu_s += g.gpu_s
+        a.j = None if a.j is None or g.j is None else a.j + g.j
+        a.j_null += g.j_null
+        a.measured &= g.measured
+        a.simulated |= g.simulated
+        a.imin = _min(a.imin, g.imin)
+        a.imax = _max(a.imax, g.imax)
+        a.sources = ",".join(sorted(set(filter(None, (a.sources + "," + g.sources).split(",")))))
+        a.kinds = ",".join(sorted(set(filter(None, (a.kinds + "," + g.kinds).split(",")))))
+        a.estimated |= g.estimated
+        a.f_cost += g.f_cost
+        a.f_op += g.f_op
+        a.f_emb += g.f_emb
+    return list(out.values())
+
+
+def _min(a, b):
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _max(a, b):
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _carbon_of(g: _Group, p: Pots, share: bool, market: bool) -> dict:
+    """A row's allocated carbon: its shares of the operational pots (by its energy
+    usage) and of the embodied pot (by its GPU-seconds), whole pots with `share`, the
+    attributed parts with `idle`."""
+    active, static, node = p.op_active_g * g.f_op, p.op_static_g * g.f_op, p.op_node_g * g.f_op
+    used, idle = p.emb_used_g * g.f_emb, p.emb_idle_g * g.f_emb
+    if not share:
+        static = node = idle = 0.0
+    out = {"operational_active": active, "operational_idle_static": static,
+           "operational_node_overhead": node, "embodied_used": used, "embodied_idle": idle}
+    if market:
+        m = p.market_active_g + ((p.market_static_g + p.market_node_g) if share else 0.0)
+        out["market_operational"] = m * g.f_op
+    return out
+
+
+def _idle_carbon(p: Pots, market: bool) -> dict:
+    out = {"operational_active": 0.0, "operational_idle_static": p.op_static_g,
+           "operational_node_overhead": p.op_node_g, "embodied_used": 0.0,
+           "embodied_idle": p.emb_idle_g}
+    if market:
+        out["market_operational"] = p.market_static_g + p.market_node_g
+    return out
+
+
+def _everything_idle(p: Pots, market: bool) -> dict:
+    """No request in the window: nobody to share with, the whole pot is idle."""
+    out = {"operational_active": p.op_active_g, "operational_idle_static": p.op_static_g,
+           "operational_node_overhead": p.op_node_g, "embodied_used": p.emb_used_g,
+           "embodied_idle": p.emb_idle_g}
+    if market:
+        out["market_operational"] = p.market_g
+    return out
+
+
+def _total(c: dict) -> float:
+    return sum(v for k, v in c.items() if k != "market_operational")
+
+
+def _op(c: dict) -> float:
+    return c["operational_active"] + c["operational_idle_static"] + c["operational_node_overhead"]
+
+
+def _totals(p: Pots, m: Method) -> dict:
     """Energy totals cover the windows whose energy was read (a window before the meter's
     first reading, or of a device it cannot read, has none): the identity holds over
     those, and `unmeasured_energy_windows` says how many were left out."""
-    (r,) = ledger.query(
-        "SELECT sum(attributed_gpu_s), sum(idle_gpu_s), sum(unattributed_gpu_s), "
-        "sum(measured_gpu_s), sum(attributed_j), sum(idle_j), sum(unattributed_j), "
-        "sum(measured_j), sum(idle_cost), count(measured_j), sum(measured_j IS NULL) "
-        "FROM device_windows WHERE start >= ? AND start < ?", (since, until))
-    e = (lambda v: v or 0.0) if r[9] else (lambda v: None)
-    return {"attributed_gpu_seconds": r[0] or 0.0, "idle_gpu_seconds": r[1] or 0.0,
-            "unattributed_gpu_seconds": r[2] or 0.0, "measured_gpu_seconds": r[3] or 0.0,
-            "attributed_energy_joules": e(r[4]), "idle_energy_joules": e(r[5]),
-            "unattributed_energy_joules": e(r[6]), "measured_energy_joules": e(r[7]),
-            "unmeasured_energy_windows": r[10] or 0, "_idle_cost": r[8] or 0.0}
+    e = (lambda v: v) if p.windows > p.unmeasured_windows else (lambda v: None)
+    return {"attributed_gpu_seconds": p.attributed_s, "idle_gpu_seconds": p.idle_s,
+            "unattributed_gpu_seconds": p.unattributed_s, "measured_gpu_seconds": p.device_seconds,
+            "attributed_energy_joules": e(p.attributed_j), "idle_energy_joules": e(p.idle_j),
+            "unattributed_energy_joules": e(p.unattributed_j),
+            "measured_energy_joules": e(p.measured_j),
+            "node_overhead_energy_joules": p.node_overhead_j,
+            "facility_energy_joules": e(p.measured_j * m.pue + p.node_overhead_j * m.pue),
+            "unmeasured_energy_windows": p.unmeasured_windows,
+            "capacity_cost": p.capacity_cost, "used_cost": p.used_cost, "idle_cost": p.idle_cost,
+            "currency": m.currency,
+            "utilization": p.used_cost / p.capacity_cost if p.capacity_cost > 0 else None}
 
 
 def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
-          tenant: str | None = None, idle_policy: str = "share") -> dict:
+          tenant: str | None = None, idle_policy: str | None = None,
+          method: Method | None = None) -> dict:
     """`tenant` set: a tenant's own view (its rows only; no appliance-wide totals)."""
-    where, args = _where(since, until, tenant)
-    by_phase = "phase" in group_by
-    dims = [d for d in group_by]
-    select_dims = ", ".join(dims) if dims else "NULL"
-    sql = (f"SELECT {select_dims}, count(DISTINCT request_id), sum(pt), sum(ot), sum(gpu_s), "
-           f"sum(j), sum(j IS NULL), sum(cu), sum(ca), sum(coalesce(op, 0) + emb), "
-           f"min(energy_source = 'measured'), max(simulated) "
-           f"FROM ({_source(by_phase, where)}) "
-           + (f"GROUP BY {select_dims} " if dims else ""))
+    m = method or default_method(idle_policy or "share")
+    policy = idle_policy or m.idle_policy
+    share = policy == "share"
+    p = window_pots(ledger.query, since, until, m)
+    groups = _groups(ledger, group_by, since, until)
+    _shares(groups)
     rows = []
-    for r in ledger.query(sql, args * (2 if by_phase else 1)):
-        vals = dict(zip(dims, r[:len(dims)])) if dims else {}
-        (n, pt, ot, gpu, j, j_null, cu, ca, co2, measured, simulated) = r[max(len(dims), 1):]
-        if not n:
-            continue
-        rows.append({"tenant": vals.get("tenant"), "model": vals.get("model"),
-                     "phase": vals.get("phase"), "site": vals.get("site"),
-                     "requests": n, "prompt_tokens": pt or 0, "output_tokens": ot or 0,
-                     "gpu_seconds": gpu or 0.0, "energy_joules": None if j_null else (j or 0.0),
-                     "cost_usage": cu or 0.0, "cost_allocation": ca or 0.0,
-                     "co2e_grams": co2 or 0.0, "measured": bool(measured),
-                     "simulated": bool(simulated)})
+    for g in _fold(groups, group_by, tenant):
+        c = _carbon_of(g, p, share, False)
+        rows.append({"tenant": g.dims.get("tenant"), "model": g.dims.get("model"),
+                     "phase": g.dims.get("phase"), "site": g.dims.get("site"),
+                     "requests": g.requests, "prompt_tokens": g.pt, "output_tokens": g.ot,
+                     "gpu_seconds": g.gpu_s, "energy_joules": g.j,
+                     "cost_usage": p.used_cost * g.f_cost,
+                     "cost_allocation": (p.capacity_cost if share else p.used_cost) * g.f_cost,
+                     "currency": m.currency, "co2e_grams": _total(c),
+                     "co2e_complete": g.j_null == 0, "requests_without_energy": g.j_null,
+                     "measured": g.measured, "simulated": g.simulated})
     if tenant is None:
-        tot = totals(ledger, since, until)
-        idle_cost = tot.pop("_idle_cost")
-        if idle_policy == "idle" and tot["measured_gpu_seconds"]:
-            ie = tot["idle_energy_joules"]
+        tot = _totals(p, m)
+        idle_row = None
+        if not groups and p.windows:
+            idle_row = (p.capacity_cost, p.device_seconds, p.measured_j, _everything_idle(p, False))
+        elif not share and p.windows:
+            idle_row = (p.idle_cost, p.idle_s + p.unattributed_s, p.idle_j + p.unattributed_j,
+                        _idle_carbon(p, False))
+        if idle_row is not None:
+            cost, secs, joules, c = idle_row
             rows.append({"tenant": IDLE_TENANT, "model": None, "phase": None, "site": None,
                          "requests": 0, "prompt_tokens": 0, "output_tokens": 0,
-                         "gpu_seconds": tot["idle_gpu_seconds"] + tot["unattributed_gpu_seconds"],
-                         "energy_joules": None if ie is None
-                         else ie + tot["unattributed_energy_joules"],
-                         "cost_usage": 0.0, "cost_allocation": idle_cost, "co2e_grams": 0.0,
+                         "gpu_seconds": secs,
+                         "energy_joules": None if tot["measured_energy_joules"] is None else joules,
+                         "cost_usage": 0.0, "cost_allocation": cost, "currency": m.currency,
+                         "co2e_grams": _total(c), "co2e_complete": p.unmeasured_windows == 0,
+                         "requests_without_energy": 0,
                          "measured": tot["measured_energy_joules"] is not None,
                          "simulated": any(r["simulated"] for r in rows)})
     else:
@@ -158,10 +313,15 @@ def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
                                  "unattributed_gpu_seconds", "measured_gpu_seconds",
                                  "attributed_energy_joules", "idle_energy_joules",
                                  "unattributed_energy_joules", "measured_energy_joules",
-                                 "unmeasured_energy_windows")}
+                                 "node_overhead_energy_joules", "facility_energy_joules",
+                                 "unmeasured_energy_windows", "capacity_cost", "used_cost",
+                                 "idle_cost", "utilization")}
+        tot["currency"] = m.currency
     rows.sort(key=lambda r: -r["gpu_seconds"])
-    return {"since": iso(since), "until": iso(until), "group_by": group_by, "rows": rows,
-            "totals": tot}
+    return {"since": iso(since), "until": iso(until), "group_by": group_by,
+            "idle_policy": policy, "currency": m.currency, "rows": rows, "totals": tot,
+            "note": ("no request finished in this window: its whole capacity is the (idle) row"
+                     if tenant is None and not groups and p.windows else None)}
 
 
 def usage_csv(report: dict) -> str:
@@ -174,48 +334,98 @@ def usage_csv(report: dict) -> str:
     return out.getvalue()
 
 
-def carbon(ledger: Ledger, group_by: list[str], since: float, until: float) -> dict:
-    where, args = _where(since, until, None)
-    dims = list(group_by)
-    select_dims = ", ".join(dims) if dims else "NULL"
-    sql = (f"SELECT {select_dims}, count(*), sum(pt), sum(ot), sum(j), sum(j IS NULL), "
-           f"sum(op), sum(emb), min(intensity_g_per_kwh), max(intensity_g_per_kwh), "
-           f"sum(intensity_g_per_kwh * coalesce(j, 0)), min(pue), max(pue), "
-           f"group_concat(DISTINCT intensity_source), group_concat(DISTINCT intensity_kind), "
-           f"max(intensity_estimated), min(energy_source = 'measured'), max(simulated) "
-           f"FROM ({_source(False, where)}) " + (f"GROUP BY {select_dims}" if dims else ""))
+def _provenance(sources: str, kinds: str, estimated: bool, basis: str) -> dict:
+    return {"sources": sorted(set(sources.split(","))) if sources else [],
+            "kinds": sorted(set(kinds.split(","))) if kinds else [], "estimated": estimated,
+            "basis": basis}
+
+
+def carbon(ledger: Ledger, group_by: list[str], since: float, until: float,
+           method: Method | None = None) -> dict:
+    """gCO2e per group after SCI: operational = all energy of the provisioned devices
+    (idle and static included, and the node overhead) × PUE × the grid intensity at the
+    time; embodied = every device's wall-clock time × embodied ÷ lifetime; both
+    allocated like cost. Σ rows (+ the `(idle)` row) = the window's totals."""
+    m = method or default_method()
+    share = m.idle_policy == "share"
+    market = m.market_g_per_kwh is not None
+    p = window_pots(ledger.query, since, until, m)
+    groups = _groups(ledger, group_by, since, until)
+    _shares(groups)
+    src = m.intensity.source
     rows = []
-    for r in ledger.query(sql, args):
-        vals = dict(zip(dims, r[:len(dims)])) if dims else {}
-        (n, pt, ot, j, j_null, op, emb, imin, imax, iwsum, pmin, pmax, sources, kinds,
-         est, measured, simulated) = r[max(len(dims), 1):]
-        if not n:
-            continue
-        op_known = not j_null
-        total = (op or 0.0) + (emb or 0.0)
-        tokens = (pt or 0) + (ot or 0)
-        rows.append({
-            **{d: vals.get(d) for d in dims},
-            "requests": n, "prompt_tokens": pt or 0, "output_tokens": ot or 0,
-            "energy_joules": j if op_known else None,
-            "co2e_operational_grams": op if op_known else None,
-            "co2e_embodied_grams": emb or 0.0, "co2e_grams": total,
-            "sci_grams_per_request": total / n,
-            "sci_grams_per_1k_tokens": total / tokens * 1000 if tokens else None,
-            "intensity_g_per_kwh": {"min": imin, "max": imax,
-                                    "energy_weighted": iwsum / j if op_known and j else None},
-            "pue": {"min": pmin, "max": pmax},
-            "provenance": {"sources": sorted((sources or "").split(",")) if sources else [],
-                           "kinds": sorted((kinds or "").split(",")) if kinds else [],
-                           "estimated": bool(est),
-                           "energy": "measured" if measured else
-                           ("not measured" if not op_known else "estimated or simulated")},
-            "measured": bool(measured), "simulated": bool(simulated)})
+    for g in _fold(groups, group_by, None):
+        c = _carbon_of(g, p, share, market)
+        rows.append(_carbon_row(g.dims, g.requests, g.pt, g.ot, g.j, g.j_null, c, g.measured,
+                                g.simulated, {"min": g.imin, "max": g.imax},
+                                _provenance(g.sources, g.kinds, g.estimated or p.intensity_estimated,
+                                            "location"), m))
+    idle = None
+    if not groups and p.windows:
+        idle = _everything_idle(p, market)
+    elif not share and p.windows:
+        idle = _idle_carbon(p, market)
+    if idle is not None:
+        rows.append(_carbon_row({d: IDLE_TENANT if d == "tenant" else None for d in group_by},
+                                0, 0, 0, p.idle_j + p.unattributed_j, 0, idle,
+                                p.unmeasured_windows == 0, any(r["simulated"] for r in rows),
+                                {"min": p.intensity_min, "max": p.intensity_max},
+                                _provenance(src, m.intensity.kind, p.intensity_estimated,
+                                            "location"), m))
     rows.sort(key=lambda r: -r["co2e_grams"])
-    return {"since": iso(since), "until": iso(until), "group_by": group_by, "rows": rows,
-            "note": "operational = attributed energy x PUE x grid intensity at the request's "
-                    "arrival; embodied = device embodied carbon x GPU-seconds / lifetime; "
-                    "SCI per 1k tokens counts prompt + output tokens"}
+    requests = sum(g.requests for g in groups)
+    tokens = sum(g.pt + g.ot for g in groups)
+    total = p.op_g + p.emb_g
+    facility = p.measured_j * m.pue + p.node_overhead_j * m.pue
+    totals = {
+        "requests": requests, "tokens": tokens,
+        "energy_joules": p.measured_j, "node_overhead_energy_joules": p.node_overhead_j,
+        "facility_energy_joules": facility, "unmeasured_energy_windows": p.unmeasured_windows,
+        "co2e_operational_grams": p.op_g, "co2e_embodied_grams": p.emb_g, "co2e_grams": total,
+        "components": {"operational_active": p.op_active_g, "operational_idle_static": p.op_static_g,
+                       "operational_node_overhead": p.op_node_g, "embodied_used": p.emb_used_g,
+                       "embodied_idle": p.emb_idle_g},
+        "co2e_market_operational_grams": p.market_g if market else None,
+        "sci_grams_per_request": total / requests if requests else None,
+        "sci_grams_per_1k_tokens": total / tokens * 1000 if tokens else None,
+        "co2e_complete": p.unmeasured_windows == 0 and all(g.j_null == 0 for g in groups),
+        "requests_without_energy": sum(g.j_null for g in groups),
+        "intensity_g_per_kwh": {"min": p.intensity_min, "max": p.intensity_max,
+                                "energy_weighted": p.intensity_weighted / facility if facility
+                                else None},
+        "provenance": _provenance(src, m.intensity.kind, p.intensity_estimated, "location"),
+        "market_provenance": (_provenance("static", "average", False, "market") if market
+                              else None)}
+    return {"since": iso(since), "until": iso(until), "group_by": group_by,
+            "idle_policy": m.idle_policy, "rows": rows, "totals": totals,
+            "note": "location-based (SCI): operational = all device energy in the window (idle "
+                    "and static included) + node overhead, x PUE x grid intensity at the time; "
+                    "embodied = every device's wall-clock time x embodied / lifetime; both "
+                    "allocated to rows like cost (energy usage, GPU-seconds). Market-based "
+                    "operational is a second column, never in SCI. SCI per 1k tokens counts "
+                    "prompt + output tokens"}
+
+
+def _carbon_row(dims: dict, n: int, pt: int, ot: int, j, j_null: int, c: dict, measured: bool,
+                simulated: bool, intensity: dict, provenance: dict, m: Method) -> dict:
+    total = _total(c)
+    tokens = pt + ot
+    provenance["energy"] = ("measured" if measured else
+                            "not measured" if j is None else "estimated or simulated")
+    return {**dims, "requests": n, "prompt_tokens": pt, "output_tokens": ot,
+            "energy_joules": j, "co2e_operational_grams": _op(c),
+            "co2e_embodied_grams": c["embodied_used"] + c["embodied_idle"], "co2e_grams": total,
+            "components": {k: v for k, v in c.items() if k != "market_operational"},
+            "co2e_market_operational_grams": c.get("market_operational"),
+            "sci_grams_per_request": total / n if n else None,
+            "sci_grams_per_1k_tokens": total / tokens * 1000 if tokens else None,
+            "co2e_complete": j_null == 0 and (n > 0 or measured),
+            "requests_without_energy": j_null,
+            "intensity_g_per_kwh": intensity, "pue": m.pue, "provenance": provenance,
+            "market_provenance": ({"sources": ["static"], "kinds": ["average"],
+                                   "estimated": False, "basis": "market"}
+                                  if "market_operational" in c else None),
+            "measured": measured, "simulated": simulated}
 
 
 def now() -> float:

@@ -1,7 +1,8 @@
-"""`applianced usage` and `applianced carbon`: the ledger's reports from a running daemon.
+"""`applianced usage`, `applianced carbon` and `applianced rates`: the ledger's reports
+from a running daemon.
 
 By default a short table sorted by GPU-seconds (the GPU budget consumed), with the
-conservation line under it; `--json` and `--csv` give the API's own answer.
+conservation and capacity lines under it; `--json` and `--csv` give the API's own answer.
 """
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_carbon)
 
+    p = sub.add_parser("rates", help="the rate cards the reports price with",
+                       description="Price per device-hour and per kWh, with effective dates.")
+    add_client_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_rates)
+
 
 def _num(v, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
@@ -47,16 +54,20 @@ def cmd_usage(args) -> int:
         print(json.dumps(data, indent=2))
         return 0
     dims = data["group_by"]
-    print(f"usage {data['since']} .. {data['until']}")
+    cur = data.get("currency", "USD")
+    print(f"usage {data['since']} .. {data['until']} (prices in {cur}, idle "
+          f"{data.get('idle_policy', 'share')})")
     head = "".join(f"{d:<18}" for d in dims)
     print(f"{head}{'requests':>9} {'prompt':>9} {'output':>9} {'GPU-s':>10} {'share':>6} "
-          f"{'kJ':>9} {'$ usage':>9} {'$ alloc':>9} {'gCO2e':>9}")
+          f"{'kJ':>9} {'usage':>9} {'alloc':>9} {'gCO2e':>9}")
     rows = sorted(data["rows"], key=lambda r: -r["gpu_seconds"])
     total_gpu = sum(r["gpu_seconds"] for r in rows) or 1.0
     for r in rows:
         flags = "" if r["measured"] else " (energy not measured)" if r["energy_joules"] is None \
             else " (estimated)"
         flags += " [SIMULATED]" if r["simulated"] else ""
+        if r.get("requests_without_energy"):
+            flags += f" (carbon incomplete: {r['requests_without_energy']} without energy)"
         kj = None if r["energy_joules"] is None else r["energy_joules"] / 1000
         print("".join(f"{str(r.get(d) if r.get(d) is not None else '-'):<18}" for d in dims)
               + f"{r['requests']:>9} {r['prompt_tokens']:>9} {r['output_tokens']:>9} "
@@ -71,6 +82,13 @@ def cmd_usage(args) -> int:
             print(f"energy J: attributed {t['attributed_energy_joules']:.1f} + idle "
                   f"{t['idle_energy_joules']:.1f} + unattributed {t['unattributed_energy_joules']:.1f}"
                   f" = measured {t['measured_energy_joules']:.1f}")
+        if t.get("capacity_cost") is not None:
+            util = t.get("utilization")
+            print(f"capacity cost {t['capacity_cost']:.4f} {cur} = used {t['used_cost']:.4f} + "
+                  f"idle {t['idle_cost']:.4f}"
+                  + (f" (utilization {util:.1%})" if util is not None else ""))
+    if data.get("note"):
+        print(data["note"])
     for b in data.get("budgets", []):
         alert = " ALERT " + ",".join(f"{a['threshold']:.0%}" for a in b["alerts"]) if b["alerts"] else ""
         print(f"budget {b['tenant']} {b['budget']} per {b['period']}: {b['used']:.6g} of "
@@ -88,14 +106,46 @@ def cmd_carbon(args) -> int:
     s = data["site"]
     print(f"carbon {data['since']} .. {data['until']} — site {s['name']} ({s['region'] or 'region ?'}), "
           f"PUE {s['pue']}, intensity {s['intensity_source']} ({s['intensity_kind']})")
+    market = s.get("market_g_per_kwh") is not None
     print("".join(f"{d:<18}" for d in dims) + f"{'requests':>9} {'gCO2e':>10} {'operational':>12} "
-          f"{'embodied':>10} {'g/request':>10} {'g/1k tok':>9}  provenance")
+          f"{'node':>8} {'embodied':>10} {'g/request':>10} {'g/1k tok':>9}"
+          + (f" {'market op':>10}" if market else "") + "  provenance")
     for r in data["rows"]:
         p = r["provenance"]
-        prov = f"{','.join(p['sources'])} {','.join(p['kinds'])}" + \
+        prov = f"{','.join(p['sources'])} {','.join(p['kinds'])} {p.get('basis', 'location')}" + \
             (" estimated" if p["estimated"] else "") + f"; energy {p['energy']}"
+        if not r.get("co2e_complete", True):
+            prov += f"; INCOMPLETE: {r.get('requests_without_energy', 0)} requests without energy"
+        node = (r.get("components") or {}).get("operational_node_overhead")
         print("".join(f"{str(r.get(d) if r.get(d) is not None else '-'):<18}" for d in dims)
               + f"{r['requests']:>9} {r['co2e_grams']:>10.3f} {_num(r['co2e_operational_grams'], '>12.3f')} "
-              f"{r['co2e_embodied_grams']:>10.3f} {r['sci_grams_per_request']:>10.4f} "
-              f"{_num(r['sci_grams_per_1k_tokens'], '>9.4f')}  {prov}")
+              f"{_num(node, '>8.3f')} {r['co2e_embodied_grams']:>10.3f} "
+              f"{_num(r['sci_grams_per_request'], '>10.4f')} "
+              f"{_num(r['sci_grams_per_1k_tokens'], '>9.4f')}"
+              + (f" {_num(r.get('co2e_market_operational_grams'), '>10.3f')}" if market else "")
+              + f"  {prov}")
+    t = data.get("totals")
+    if t:
+        print(f"total {t['co2e_grams']:.3f} gCO2e (operational {t['co2e_operational_grams']:.3f}, "
+              f"of it node overhead {t['components']['operational_node_overhead']:.3f}; embodied "
+              f"{t['co2e_embodied_grams']:.3f}); SCI {_num(t['sci_grams_per_request'], '.4f')} "
+              f"g/request, {_num(t['sci_grams_per_1k_tokens'], '.4f')} g/1k tokens"
+              + ("" if t["co2e_complete"] else " (INCOMPLETE: energy not read everywhere)"))
+        if t.get("co2e_market_operational_grams") is not None:
+            print(f"market-based operational (not in SCI): "
+                  f"{t['co2e_market_operational_grams']:.3f} gCO2e")
+    return 0
+
+
+def cmd_rates(args) -> int:
+    data = AdminClient.from_args(args).get("/admin/v1/rates", {})
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"rates in {data['currency']}; energy priced on {data['energy_basis']}")
+    for c in data["cards"]:
+        prices = ", ".join(f"{m} {v:g}/h" for m, v in c["per_device_hour"].items())
+        print(f"from {c['effective'] or 'the beginning':<22} {prices}; {c['per_kwh']:g}/kWh")
+    if data.get("unpriced_models"):
+        print(f"no price for: {', '.join(data['unpriced_models'])} (billed at 0)")
     return 0

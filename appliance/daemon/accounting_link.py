@@ -11,26 +11,30 @@ The energy meter is the telemetry hub (`appliance.telemetry.hub.Telemetry`, an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from appliance.accounting.accountant import Site
+from appliance.accounting.allocation import Method
 from appliance.accounting.attribution import DeviceInfo, EnergyReader, take_readings
 from appliance.accounting.budgets import Budgets
 from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon
-from appliance.accounting.cost import PriceBook
+from appliance.accounting.cost import PriceBook, RateCard
 from appliance.accounting.ledger import LedgerReader
+from appliance.accounting.reconcile import SAMPLE_S, Counters, reconcile
 from appliance.accounting.process import (
-    FORWARD_S, LOCK_TIMEOUT_S, AccountingSpec, AskStatus, ReadMeter, Records, Report, Start,
-    Started, AccountingStartFailed, Stop,
+    FORWARD_S, LOCK_TIMEOUT_S, AccountingSpec, AccountingStartFailed, AskStatus, ReadMeter,
+    Records, Report, Serving, Start, Started, Stop,
 )
 from appliance.accounting.records import FanoutSink, LogSink, RecordSink, RequestRecord
 from appliance.config import Config
-from appliance.daemon.metrics import TenantMetrics
 from appliance.daemon import supervisor
+from appliance.daemon.metrics import ReconciliationGauge, TenantMetrics
 from appliance.daemon.supervisor import program_command
 from appliance.engines.messages import IterationRecord
 from appliance.worker import wire
@@ -38,6 +42,8 @@ from appliance.worker import wire
 if TYPE_CHECKING:
     from appliance.daemon.metrics import Metrics
     from appliance.daemon.setup import Setup
+    from appliance.daemon.state import ServingState
+    from appliance.daemon.workers import WorkerPool
     from appliance.telemetry.hub import Telemetry
 
 log = logging.getLogger("applianced.accounting")
@@ -51,12 +57,14 @@ STATUS_TIMEOUT_S = 2.0         # a busy accounting process: the last tick's repo
 BUFFER_MAX = 500_000
 RESTART_DELAY_S = 0.5           # then doubling, up to
 RESTART_DELAY_MAX_S = 30.0
+GAUGE_SPAN_S = 300.0           # the reconciliation gauge looks at the last 5 minutes
+GAUGE_EVERY_S = 10.0
 
 
-def device_infos(setup: Setup) -> list[DeviceInfo]:
+def device_infos(setup: Setup, plan=None) -> list[DeviceInfo]:
     """The devices the plan uses, each with as many slots as workers run on it."""
     slots: dict[str, int] = {}
-    for slot in setup.plan.workers():
+    for slot in (plan or setup.plan).workers():
         for d in slot.devices:
             slots[d] = slots.get(d, 0) + 1
     out = []
@@ -79,6 +87,21 @@ def site_of(cfg: Config) -> Site:
     return Site(s.name, s.appliance or socket.gethostname(), s.region, s.pue, intensity)
 
 
+def prices_of(cfg: Config) -> PriceBook:
+    a = cfg.accounting
+    return PriceBook(a.usd_per_gpu_hour, a.usd_per_kwh, a.idle_policy, a.currency,
+                     [RateCard(c["effective"], c["per_device_hour"], c["per_kwh"])
+                      for c in a.rate_cards])
+
+
+def method_of(cfg: Config, site: Site, prices: PriceBook, embodied: EmbodiedCarbon) -> Method:
+    """What the usage and carbon reports price and count with (query time)."""
+    s = cfg.site
+    return Method(prices, embodied, site.pue, site.intensity,
+                  None if s.carbon_intensity_market < 0 else s.carbon_intensity_market,
+                  s.node_overhead_w)
+
+
 class AccountingLink:
     """The daemon's end of the accounting process, behind the record sink seam.
 
@@ -88,10 +111,15 @@ class AccountingLink:
     `status()`, `budget_report()`."""
 
     def __init__(self, spec: AccountingSpec, meter: Callable[[], EnergyReader | None],
-                 metrics: TenantMetrics, state_dir: Path):
+                 metrics: TenantMetrics, state_dir: Path,
+                 busy_device_s: Callable[[], float] | None = None,
+                 energy_counters: Callable[[], list[tuple[str, float, float]]] | None = None,
+                 gauge: ReconciliationGauge | None = None,
+                 serving: Callable[[], tuple] | None = None):
         self.spec = spec
         self.site = spec.site
         self.prices = spec.prices
+        self.method: Method | None = None       # set by start_accounting: the reports' pricing
         self.meter = meter
         self.metrics = metrics
         self.state_dir = state_dir
@@ -110,6 +138,24 @@ class AccountingLink:
         self.last_exit: str | None = None
         self._asked = 0
         self._answered: dict[int, asyncio.Future] = {}
+        # What was sent lately, replayed to a restarted process: it resumes where the
+        # ledger's committed windows end, so the windows the dead one had open are
+        # closed again from these (replayed records it had accounted are dropped).
+        self._recent: deque[tuple[float, Records]] = deque()
+        self.replay_s = 2 * (spec.window_s + spec.grace_s + spec.tick_s
+                             + spec.flush_interval_s) + 5.0
+        # Reconciliation: the daemon's own counters, sampled (accounting/reconcile.py).
+        self.counters = Counters()
+        self.busy_device_s = busy_device_s
+        self.energy_counters = energy_counters
+        self.gauge = gauge
+        # A window is in the ledger once it is closed (window + grace + a tick) and
+        # committed (a flush); a second's margin.
+        self.lag_s = spec.window_s + spec.grace_s + spec.tick_s + spec.flush_interval_s + 1.0
+        # (signature, build Serving): what the workers serve, watched every FORWARD_S
+        self.serving = serving
+        self._served: tuple | None = None
+        self._serving_msg: Serving | None = None
 
     # ---- RecordSink + frame tap (event loop, hot path) --------------------------
     def request(self, rec: RequestRecord) -> None:
@@ -125,9 +171,17 @@ class AccountingLink:
     async def start(self) -> None:
         """Start the process and wait until it has opened the ledger. Raises ValueError
         with one line when it cannot."""
-        self.proc, reader, self.writer = await supervisor.spawn(
+        self.proc, reader, writer = await supervisor.spawn(
             lambda fd: program_command() + ["accountant", "--fd", str(fd)])
-        self.writer.write(wire.pack(Start(self.spec)))
+        writer.write(wire.pack(Start(dataclasses.replace(self.spec, resume=self.restarts > 0))))
+        if self._serving_msg is not None:
+            writer.write(wire.pack(self._serving_msg))
+        if self.restarts:
+            # before anything new can be sent (no await in between): the process reads
+            # the replay right after Start, in the order it was first sent
+            for _, msg in self._recent:
+                writer.write(wire.pack(msg))
+        self.writer = writer
         first = await supervisor.first_message(reader, START_TIMEOUT_S)
         if not isinstance(first, Started):
             self.writer.close()
@@ -144,6 +198,7 @@ class AccountingLink:
         loop_tasks = [asyncio.create_task(self._read(reader), name="accounting-read")]
         if not self._tasks:
             loop_tasks.append(asyncio.create_task(self._forward(), name="accounting-forward"))
+            loop_tasks.append(asyncio.create_task(self._sample(), name="accounting-counters"))
         self._tasks = [t for t in self._tasks if not t.done()] + loop_tasks
 
     async def stop(self) -> None:
@@ -184,9 +239,27 @@ class AccountingLink:
         if w is None or w.is_closing():
             self._cap()
             return False
+        if self.serving is not None:
+            signature, build = self.serving()
+            if signature != self._served:
+                # records of the old set-up go first, then the change
+                self._served = signature
+                if self._serving_msg is not None or self._frames:
+                    self._flush(w)
+                self._serving_msg = build()
+                w.write(wire.pack(self._serving_msg))
+        return self._flush(w)
+
+    def _flush(self, w) -> bool:
         frames, self._frames = self._frames, []
         requests, self._requests = self._requests, []
-        w.write(wire.pack(Records(time.time(), frames, requests)))
+        msg = Records(time.time(), frames, requests)
+        w.write(wire.pack(msg))
+        recent = self._recent
+        if frames or requests:
+            recent.append((msg.sent_at, msg))
+        while recent and recent[0][0] < msg.sent_at - self.replay_s:
+            recent.popleft()
         return True
 
     def _cap(self) -> None:
@@ -240,6 +313,38 @@ class AccountingLink:
                                  on_failure=lambda exc: log.error("accounting: %s", exc),
                                  on_attempt=attempt)
 
+    # ---- reconciliation ----------------------------------------------------------------
+    def sample_counters(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        if self.busy_device_s is not None:
+            self.counters.sample_busy(now, self.busy_device_s())
+        if self.energy_counters is not None:
+            for device, t, joules in self.energy_counters():
+                self.counters.sample_energy(device, t, joules)
+
+    def reconciliation(self, since: float, until: float, now: float | None = None):
+        """Ledger vs the daemon's counters over [since, until) (runs SQL: call it off
+        the event loop)."""
+        now = time.time() if now is None else now
+        return reconcile(self.ledger.query, self.counters, [d.id for d in self.spec.devices],
+                         since, until, now, self.lag_s)
+
+    async def _sample(self) -> None:
+        next_gauge = time.monotonic() + GAUGE_EVERY_S
+        while True:
+            try:
+                self.sample_counters()
+                if self.gauge is not None and self.ledger is not None \
+                        and time.monotonic() >= next_gauge:
+                    next_gauge = time.monotonic() + GAUGE_EVERY_S
+                    now = time.time()
+                    r = await asyncio.to_thread(self.reconciliation, now - GAUGE_SPAN_S, now, now)
+                    j = r.as_json()
+                    self.gauge.set(j["gpu_seconds"]["gap"], j["energy_joules"]["gap"])
+            except Exception:       # a bad sample must not end the sampling
+                log.exception("accounting: reconciliation sampling failed")
+            await asyncio.sleep(SAMPLE_S)
+
     # ---- what the admin API reads ---------------------------------------------------
     async def fresh_status(self) -> dict:
         """`status()` as of now: what was sent before this call is counted (a report
@@ -266,8 +371,60 @@ class AccountingLink:
         return [b for b in self._budgets if tenant is None or b["tenant"] == tenant]
 
 
-async def start_accounting(cfg: Config, setup: Setup, model_name: str, tenants: set[str],
-                           metrics: Metrics, telemetry: Telemetry | None,
+def serving_of(setup: Setup, state: ServingState, pool: WorkerPool) -> Callable[[], tuple]:
+    """(signature, build): the signature changes when the plan, the served model or a
+    worker's loaded model does; build() says which model each worker serves and which
+    devices the plan uses. A worker loaded with a model not yet routed (the first half
+    of a swap) is named after its model spec or directory until routing switches."""
+    names: dict[tuple, str] = {}
+
+    def now() -> tuple:
+        loads = tuple(sorted((w.id, (str(w.spec.model_dir), w.spec.model_spec or None))
+                             for w in list(pool.workers.values())))
+        signature = (id(state.plan), state.model.name, loads)
+
+        def build() -> Serving:
+            served = state.model
+            names[(str(served.model_dir), served.model_spec or None)] = served.name
+            workers = {wid: names.get(ld) or ld[1] or Path(ld[0]).name for wid, ld in loads}
+            return Serving(workers, device_infos(setup, state.plan))
+        return signature, build
+    return now
+
+
+def busy_counter(metrics: Metrics, pool: WorkerPool) -> Callable[[], float]:
+    """Σ over workers of `applianced_engine_busy_seconds_total` × the worker's devices:
+    device-seconds inside engine iterations, as /metrics counts them."""
+    ndev: dict[str, int] = {}
+
+    def read() -> float:
+        total = 0.0
+        for metric in metrics.busy.collect():
+            for sample in metric.samples:
+                if not sample.name.endswith("_total"):
+                    continue
+                worker = sample.labels["worker"]
+                w = pool.workers.get(worker)
+                if w is not None:
+                    ndev[worker] = len(w.spec.devices)
+                total += sample.value * ndev.get(worker, 1)
+        return total
+    return read
+
+
+def energy_counter(telemetry: Telemetry | None) -> Callable[[], list[tuple[str, float, float]]]:
+    """Each device's cumulative energy reading (`applianced_device_energy_joules_total`)
+    with the time it was read."""
+    def read() -> list[tuple[str, float, float]]:
+        if telemetry is None:
+            return []
+        return [(d["device"], d["t"], d["energy_j"]) for d in telemetry.metric_values()["devices"]
+                if d.get("energy_j") is not None and d.get("t") is not None]
+    return read
+
+
+async def start_accounting(cfg: Config, setup: Setup, state: ServingState, pool: WorkerPool,
+                           tenants: set[str], metrics: Metrics, telemetry: Telemetry | None,
                            state_dir: Path) -> AccountingLink | None:
     """Start the accounting process (None when accounting is off). Raises ValueError
     with one line (a bad intensity file, an unusable ledger) before any worker starts;
@@ -278,18 +435,22 @@ async def start_accounting(cfg: Config, setup: Setup, model_name: str, tenants: 
     site = site_of(cfg)
     b = cfg.budgets
     budgets = Budgets(b.period, {"gpu_hours": b.gpu_hours, "usd": b.usd, "kgco2e": b.kgco2e})
+    prices = prices_of(cfg)
+    embodied = EmbodiedCarbon(cfg.site.embodied_kgco2e, cfg.site.lifetime_years)
     spec = AccountingSpec(
-        devices=device_infos(setup), model=model_name, site=site,
-        ledger_path=str(state_dir / LEDGER_FILE),
-        prices=PriceBook(a.usd_per_gpu_hour, a.usd_per_kwh, a.idle_policy),
-        embodied=EmbodiedCarbon(cfg.site.embodied_kgco2e, cfg.site.lifetime_years),
+        devices=device_infos(setup), model=state.model.name, site=site,
+        ledger_path=str(state_dir / LEDGER_FILE), prices=prices, embodied=embodied,
         budgets=budgets, labelled_tenants=frozenset(set(tenants) | budgets.tenants()),
         flush_interval_s=a.flush_interval_s, retention_days=a.retention_days,
         rollup_retention_days=a.rollup_retention_days, window_s=a.window_s,
         calibration_min_iterations=a.calibration_min_iterations,
         metered=telemetry is not None)
     link = AccountingLink(spec, lambda: telemetry, TenantMetrics(metrics.registry, setup.simulated),
-                          state_dir)
+                          state_dir, busy_device_s=busy_counter(metrics, pool),
+                          energy_counters=energy_counter(telemetry),
+                          gauge=ReconciliationGauge(metrics.registry, setup.simulated),
+                          serving=serving_of(setup, state, pool))
+    link.method = method_of(cfg, site, prices, embodied)
     try:
         await link.start()
     except OSError as exc:

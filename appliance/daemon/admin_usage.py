@@ -1,4 +1,5 @@
-"""`/admin/v1/usage` and `/admin/v1/carbon`: the ledger's reports over HTTP.
+"""`/admin/v1/usage`, `/admin/v1/carbon` and `/admin/v1/rates`: the ledger's reports
+over HTTP, priced at query time with the configured rate cards.
 
 A tenant's API key may read `/admin/v1/usage` for its own tenant only: its rows are
 filtered to it whatever it asks, and the appliance-wide totals (which would show the
@@ -64,12 +65,17 @@ async def usage(request: web.Request):
     since, until = _span(request)
     tenant = None if caller.admin else caller.tenant
     report = await asyncio.to_thread(reports.usage, acc.ledger, group_by, since, until, tenant,
-                                     acc.prices.idle_policy)
+                                     acc.prices.idle_policy, acc.method)
     if fmt == "csv":
         return web.Response(text=reports.usage_csv(report), content_type="text/csv")
     report["budgets"] = acc.budget_report(tenant)
     if caller.admin:
         report["accounting"] = await acc.fresh_status()
+        # the fitted step-time terms per served model × device kind (accounting/attribution.py)
+        report["calibration"] = list(report["accounting"].get("calibration", {}).values())
+        if hasattr(acc, "reconciliation"):
+            rec = await asyncio.to_thread(acc.reconciliation, since, until)
+            report["reconciliation"] = rec.as_json()
     return json_response(report)
 
 
@@ -78,14 +84,27 @@ async def carbon(request: web.Request):
     acc = _accountant(request)
     group_by = _group_by(request, reports.CARBON_DIMS, ("site", "tenant"))
     since, until = _span(request)
-    report = await asyncio.to_thread(reports.carbon, acc.ledger, group_by, since, until)
+    report = await asyncio.to_thread(reports.carbon, acc.ledger, group_by, since, until,
+                                     acc.method)
     site = acc.site
+    m = acc.method
     report["site"] = {"name": site.name, "appliance": site.appliance, "region": site.region,
                       "pue": site.pue, "intensity_source": site.intensity.source,
-                      "intensity_kind": site.intensity.kind}
+                      "intensity_kind": site.intensity.kind,
+                      "market_g_per_kwh": m.market_g_per_kwh if m else None,
+                      "node_overhead_w": m.node_overhead_w if m else 0.0}
     return json_response(report)
+
+
+async def rates(request: web.Request):
+    """The rate cards, each resolved for the device models this appliance accounts."""
+    require_admin(request)
+    acc = _accountant(request.app[SERVICE])
+    models = sorted({d.model for d in acc.spec.devices})
+    return json_response(acc.prices.describe(models))
 
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/admin/v1/usage", usage)
     app.router.add_get("/admin/v1/carbon", carbon)
+    app.router.add_get("/admin/v1/rates", rates)

@@ -80,7 +80,7 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
     metrics = Metrics(pool, served, setup.simulated, telemetry=telemetry, site=cfg.site.name,
                       appliance=telemetry.appliance)
     try:
-        accounting = await start_accounting(cfg, setup, served.name, labelled_tenants(cfg),
+        accounting = await start_accounting(cfg, setup, state, pool, labelled_tenants(cfg),
                                             metrics, telemetry, state_dir)
     except ValueError as exc:   # a bad carbon intensity file, an unusable ledger
         raise StartupError(str(exc)) from None

@@ -191,6 +191,29 @@ class Metrics:
         return generate_latest(self._view), CONTENT_TYPE_LATEST
 
 
+class ReconciliationGauge:
+    """`applianced_ledger_reconciliation_gap{quantity}`: the ledger against the daemon's
+    own counters over the last few minutes, a signed fraction (accounting/reconcile.py).
+    A quantity with no figure (no energy meter) is left out, not shown as 0."""
+
+    def __init__(self, registry: CollectorRegistry, simulated: bool):
+        self.sim = "true" if simulated else "false"
+        self.gaps: dict[str, float | None] = {}
+        registry.register(self)
+
+    def set(self, gpu_seconds: float | None, energy_joules: float | None) -> None:
+        self.gaps = {"gpu_seconds": gpu_seconds, "energy_joules": energy_joules}
+
+    def collect(self):
+        fam = GaugeMetricFamily("applianced_ledger_reconciliation_gap",
+                                "(ledger - independent counter) / counter over the last 5 min",
+                                labels=["quantity", "simulated"])
+        for quantity, value in list(self.gaps.items()):
+            if value is not None:
+                fam.add_metric([quantity, self.sim], value)
+        return [fam]
+
+
 class TenantMetrics:
     """The chargeback series (`applianced_tenant_*`): counters per tenant (configured
     tenants only, the rest as "other", so a stray key cannot explode the series count), fed when a

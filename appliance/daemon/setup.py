@@ -21,6 +21,7 @@ import psutil
 from appliance.config import Config
 from appliance.daemon.supervisor import program_command
 from appliance.partitions import Inventory, PartitionPlan, discover, plan_partition
+from appliance.partitions.plan import check_engine
 from appliance.worker.spec import WorkerSpec
 
 log = logging.getLogger("applianced")
@@ -114,6 +115,7 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None, persisted: dict | No
     plan = persisted_plan(inv, cfg, persisted.get("partition")) or \
         plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode)
     engine = resolve_engine(cfg.engine.kind, inv)
+    check_engine(plan, engine)          # e.g. engine = torch with tp > 1: one clear line
     model = persisted.get("model")
     if model and not (Path(model["model_dir"]) / "config.json").exists():
         log.warning("ignoring the persisted model: %s has no config.json", model["model_dir"])

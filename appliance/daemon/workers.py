@@ -16,13 +16,13 @@ from collections import deque
 from typing import Callable
 
 from appliance.engines.messages import (
-    AttachPeer, Hello, IterationRecord, KvImported, PrefillDone, RequestFailed, Shutdown,
-    StartFailed,
-    Tokens, WorkerStats,
+    AttachPeer, Hello, IterationRecord, KvImported, PeerGone, PrefillDone, RequestFailed,
+    Shutdown, StartFailed, Tokens, WorkerStats,
 )
 from appliance.daemon import supervisor
 from appliance.daemon.supervisor import program_command
 from appliance.worker import wire
+from appliance.worker.cuda_env import gpu_worker_env
 from appliance.worker.spec import WorkerSpec
 
 log = logging.getLogger("applianced.workers")
@@ -67,6 +67,7 @@ def worker_env(spec: WorkerSpec, base) -> dict[str, str]:
         # Own GPUs first (the engine runs on cuda:0..tp-1), then the peers' GPUs:
         # CUDA IPC can only open a peer's KV pool on a device this process can see.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.device_uuids + spec.peer_uuids)
+        env.update(gpu_worker_env(env))    # KV pools must be exportable: no expandable segments
     return env
 
 
@@ -250,6 +251,7 @@ class WorkerLink:
             "iterations": s.iterations if s else None, "busy_s": s.busy_s if s else None,
             "preemptions": s.preemptions if s else None,
             "prefix_hit_tokens": s.prefix_hit_tokens if s else None,
+            "kv_recomputes": s.kv_recomputes if s else None,
         }
 
 
@@ -299,17 +301,31 @@ class WorkerPool:
                              return_exceptions=True)
 
     def on_ready(self, worker: WorkerLink) -> None:
-        """Introduce a (re)started worker's KV pool to its peers, and theirs to it."""
+        """Introduce a (re)started prefill worker's KV pool to the decode workers, and
+        theirs to a (re)started decode worker. Only that way: KV flows from prefill to
+        decode, and mapping any other pool costs memory (a CUDA context on the peer's GPU
+        without P2P) for nothing."""
         for listener in self.ready_listeners:
             listener(worker)
         for other in self.workers.values():
             if other is worker or not other.ready:
                 continue
-            if worker.hello.peer_handle is not None:
+            if kv_flows(worker, other) and worker.hello.peer_handle is not None:
                 other.send(AttachPeer(worker.id, worker.hello.peer_handle))
-            if other.hello and other.hello.peer_handle is not None:
+            if kv_flows(other, worker) and other.hello and other.hello.peer_handle is not None:
                 worker.send(AttachPeer(other.id, other.hello.peer_handle))
 
     def on_death(self, worker: WorkerLink) -> None:
+        """Tell the dead worker's KV consumers at once: they drop its pool and recompute
+        the imports they queued from it (its blocks are freed memory, and after the
+        restart the same ids name another incarnation's blocks)."""
+        for other in self.workers.values():
+            if other is not worker and other.ready and kv_flows(worker, other):
+                other.send(PeerGone(worker.id))
         for listener in self.death_listeners:
             listener(worker)
+
+
+def kv_flows(source: WorkerLink, sink: WorkerLink) -> bool:
+    """Whether `sink` imports KV from `source`: prefill -> decode only."""
+    return source.role == "prefill" and sink.role == "decode"

@@ -5,6 +5,17 @@ iteration. TensorRT-LLM runs its own loop and implements `Engine` directly; the
 simulator and the torch engine subclass `BatchEngine`, which owns the scheduler, the
 block manager and the handoff table, so the only thing they differ in is
 `run_batch` (and how KV is imported).
+
+The handoff deadline: a prefill worker keeps handed-off blocks until the decode side
+releases them, or until the handle's `expires_at` plus `HANDOFF_MARGIN_S` (time.monotonic:
+CLOCK_MONOTONIC is one clock for every process on the host). The decode side imports
+only when its scheduler admits the sequence, which under overload can be long after; it
+refuses an import whose deadline has passed, and re-checks after the copy that the
+source cannot yet have freed the blocks (now <= expires_at + margin). A refused import is
+*recomputed* here from the prompt and the first token, as a preempted sequence is: the
+client sees latency, never wrong tokens nor an error. The same happens at once to every
+queued import from a source that died (`detach_peer`) or restarted (a handle whose
+`pool_id` is not the attached pool's).
 """
 from __future__ import annotations
 
@@ -21,6 +32,11 @@ from appliance.engines.sequence import Role, Sequence
 
 Event = Any
 
+# How long past a handle's deadline its source still keeps the blocks. The decode side
+# checks the deadline before the copy and deadline + margin after it, so a copy that
+# raced a free is detected whatever the margin; the margin only makes that rare.
+HANDOFF_MARGIN_S = 2.0
+
 
 class KvLayoutError(ValueError):
     """A KV handle whose layout does not match this pool: refused, never reinterpreted."""
@@ -35,6 +51,7 @@ class Engine(Protocol):
     def abort(self, request_id: str) -> None: ...
     def release(self, request_id: str) -> None: ...
     def attach_peer(self, worker: str, handle: Any) -> None: ...
+    def detach_peer(self, worker: str) -> list[Event]: ...
     def has_work(self) -> bool: ...
     def step(self) -> list[Event]: ...
     def sweep(self, now: float) -> list[Event]: ...
@@ -62,7 +79,9 @@ class BatchEngine:
         self.eos_token_ids = eos_token_ids
         self.handoff_timeout_s = handoff_timeout_s
         self._seqs: dict[str, Sequence] = {}
+        # request id -> (sequence, instant after which the blocks are freed unreleased)
         self._handed_off: dict[str, tuple[Sequence, float]] = {}
+        self.kv_recomputes = 0
         self.iterations = 0
         self.busy_s = 0.0
         self.prefix_hit_tokens = 0
@@ -92,8 +111,29 @@ class BatchEngine:
     def peer_handle(self) -> Any:
         return None
 
+    def pool_id(self) -> str:
+        """This incarnation's KV pool, as handles name it ('' = no shared pool)."""
+        return ""
+
+    def can_import(self, handle: KvHandle) -> bool:
+        """Whether the handle's source pool (this incarnation of it) is attached here."""
+        return True
+
     def attach_peer(self, worker: str, handle: Any) -> None:
         pass
+
+    def drop_peer_pool(self, worker: str) -> None:
+        """Unmap a dead peer's pool (engines that map one)."""
+
+    def detach_peer(self, worker: str) -> list[Event]:
+        """A peer died: drop its pool and recompute, at once, every queued import from it."""
+        self.drop_peer_pool(worker)
+        events: list[Event] = []
+        for seq in [s for s in self.scheduler.waiting
+                    if s.handle is not None and s.handle.worker == worker]:
+            self.scheduler.waiting.remove(seq)
+            events += self._recompute(seq)
+        return events
 
     # ---- contract ---------------------------------------------------------
     def hello_info(self) -> dict:
@@ -143,8 +183,10 @@ class BatchEngine:
         return self.scheduler.has_work()
 
     def sweep(self, now: float) -> list[Event]:
-        """Free handed-off KV whose decode side never acknowledged it."""
-        expired = [rid for rid, (_, deadline) in self._handed_off.items() if deadline < now]
+        """Free handed-off KV whose decode side never acknowledged it (`now`:
+        time.monotonic()), past the handle's deadline plus the margin: the decode side
+        refuses imports past the deadline, so nothing can be copying these blocks."""
+        expired = [rid for rid, (_, free_at) in self._handed_off.items() if free_at < now]
         for rid in expired:
             self.release(rid)
         return []
@@ -172,8 +214,26 @@ class BatchEngine:
                                       self.simulated, entries))
         return events
 
+    def _recompute(self, seq: Sequence) -> list[Event]:
+        """Give up the import of seq: prefill it here instead (prompt + first token), as a
+        preempted sequence is. The source may free its blocks now: say so (KvImported
+        is "the source may free it"; the router sends the Release)."""
+        self.blocks.free(seq)
+        source = seq.handle.worker
+        self.scheduler.requeue(seq)
+        self.kv_recomputes += 1
+        return [KvImported(seq.request_id, source)]
+
     def _import(self, seqs: list[Sequence]) -> list[Event]:
         events: list[Event] = []
+        now = time.monotonic()
+        stale = [s for s in seqs if s.handle.expires_at < now or not self.can_import(s.handle)]
+        if stale:
+            seqs = [s for s in seqs if s not in stale]
+            for seq in stale:
+                events += self._recompute(seq)
+        if not seqs:
+            return events
         try:
             self.import_kv(seqs)
         except Exception as exc:  # a dead or mismatched source: fail these, keep serving
@@ -182,6 +242,14 @@ class BatchEngine:
                 events.append(RequestFailed(seq.request_id, f"KV import failed: {exc}",
                                             "kv_import_failed"))
             return events
+        # The source frees unreleased blocks only after expires_at + margin: a copy that
+        # ended before that read blocks nobody could have reused yet. One that ended
+        # later may have raced a free and a new prefill: thrown away, recomputed.
+        done = time.monotonic()
+        late = [s for s in seqs if s.handle.expires_at + HANDOFF_MARGIN_S < done]
+        for seq in late:
+            events += self._recompute(seq)
+        seqs = [s for s in seqs if s not in late]
         for seq in seqs:
             events.append(KvImported(seq.request_id, seq.handle.worker))
             seq.num_cached = seq.handle.num_tokens
@@ -224,11 +292,13 @@ class BatchEngine:
             if prefill and seq.role is Role.PREFILL:
                 handle = None
                 if reason is None:
+                    expires = time.monotonic() + self.handoff_timeout_s
                     handle = KvHandle(self.worker, seq.request_id, list(seq.block_table),
-                                      seq.num_cached, self.layout())
+                                      seq.num_cached, self.layout(), expires_at=expires,
+                                      pool_id=self.pool_id())
                     self._seqs.pop(seq.request_id, None)
                     self.scheduler.remove(seq)
-                    self._handed_off[seq.request_id] = (seq, time.time() + self.handoff_timeout_s)
+                    self._handed_off[seq.request_id] = (seq, expires + HANDOFF_MARGIN_S)
                 else:
                     self._finish(seq)
                 events.append(PrefillDone(seq.request_id, token, handle, reason, cached, lps,
@@ -247,4 +317,5 @@ class BatchEngine:
             kv_blocks_total=self.blocks.num_blocks, kv_blocks_free=self.blocks.num_free,
             kv_blocks_handed_off=sum(len(s.block_table) for s, _ in self._handed_off.values()),
             iterations=self.iterations, busy_s=self.busy_s,
-            preemptions=self.scheduler.preemptions, prefix_hit_tokens=self.prefix_hit_tokens)
+            preemptions=self.scheduler.preemptions, prefix_hit_tokens=self.prefix_hit_tokens,
+            kv_recomputes=self.kv_recomputes)

@@ -63,6 +63,14 @@ class KvHandle:
     num_tokens: int             # tokens whose KV is in the blocks
     layout: str                 # layout tag; a receiver with another layout refuses
     payload: Any = None         # engine-specific (e.g. TensorRT-LLM DisaggregatedParams)
+    # The source keeps the blocks for the decode side until this instant (time.monotonic(),
+    # CLOCK_MONOTONIC: one clock for every process on the host), and frees them only after
+    # it plus HANDOFF_MARGIN_S unless released first. A decode worker that gets to the
+    # import later recomputes the prompt instead of copying blocks that may be reused.
+    expires_at: float = float("inf")
+    # Which incarnation of the source's pool holds the blocks (a restarted worker has a
+    # new pool under the same worker name): an import from another one is refused.
+    pool_id: str = ""
 
 
 # ---- daemon -> worker -------------------------------------------------------
@@ -112,6 +120,15 @@ class AttachPeer:
 
     worker: str
     handle: Any
+
+
+@on_the_wire
+@dataclass(slots=True)
+class PeerGone:
+    """A peer worker died: drop its KV pool now, and recompute every queued import from
+    it (its blocks are freed memory, or soon another incarnation's)."""
+
+    worker: str
 
 
 @on_the_wire
@@ -232,3 +249,6 @@ class WorkerStats:
     busy_s: float
     preemptions: int
     prefix_hit_tokens: int
+    # Handed-off requests recomputed here instead of imported (deadline passed, or the
+    # source died or restarted): a sign of decode workers too full for the handoff timeout.
+    kv_recomputes: int = 0

@@ -158,6 +158,17 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
+    def requeue(self, seq: Sequence) -> None:
+        """A sequence whose KV import was given up (its blocks already freed): it is
+        recomputed here, first in line, like a preempted one."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.handle = None
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        seq.role = Role.FULL
+        self.waiting.appendleft(seq)
+
     def mark_imported(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             seq.handle = None

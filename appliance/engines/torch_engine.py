@@ -17,13 +17,16 @@ seeded request gives the same tokens whatever shares its batch.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from appliance.engines import cpu_heap
+from appliance.engines import cpu_heap, torch_attention
 from appliance.engines.base import BatchEngine, KvLayoutError
 from appliance.engines.messages import Decode, Prefill, RequestFailed, SamplingParams
 from appliance.engines.sampling import SamplingState, sample, top_logprobs
@@ -34,13 +37,25 @@ from appliance.engines.torch_model import (
 )
 from appliance.kv import handoff
 
-__all__ = ["TorchEngine", "build_torch_engine", "pool_blocks_for_budget"]
+__all__ = ["MemoryPlan", "TorchEngine", "build_torch_engine", "canary_pattern", "kv_pool_budget",
+           "pool_blocks_for_budget", "profile_activation"]
+
+ATTENTION_ENV = "APPLIANCED_ATTENTION"                  # auto | sdpa | bounded | flashinfer
+ATTENTION_BYTES_ENV = "APPLIANCED_ATTENTION_TEMP_BYTES"  # the bounded path's budget
+
+
+def pool_id_of(handle: bytes | None) -> str:
+    """A pool incarnation's name in KvHandles: a digest of its exported handle (the shm
+    object's name or the CUDA IPC handle, new with every pool), which exporter and
+    importers both have without another message."""
+    return hashlib.blake2b(handle, digest_size=8).hexdigest() if handle else ""
 
 
 @dataclass(slots=True)
 class _Peer:
     handle: bytes
     pool: handoff.PeerPool
+    pool_id: str
 
 
 PROMPT_LOGIT_ROWS = 256     # prompt positions scored per vocabulary projection
@@ -56,13 +71,20 @@ class TorchEngine(BatchEngine):
         self.model = model
         s = model.shape
         bs = self.blocks.block_size
+        # One block past the block manager's ids holds a known pattern (the canary): a peer
+        # copies it once when it attaches this pool, to check the copy path end to end.
         self.kv = handoff.allocate_pool(
-            (2, s.num_layers, self.blocks.num_blocks, bs, s.num_kv_heads, s.head_dim),
+            (2, s.num_layers, self.blocks.num_blocks + 1, bs, s.num_kv_heads, s.head_dim),
             model.dtype, model.device)
+        self.kv[:, :, -1] = canary_pattern(self.kv[:, :, -1].shape, model.dtype, model.device)
         self._layout = layout_tag(s, bs, model.dtype)
         self._handle = handoff.export_pool(self.kv) if share_pool else None
+        self._pool_id = pool_id_of(self._handle)
         self._peers: dict[str, _Peer] = {}
         self._peer_errors: dict[str, str] = {}
+        self._gone: set[str] = set()       # peers that died and have not attached again
+        self._unusable: set[str] = set()   # peers whose pool failed the pattern-copy check
+        self.memory_plan: MemoryPlan | None = None   # GPU: the profile run's numbers
 
     # ---- contract hooks ---------------------------------------------------
     def layout(self) -> str:
@@ -70,6 +92,23 @@ class TorchEngine(BatchEngine):
 
     def peer_handle(self) -> bytes | None:
         return self._handle
+
+    def pool_id(self) -> str:
+        return self._pool_id
+
+    def can_import(self, handle) -> bool:
+        """Only from the very pool the handle names: after its worker restarted, the same
+        block ids in the new pool hold some other request's KV (or zeros)."""
+        peer = self._peers.get(handle.worker)
+        if peer is None:        # dead or unusable: recompute; never attached: import_kv says why
+            return handle.worker not in self._gone and handle.worker not in self._unusable
+        return not handle.pool_id or handle.pool_id == peer.pool_id
+
+    def drop_peer_pool(self, worker: str) -> None:
+        self._gone.add(worker)
+        old = self._peers.pop(worker, None)
+        if old is not None:
+            handoff.forget_pool(old.pool, owner_dead=True)
 
     def hello_info(self) -> dict:
         info = super().hello_info()
@@ -122,11 +161,45 @@ class TorchEngine(BatchEngine):
             print(f"applianced worker {self.worker}: cannot attach KV pool of {worker}: "
                   f"{exc}", file=sys.stderr)
             return
+        why = self._check_copy(pool.tensor)
+        if why is not None:     # serve on: its handoffs are recomputed here (can_import)
+            self._peer_errors[worker] = why
+            self._unusable.add(worker)
+            if self._peers.pop(worker, None) is not None:     # its old incarnation's pool
+                handoff.forget_pool(old.pool, owner_dead=True)
+            print(f"applianced worker {self.worker}: KV pool of {worker} refused: {why}; its "
+                  "requests are recomputed here", file=sys.stderr)
+            handoff.forget_pool(pool, owner_dead=False)
+            return
         self._peer_errors.pop(worker, None)
+        self._unusable.discard(worker)
+        self._gone.discard(worker)
         if old is not None:
             # A new pool under a known name: that worker restarted, its old pool is dead.
             handoff.forget_pool(old.pool, owner_dead=True)
-        self._peers[worker] = _Peer(bytes(handle), pool)
+        # Imports still queued from the old incarnation are recomputed when admitted
+        # (their pool_id is not this pool's).
+        self._peers[worker] = _Peer(bytes(handle), pool, pool_id_of(bytes(handle)))
+
+    def _check_copy(self, src: torch.Tensor) -> str | None:
+        """Copy the peer's canary block through the very path handoffs take and compare it
+        with the pattern: PCIe boxes with ACS can report P2P and corrupt the data. None
+        when it arrives intact, else why not."""
+        if (src.dim() != 6 or src.dtype != self.kv.dtype or src.shape[:2] != self.kv.shape[:2]
+                or src.shape[3:] != self.kv.shape[3:]):
+            return None         # another layout: import_kv refuses it with the details
+        probe = torch.zeros((*self.kv.shape[:2], 1, *self.kv.shape[3:]), dtype=self.kv.dtype,
+                            device=self.kv.device)
+        try:
+            handoff.copy_from_peer(src, [src.shape[2] - 1], probe, [0])
+        except Exception as exc:
+            return f"pattern-copy check failed: {type(exc).__name__}: {exc}"
+        want = canary_pattern(probe[:, :, 0].shape, probe.dtype, probe.device)
+        bad = int((probe[:, :, 0] != want).sum())
+        if bad:
+            return (f"pattern-copy check failed: {bad} of {want.numel()} values of the canary "
+                    "block differ after the copy (P2P through a PCIe switch with ACS?)")
+        return None
 
     # ---- execution --------------------------------------------------------
     def run_batch(self, batch: Batch) -> list[int | None]:
@@ -237,23 +310,111 @@ class TorchEngine(BatchEngine):
             handoff.copy_from_peer(self._peers[worker].pool.tensor, src_ids, self.kv, dst_ids)
 
 
+def canary_pattern(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """The canary block's contents: small integers (exact in bf16 and fp16), different at
+    every position within a period of 251, so a shifted, truncated or zeroed copy differs."""
+    n = 1
+    for d in shape:
+        n *= d
+    values = (torch.arange(n, dtype=torch.int64) * 7919 % 251 - 125).to(dtype)
+    return values.view(tuple(shape)).to(device)
+
+
 def pool_blocks_for_budget(model: LlamaModel, block_size: int, budget_bytes: int) -> int:
     return int(budget_bytes // kv_pool_bytes_per_block(model.shape, block_size, model.dtype))
+
+
+def kv_pool_budget(total_bytes: int, used_bytes: int, peak_activation_bytes: int,
+                   mem_fraction: float) -> int:
+    """Bytes the KV pool may take on a GPU (vLLM's rule): the share of the device this
+    worker may use, less what is in use after loading and profiling (weights, CUDA
+    context, workspaces, other processes), less the peak activation of a full batch.
+    A larger activation peak leaves a smaller pool, never an OOM in the first long batch."""
+    return max(0, int(total_bytes * mem_fraction) - int(used_bytes) - int(peak_activation_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """The profile run's numbers, reported once at start-up."""
+
+    total_bytes: int
+    mem_fraction: float
+    weights_bytes: int
+    used_bytes: int                 # in use on the device after the profile run
+    peak_activation_bytes: int
+    profile_tokens: int
+    kv_bytes: int
+    kv_blocks: int
+    attention: str
+
+    def describe(self, worker: str) -> str:
+        gib = 1 << 30
+        return (f"applianced worker {worker}: memory plan: {self.total_bytes / gib:.1f} GiB x "
+                f"{self.mem_fraction:g} usable, {self.used_bytes / gib:.2f} GiB in use (weights "
+                f"{self.weights_bytes / gib:.2f} GiB), peak activation "
+                f"{self.peak_activation_bytes / gib:.2f} GiB in a profile run of "
+                f"{self.profile_tokens} tokens -> KV pool {self.kv_bytes / gib:.2f} GiB "
+                f"({self.kv_blocks} blocks); attention: {self.attention}")
+
+
+def profile_activation(model: LlamaModel, tokens: int, seqs: int, block_size: int,
+                       stats: Any) -> int:
+    """Peak bytes a full batch allocates beyond what was allocated before it: one forward
+    of `tokens` prompt tokens as one sequence (the largest attention) and as up to `seqs`
+    sequences (the most logits), plus the prompt-logprob projection's rows, each measured
+    with the allocator's peak statistics (`stats`: torch.cuda). The scratch pool is
+    allocated before the peak is reset, so it is not counted as activation."""
+    s = model.shape
+    device = model.device
+    vocab_rows = min(tokens, PROMPT_LOGIT_ROWS)
+    peak = 0
+    for n_seqs in sorted({1, max(1, min(seqs, tokens))}):
+        lens = [tokens // n_seqs + (1 if i < tokens % n_seqs else 0) for i in range(n_seqs)]
+        per = [-(-n // block_size) for n in lens]
+        pool = torch.zeros((2, s.num_layers, sum(per), block_size, s.num_kv_heads, s.head_dim),
+                           dtype=model.dtype, device=device)
+        tables, slots, pos, first = [], [], [], 0
+        for n, b in zip(lens, per):
+            tables.append(list(range(first, first + b)))
+            slots += [first * block_size + p for p in range(n)]
+            pos += list(range(n))
+            first += b
+        batch = AttnBatch(True, lens, lens, tables, torch.tensor(slots, dtype=torch.long))
+        if n_seqs == 1:
+            batch.hidden_rows = torch.arange(vocab_rows)
+        stats.synchronize()
+        stats.reset_peak_memory_stats()
+        base = stats.memory_allocated()
+        logits = model(torch.zeros(tokens, dtype=torch.long), torch.tensor(pos), batch, pool)
+        probs = torch.log_softmax(logits, -1)
+        if batch.hidden is not None:
+            torch.log_softmax(model.lm_head(batch.hidden).float(), -1)
+        stats.synchronize()
+        peak = max(peak, stats.max_memory_allocated() - base)
+        del pool, batch, logits, probs
+        stats.empty_cache()
+    return peak
 
 
 def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     """The engine a WorkerSpec with engine="torch" names.
 
     CPU: fp32, spec.cpu_threads torch threads (on the cores the worker is pinned to), pool
-    sized from spec.kv_cache_bytes (in /dev/shm).
+    sized from spec.kv_cache_bytes (in /dev/shm), SDPA attention.
     GPU (NOT RUN ON HARDWARE): bf16 on cuda:0 (the worker's own first device; the daemon
-    lists its devices first in CUDA_VISIBLE_DEVICES), pool sized from the free memory
-    after loading the weights times spec.gpu_mem_fraction. One device per worker: tensor
-    parallelism is not implemented, extra devices are ignored."""
+    lists its devices first in CUDA_VISIBLE_DEVICES); attention through FlashInfer's paged
+    kernels when installed, else the bounded-memory path (torch_attention); the pool sized
+    after a profile run of a full batch (`profile_activation`, `kv_pool_budget`), reported
+    on stderr. One device per worker: tensor parallelism is not implemented, so a worker
+    given more is refused (the planner refuses tp > 1 for this engine first)."""
     from appliance.models.eos import read_eos_ids
 
     model_dir = Path(model_dir)
     if spec.device_kind == "gpu":
+        if len(spec.devices) > 1:
+            raise ValueError(f"engine = torch runs one GPU per worker (no tensor parallelism); "
+                             f"worker {spec.worker} was given {len(spec.devices)}: use tp = 1 "
+                             "or engine = trtllm")
         if not torch.cuda.is_available():
             raise RuntimeError(f"worker {spec.worker} was given GPUs {spec.devices} but "
                                "torch sees no CUDA device")
@@ -267,18 +428,47 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         except RuntimeError:        # already set (or parallel work already ran)
             pass
     model = load_model(model_dir, device=device, dtype=dtype)
+    backend = torch_attention.select_backend(device, os.environ.get(ATTENTION_ENV, "auto"))
+    temp_bytes = int(os.environ.get(ATTENTION_BYTES_ENV, "0") or 0) or \
+        torch_attention.DEFAULT_TEMP_BYTES
+    model.set_attention(backend, temp_bytes)
+    plan = None
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * spec.gpu_mem_fraction)
+        plan = _profile_memory_plan(model, spec, backend)
+        budget = plan.kv_bytes
     else:
         budget = spec.kv_cache_bytes
     num_blocks = pool_blocks_for_budget(model, spec.block_size, budget)
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {budget} bytes holds no block of {spec.block_size} "
                          f"tokens for {model_dir.name}")
-    return TorchEngine(
+    if plan is not None:
+        import dataclasses
+        plan = dataclasses.replace(plan, kv_blocks=num_blocks)
+        print(plan.describe(spec.worker), file=sys.stderr, flush=True)
+    engine = TorchEngine(
         model=model, worker=spec.worker, devices=tuple(spec.devices), num_blocks=num_blocks,
         block_size=spec.block_size, max_batch_tokens=spec.max_batch_tokens,
         max_seqs=spec.max_seqs, max_context=model.shape.max_context,
         eos_token_ids=read_eos_ids(model_dir), handoff_timeout_s=spec.handoff_timeout_s,
         reserve_ratio=spec.reserve_ratio, prefill_chunk_tokens=spec.prefill_chunk_tokens)
+    engine.memory_plan = plan
+    return engine
+
+
+def _profile_memory_plan(model: LlamaModel, spec, backend: str) -> MemoryPlan:  # NOT RUN ON HARDWARE
+    """Size the pool after a profile run at the batch budget, as vLLM does: weights and
+    workspaces are in use, the activation peak is measured with the CUDA allocator's
+    statistics, and the pool gets what the configured fraction leaves after both."""
+    stats = torch.cuda
+    stats.synchronize()
+    stats.empty_cache()
+    weights = stats.memory_allocated()
+    tokens = max(1, min(spec.max_batch_tokens, model.shape.max_context))
+    peak = profile_activation(model, tokens, spec.max_seqs, spec.block_size, stats)
+    free, total = stats.mem_get_info()
+    budget = kv_pool_budget(total, total - free, peak, spec.gpu_mem_fraction)
+    return MemoryPlan(total_bytes=total, mem_fraction=spec.gpu_mem_fraction,
+                      weights_bytes=weights, used_bytes=total - free,
+                      peak_activation_bytes=peak, profile_tokens=tokens, kv_bytes=budget,
+                      kv_blocks=0, attention=backend)

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from appliance.engines import torch_attention
 from appliance.kv.blocks import _copy_stretches, _stretches, copy_blocks  # noqa: F401 (re-exported)
 
 __all__ = [
@@ -499,6 +500,22 @@ class LlamaModel(torch.nn.Module):
         # Decode gathers K and V into this buffer, kept between steps and layers: a fresh
         # multi-MB tensor per layer would be newly mapped memory, page-faulted in each step.
         self._gather = torch.empty(2, 0, device=embed.device, dtype=embed.dtype)
+        # Attention backend (torch_attention): SDPA on the CPU; on CUDA FlashInfer's paged
+        # kernels or the bounded path, so no masked SDPA falls to the math kernel there.
+        self.attention = "sdpa"
+        self.attention_budget = torch_attention.DEFAULT_TEMP_BYTES
+        self._flashinfer: torch_attention.FlashInferAttention | None = None
+
+    def set_attention(self, backend: str, budget: int = torch_attention.DEFAULT_TEMP_BYTES,
+                      flashinfer_module: Any = None) -> None:
+        """Choose the attention backend ("sdpa" | "bounded" | "flashinfer"); `budget`:
+        bytes the bounded path's temporaries may take at once."""
+        if backend not in torch_attention.BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}")
+        self.attention = backend
+        self.attention_budget = int(budget)
+        self._flashinfer = (torch_attention.FlashInferAttention(self.device, flashinfer_module)
+                            if backend == "flashinfer" else None)
 
     @property
     def device(self) -> torch.device:
@@ -538,6 +555,12 @@ class LlamaModel(torch.nn.Module):
         kv_flat = kv.view(2, s.num_layers, kv.shape[2] * block_size, s.num_kv_heads, s.head_dim)
         slot_mapping = batch.slot_mapping.to(kv.device, torch.long)
 
+        fi = self._flashinfer
+        if fi is not None:
+            fi.plan(batch.seq_lens_q, batch.context_lens, batch.block_tables, block_size,
+                    H, KVH, hd, self.dtype)
+        bounded = self.attention == "bounded"
+
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, hd]
         sin = self.rope_sin[positions].unsqueeze(1)
         eps = s.rms_norm_eps
@@ -557,7 +580,11 @@ class LlamaModel(torch.nn.Module):
             k_cache, v_cache = kv_layer[0], kv_layer[1]
 
             Tp = plan.prefill_tokens
-            if not plan.decode:
+            if fi is not None:
+                o = fi.run(q, kv[0, li], kv[1, li]).reshape(T, s.q_size)
+            elif bounded:
+                o = self._bounded_attention(q, k, v, k_cache, v_cache, batch, plan, block_size)
+            elif not plan.decode:
                 o = self._prefill_attention(q, k, v, k_cache, v_cache, plan)
             elif not plan.prefill:
                 o = self._decode_attention(q, kv[:, li], plan)
@@ -602,6 +629,39 @@ class LlamaModel(torch.nn.Module):
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
             out[start:end] = oi[0].transpose(0, 1).reshape(end - start, s.q_size)
         return out
+
+    def _bounded_attention(self, q, k, v, k_cache, v_cache, batch: AttnBatch, plan: _Plan,
+                           block_size: int) -> torch.Tensor:
+        """The bounded-memory path (torch_attention): prompts one by one in chunks, decode
+        rows in groups, every temporary within `attention_budget`. A prompt without a
+        cached prefix goes to SDPA (causal, no mask) when even the math kernel's worst
+        case for it fits the budget, which keeps short prompts on the fused kernels."""
+        s = self.shape
+        budget = self.attention_budget
+        out = q.new_empty(q.shape[0], s.num_heads, s.head_dim)
+        for i, (start, end, ctx_slots, _mask) in enumerate(plan.prefill):
+            n = end - start
+            if ctx_slots is None and (s.num_heads * n * n * 4
+                                      + 2 * s.num_heads * n * s.head_dim * q.element_size()
+                                      <= budget):
+                qi = q[start:end].transpose(0, 1).unsqueeze(0)
+                ki = k[start:end].transpose(0, 1).unsqueeze(0)
+                vi = v[start:end].transpose(0, 1).unsqueeze(0)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+                out[start:end] = oi[0].transpose(0, 1)
+                continue
+            if ctx_slots is None:
+                ctx_slots = _context_slots(batch.block_tables[i], batch.context_lens[i],
+                                           block_size, q.device)
+            torch_attention.bounded_prefill(q[start:end], k_cache, v_cache, ctx_slots, budget,
+                                            out[start:end])
+        Tp = plan.prefill_tokens
+        if plan.decode:
+            P = len(plan.prefill)
+            out[Tp:] = torch_attention.bounded_decode(
+                q[Tp:], k_cache, v_cache, batch.block_tables[P:], batch.context_lens[P:],
+                block_size, budget)
+        return out.reshape(q.shape[0], s.q_size)
 
     def _decode_attention(
         self,

@@ -70,13 +70,14 @@ How the contract maps:
 - `Abort` -> `RequestOutput.abort()` (on the loop thread); its late outputs are dropped.
 - `Release` and `sweep` do nothing: the context worker's transceiver frees the context
   KV once the generation side has pulled it, and `kv_transfer_timeout_ms` (set from
-  `handoff_timeout_s` where the installed version has it) frees what nobody pulls.
+  `handoff_timeout_s`) frees what nobody pulls. A release without that field is refused
+  for disaggregated roles at start-up (`llm_kwargs`); agg workers do not need it.
 
 IterationRecords (APPROXIMATION — read before using them for billing): `generate_async`
 does not expose the composition of each batch. Wall time, start time and phase come
 from TensorRT-LLM's own per-iteration stats (`enable_iter_perf_stats=True`,
 `get_stats_async`): `iterLatencyMS` (or `hostStepTimeMS` under the overlap scheduler),
-the `timestamp`, and "prefill" when the iteration scheduled any context request (a
+the `timestamp` (see `iteration_seconds` for releases without `schedulerMode`), and "prefill" when the iteration scheduled any context request (a
 TensorRT-LLM batch mixes context and generation requests, so such a record may also
 cover decode rows), else "decode". The entries are not TensorRT-LLM's: they are the
 tokens this engine saw arrive per request (prompt tokens for a request's first output,
@@ -148,6 +149,7 @@ USED_API: dict[str, dict[str, tuple[str, ...]]] = {
     # Read with a fallback when absent (older releases): not required.
     "optional": {
         "KvCacheConfig": ("tokens_per_block", "dtype"),
+        # Required in disaggregated roles (refused at start-up without it), not in agg.
         "CacheTransceiverConfig": ("kv_transfer_timeout_ms",),
         "RequestOutput": ("cached_tokens", "finished"),
         "DisaggregatedParams": ("disagg_request_id",),
@@ -297,15 +299,37 @@ class _Cursor:                  # loop-thread state of one request's output stre
 _TS_FORMATS = ("%m-%d-%Y %H:%M:%S.%f", "%m-%d-%Y %H:%M:%S")
 
 
-def _parse_timestamp(text: Any) -> float | None:
+def _parse_timestamp(text: Any, exact: bool = False) -> float | None:
+    """A stats `timestamp` as epoch seconds; `exact`: only one with sub-second digits."""
     if not isinstance(text, str):
         return None
-    for fmt in _TS_FORMATS:
+    for fmt in _TS_FORMATS[:1] if exact else _TS_FORMATS:
         try:
             return datetime.strptime(text, fmt).timestamp()    # local time, as written
         except ValueError:
             continue
     return None
+
+
+def iteration_seconds(stats: dict, next_start: float | None) -> float:
+    """One iteration's wall time from its stats dict.
+
+    Current releases say which scheduler ran it: under the overlap scheduler
+    `iterLatencyMS` spans two loops (this iteration's launch to the previous one's
+    results), and `hostStepTimeMS` is the step itself. Older releases have neither key and
+    may run the overlap scheduler too: there the iteration is the gap to the next stats'
+    timestamp (`next_start`, when it has sub-second digits), capped by iterLatencyMS (a
+    gap that spans idle time is not iteration time)."""
+    latency = max(0.0, float(stats.get("iterLatencyMS", 0.0)) / 1000.0)
+    if "schedulerMode" in stats or "hostStepTimeMS" in stats:
+        if stats.get("schedulerMode") == "overlap" and "hostStepTimeMS" in stats:
+            return max(0.0, float(stats["hostStepTimeMS"]) / 1000.0)
+        return latency
+    start = _parse_timestamp(stats.get("timestamp"), exact=True)
+    if start is None or next_start is None or next_start <= start:
+        return latency
+    gap = next_start - start
+    return min(gap, latency) if latency > 0 else gap
 
 
 class TrtllmEngine:
@@ -425,6 +449,11 @@ class TrtllmEngine:
     def attach_peer(self, worker: str, handle: Any) -> None:
         """Peers find each other through the transceiver's own metadata (opaque_state)."""
 
+    def detach_peer(self, worker: str) -> list:
+        """A dead context worker: the generation-only requests pulling from it fail in
+        TensorRT-LLM's transceiver (its kv_transfer_timeout_ms); nothing is mapped here."""
+        return []
+
     def has_work(self) -> bool:
         return bool(self._inflight) or not self._events.empty()
 
@@ -512,10 +541,13 @@ class TrtllmEngine:
             kw["frequency_penalty"] = p.frequency_penalty
         if p.presence_penalty:
             kw["presence_penalty"] = p.presence_penalty
-        if p.top_p <= 0:
-            # top_p 0 is greedy in TensorRT-LLM too (`SamplingParams._greedy_decoding`: top_p
-            # None or 0 with top_k None or 1) but not with a top_k; say greedy outright.
-            kw.update(temperature=0.0, top_p=None)
+        if p.temperature == 0.0 or p.top_p <= 0:
+            # Greedy as top_k=1, the one spelling every release reads as greedy: older ones
+            # decide `SamplingParams._greedy_decoding` by top_k in (None, 1) and top_p in
+            # (None, 0) only, so temperature=0 with our top_p=1.0 sampled there; current
+            # ones (`params_imply_greedy_decoding`) also take top_k == 1. Temperature and
+            # top_p are left unset (None): a zero temperature is a division on some runtimes.
+            kw.update(top_k=1, temperature=None, top_p=None)
         stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.extra_eos))
         if stop:
             kw["stop_token_ids"] = stop
@@ -586,6 +618,9 @@ class TrtllmEngine:
         """Hold each iteration's stats until the next one arrives (or the engine goes
         idle): by then the outputs of that iteration have normally been seen too."""
         self._last_stats = stats
+        held = self._held
+        if held is not None and "_next_ts" not in held:
+            held["_next_ts"] = _parse_timestamp(stats.get("timestamp"), exact=True)
         ifb = stats.get("inflightBatchingStats") or {}
         scheduled = int(ifb.get("numScheduledRequests", int(ifb.get("numContextRequests", 0))
                                 + int(ifb.get("numGenRequests", 0))))
@@ -596,10 +631,7 @@ class TrtllmEngine:
 
     def _record(self, stats: dict) -> IterationRecord:
         ifb = stats.get("inflightBatchingStats") or {}
-        wall_ms = stats.get("iterLatencyMS", 0.0)
-        if stats.get("schedulerMode") == "overlap" and "hostStepTimeMS" in stats:
-            wall_ms = stats["hostStepTimeMS"]   # iterLatencyMS spans ~2 loops there
-        wall = max(0.0, float(wall_ms) / 1000.0)
+        wall = iteration_seconds(stats, stats.get("_next_ts"))
         start = _parse_timestamp(stats.get("timestamp"))
         if start is None:
             start = time.time() - wall
@@ -721,9 +753,14 @@ def llm_kwargs(api: SimpleNamespace, spec, model_dir: Path) -> dict:
         max_batch_size=spec.max_seqs, max_num_tokens=spec.max_batch_tokens,
         enable_iter_perf_stats=True)
     if spec.role in ("prefill", "decode"):
-        extra: dict[str, Any] = {}
-        if "kv_transfer_timeout_ms" in getattr(api.CacheTransceiverConfig, "model_fields", {}):
-            extra["kv_transfer_timeout_ms"] = max(1, int(spec.handoff_timeout_s * 1000))
+        if "kv_transfer_timeout_ms" not in getattr(api.CacheTransceiverConfig, "model_fields", {}):
+            version = getattr(api.module, "__version__", "?")
+            raise TrtllmUnavailable(
+                f"TensorRT-LLM {version} has no CacheTransceiverConfig.kv_transfer_timeout_ms: "
+                "a context-only request nobody pulls would pin its KV until restart; "
+                "disaggregated mode needs a release that has it (use mode = agg here)")
+        extra: dict[str, Any] = {
+            "kv_transfer_timeout_ms": max(1, int(spec.handoff_timeout_s * 1000))}
         kw["cache_transceiver_config"] = transceiver_config(
             api, os.environ.get(KV_BACKEND_ENV, DEFAULT_KV_BACKEND), extra)
     if spec.role == "prefill":

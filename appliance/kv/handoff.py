@@ -29,8 +29,10 @@ behind a small header (torch's refcount), whose size the importer derives from t
 size and the exporter's byte count.
 
 Lifetime: the exporter must keep its pool alive for as long as it runs (the engine holds
-it). A peer drops a dead exporter's pool when the restarted worker attaches
-(`forget_pool`), and unlinks its name if that is still there.
+it). A peer drops a dead exporter's pool as soon as the daemon reports the death
+(`PeerGone`), or at the latest when the restarted worker attaches (`forget_pool`), and
+unlinks its name if that is still there. Handles name the pool incarnation they come from
+(`KvHandle.pool_id`), so one from a dead pool is never read from its successor.
 
 GPU (NOT RUN ON HARDWARE; written against torch's CUDA IPC API, tested only with device
 queries faked): the handle carries the exporting GPU's UUID, because ordinals differ
@@ -44,7 +46,8 @@ context on it; without peer access it must open it on the peer's ordinal, which 
 a context (and its memory) on the prefill worker's GPU in the decode worker: that
 remains, for GPUs without P2P. Pools must come from plain cudaMalloc (no
 ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF``: IPC handles of expandable
-segments are not supported). The exporter must have finished writing the KV before it
+segments are not supported; the daemon forces it off for GPU workers,
+appliance/worker/cuda_env.py). The exporter must have finished writing the KV before it
 reports the handle: ``sample()`` reads the logits back to the host, which synchronizes
 the stream that wrote the KV. `copy_from_peer` copies on a side stream (on the source
 device when the copy crosses devices: that is where PyTorch runs it) and synchronizes

@@ -9,6 +9,7 @@ together so its pool is one contiguous block.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from appliance.partitions.devices import NVLINK, Device, Inventory
 
 MODES = ("disagg", "agg")
+log = logging.getLogger("applianced.partitions")
 
 _SPLIT = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*$")
 
@@ -72,12 +74,18 @@ def plan_partition(inv: Inventory, tp: int = 1, split: str = "auto", mode: str =
     if mode == "agg" and manual is not None:
         raise PlanError(f"split {split!r} applies to disagg mode only; agg mode uses every device")
 
-    gpus = [d for d in inv.devices if d.is_gpu and not d.lost]
+    gpus = [d for d in inv.devices if d.is_gpu and not d.lost and not d.mig_enabled]
     lost = sum(1 for d in inv.devices if d.is_gpu and d.lost)
+    mig = [d for d in inv.devices if d.is_gpu and not d.lost and d.mig_enabled]
+    mig_note = mig_warning(mig)
+    if mig_note:
+        log.warning("%s", mig_note)
     if not gpus:
         cpu = next((d for d in inv.devices if d.kind == "cpu"), None)
         if cpu is None:
             what = f"all {lost} GPU(s) are lost" if lost else "the inventory is empty"
+            if mig:
+                what = mig_note
             raise PlanError(f"no usable devices: {what}")
         return _cpu_plan(cpu, tp, manual, mode)
 
@@ -136,7 +144,29 @@ def plan_partition(inv: Inventory, tp: int = 1, split: str = "auto", mode: str =
     parts += _topology_notes(inv, islands, tp, prefill, decode, agg, spanning)
     if lost:
         parts.append(f"{lost} lost GPU{'s' if lost != 1 else ''} excluded")
+    if mig_note:
+        parts.append(mig_note)
     return PartitionPlan(mode=mode, prefill=prefill, decode=decode, agg=agg, tp=tp, reason="; ".join(parts))
+
+
+def mig_warning(mig: list[Device]) -> str | None:
+    """One line for MIG-enabled GPUs, which the plan leaves out: their memory and SMs
+    belong to MIG instances, addressed by MIG UUIDs; CUDA shows no device under the
+    parent's UUID, so a worker planned on it would find no GPU."""
+    if not mig:
+        return None
+    ids = ", ".join(d.id for d in mig)
+    return (f"{len(mig)} MIG-enabled GPU{'s' if len(mig) != 1 else ''} excluded ({ids}): "
+            "applianced does not plan MIG instances; disable MIG to use "
+            f"{'them' if len(mig) != 1 else 'it'} (nvidia-smi -i <index> -mig 0, then a GPU reset)")
+
+
+def check_engine(plan: PartitionPlan, engine: str) -> None:
+    """Refuse, at planning time, what an engine cannot run: the torch engine has no tensor
+    parallelism (it would silently use one GPU of each worker's group)."""
+    if engine == "torch" and plan.tp > 1:
+        raise PlanError(f"engine = torch runs one GPU per worker (no tensor parallelism), but "
+                        f"devices.tp = {plan.tp}: set tp = 1, or use engine = trtllm")
 
 
 def phase_economics(spec) -> dict[str, float]:

@@ -15,7 +15,7 @@ Why per worker and not M/G/c (Allen–Cunneen on Erlang-C): the router spreads a
 over all prefill workers at once, so every worker sees the burst; pooled M/G/c at the
 trace's p90 minute predicts a 4-worker pool almost never waits (mean TTFT ≈ 0.45 s),
 while the replay's p90 TTFT is 4.1 s. Each worker as its own G/G/1 with the whole
-stream's c_a² agrees with the replay (see README, Capacity planning).
+stream's c_a² agrees with the replay (see docs/operations/capacity-planning.md).
 Decode: the largest batch B* whose step time meets the ITL SLO and whose KV fits the
 pool at the mean context L_in + L_out/2; a worker then makes T_d = B*/ITL(B*) tokens/s.
 """

@@ -11,7 +11,7 @@ the model. The model (source "estimated"):
 busy_cores from psutil's system-wide CPU times (non-idle seconds per second). Defaults
 1.5 W and 3.5 W per core: a 64-core EPYC 7763 idles near ~100 W at the package and
 reaches its 280 W TDP under all-core load, ~1.5 + ~2.9 W per core; rounded up to cover
-memory traffic. Rough: calibrate on the box or give RAPL access (README).
+memory traffic. Rough: calibrate on the box or give RAPL access (docs/operations/telemetry.md).
 """
 from __future__ import annotations
 

@@ -642,6 +642,7 @@ class Telemetry:
         for d in self.devices:
             s = self._latest[d]
             devices.append({"device": d, "group": "+".join(self.device_groups.get(d, [])) or "none",
+                            "t": s.t if s is not None else None,
                             "energy_j": s.energy_j if s is not None else None,
                             "power_w": s.power_w if s is not None else None,
                             "util": s.util if s is not None else None})

@@ -8,7 +8,7 @@ Every reading the driver or board lacks is None, remembered once by the wrapper;
 that falls off the bus is a `lost` row until it answers again. Never raises.
 
 Written against nvidia-ml-py's real API and tested with tests/fake_nvml.py; not run on
-a GPU (see the README's "Not verified on hardware").
+a GPU (see docs/limitations.md, "Not verified on hardware").
 """
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ import threading
 import time
 
 from appliance.engines.messages import (
-    Abort, AttachPeer, Decode, Hello, IterationRecord, Prefill, Release, RequestFailed, Shutdown,
-    StartFailed,
+    Abort, AttachPeer, Decode, Hello, IterationRecord, PeerGone, Prefill, Release, RequestFailed,
+    Shutdown, StartFailed,
 )
 from appliance.worker import wire
 from appliance.worker.spec import WorkerSpec
@@ -157,6 +157,8 @@ def run(fd: int, spec: WorkerSpec) -> int:
                 engine.release(msg.request_id)
             elif isinstance(msg, AttachPeer):
                 engine.attach_peer(msg.worker, msg.handle)
+            elif isinstance(msg, PeerGone):
+                events += engine.detach_peer(msg.worker)
         if engine.has_work():
             try:
                 events += engine.step()
@@ -167,7 +169,7 @@ def run(fd: int, spec: WorkerSpec) -> int:
         now = time.monotonic()
         due = now - last_stats >= STATS_INTERVAL_S or (events and not engine.has_work())
         if due:
-            events += engine.sweep(time.time())
+            events += engine.sweep(time.monotonic())
             events.append(engine.stats())
             last_stats = now
         if events:
