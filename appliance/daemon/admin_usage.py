@@ -99,7 +99,7 @@ async def carbon(request: web.Request):
 async def rates(request: web.Request):
     """The rate cards, each resolved for the device models this appliance accounts."""
     require_admin(request)
-    acc = _accountant(request.app[SERVICE])
+    acc = _accountant(request)
     models = sorted({d.model for d in acc.spec.devices})
     return json_response(acc.prices.describe(models))
 
