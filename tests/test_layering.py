@@ -136,3 +136,37 @@ def test_no_handler_probes_for_a_subsystem():
              for line in p.read_text().splitlines()
              if "getattr(svc" in line or "getattr(self.svc" in line]
     assert not wrong, "\n".join(wrong)
+
+
+def undefined_globals(source: str) -> set[str]:
+    """Module-level names a module's code uses but never defines or imports (what a
+    moved function or a merge most easily leaves behind, found only when it runs)."""
+    import builtins
+    import symtable
+    top = symtable.symtable(source, "module", "exec")
+    defined = {s.get_name() for s in top.get_symbols()
+               if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    found = set()
+
+    def walk(table) -> None:
+        for s in table.get_symbols():
+            name = s.get_name()
+            if (s.is_referenced() and (s.is_global() or table is top) and name not in defined
+                    and not hasattr(builtins, name) and name not in ("__file__", "__name__")):
+                found.add(name)
+        for child in table.get_children():
+            walk(child)
+    walk(top)
+    return found
+
+
+def test_undefined_globals_are_found():
+    assert undefined_globals("import os\ndef f():\n    return os.sep, KEY\n") == {"KEY"}
+
+
+def test_daemon_and_console_modules_use_no_undefined_name():
+    wrong = [f"{path.relative_to(ROOT.parent)}: {sorted(names)}"
+             for package in ("daemon", "tui")
+             for path in sorted((ROOT / package).rglob("*.py"))
+             if (names := undefined_globals(path.read_text()))]
+    assert not wrong, "\n".join(wrong)
