@@ -10,7 +10,7 @@ from pathlib import Path
 
 from appliance import __version__
 from appliance.commands.client import AdminClient, AdminError, add_client_args
-from appliance.tui.model import core_ranges  # noqa: F401  (tests and scripts import it here)
+from appliance.tui.views.overview import core_ranges  # noqa: F401  (tests and scripts import it here)
 
 # Subcommand modules under appliance/commands/ (see its __init__): one line per area.
 AREAS: tuple[str, ...] = ("plan", "tui", "usage", "workflow")
@@ -108,7 +108,7 @@ def _config(args):
 
 def cmd_serve(args) -> int:
     from appliance import config
-    from appliance.daemon.app import serve
+    from appliance.daemon.main import serve
     cfg = _config(args)
     return serve(cfg, config.state_dir(cfg, args.state_dir))
 
@@ -136,7 +136,7 @@ def cmd_model(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from appliance.tui.model import overview_from_status, render_overview_text
+    from appliance.tui.views.overview import overview_from_status, render_overview_text
     data = AdminClient.from_args(args).get("/admin/v1/status")
     if args.json:
         print(json.dumps(data, indent=2))

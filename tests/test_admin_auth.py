@@ -8,7 +8,7 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from appliance.daemon.auth import Auth, Caller
-from appliance.daemon.openai_api import ApiError
+from appliance.daemon.openai_protocol import ApiError
 from conftest import http
 
 ADMIN_KEY, TENANT_KEY = "adm-secret-1", "sk-search-1"

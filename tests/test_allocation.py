@@ -354,7 +354,7 @@ def test_requests_without_an_energy_reading_make_a_group_incomplete(tmp_path):
 
 
 def test_the_daemon_builds_the_reports_method_from_the_config():
-    from appliance.daemon.chargeback import method_of, prices_of, site_of
+    from appliance.daemon.accounting_link import method_of, prices_of, site_of
     cfg = config.parse('[site]\npue = 1.2\ncarbon_intensity = 300\nnode_overhead_w = 4600\n'
                        'carbon_intensity_market = 0\n[accounting]\nidle_policy = "idle"\n'
                        'currency = "EUR"\n[[accounting.rate_cards]]\neffective = 2027-01-01\n'

@@ -3,6 +3,7 @@ kill -9 of the daemon, and the simulated 8xH100 partition."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 import signal
@@ -60,6 +61,43 @@ def test_overload_is_503_with_retry_after(daemon_factory, tiny_model):
     code, _, body = d.post("/v1/chat/completions", {"model": MODEL, "messages": MSG,
                                                     "max_tokens": 2})
     assert code == 200, body
+
+
+def test_admission_refuses_before_parsing_and_records_the_rejection(daemon_factory,
+                                                                     tiny_model):
+    """A request refused at admission is refused before its body is parsed or tokenized
+    (a 1 MB prompt costs nothing), and one refused as overloaded leaves its `rejected`
+    record: the demand the planner counts."""
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", *SLOW, model=tiny_model,
+                       config="[server]\nmax_inflight = 1\nlog_requests = true\n"
+                              "max_body_bytes = 4194304\n")
+    stream = d.client().chat.completions.create(model=MODEL, messages=MSG, max_tokens=200,
+                                                stream=True)
+    next(iter(stream))
+    big = {"model": MODEL, "prompt": "lorem ipsum " * 90_000, "max_tokens": 1}   # ~1 MB
+    before = d.status()["prepared"]
+    code, headers, body = d.post("/v1/completions", big)
+    assert code == 503 and body["error"]["code"] == "overloaded"
+    assert d.status()["prepared"] == before                 # not parsed, not tokenized
+    stream.close()
+    rid = headers["X-Request-Id"]
+    records = [json.loads(line) for line in d.log_text().splitlines()
+               if line.startswith("{") and '"request_id"' in line]
+    rejected = [r for r in records if r["request_id"] == rid]
+    assert len(rejected) == 1 and rejected[0]["status"] == "rejected", records
+    assert rejected[0]["endpoint"] == "completions" and rejected[0]["prompt_tokens"] == 0
+    metrics = http("GET", d.url + "/metrics")[2].decode()
+    assert 'applianced_rejected_requests_total{' in metrics
+    # An operator's drain: refused as cheaply, and not counted as demand turned away.
+    d.wait_for(lambda st: st["inflight"] == 0, what="the stream's slot back")
+    code, _, wf = d.post("/admin/v1/workflows", {"kind": "drain"})
+    assert code == 201, wf
+    d.wait_for(lambda st: st["admission"] == "closed", what="admission closed")
+    before = d.status()["prepared"]
+    code, headers, body = d.post("/v1/completions", big)
+    assert code == 503 and body["error"]["code"] == "draining"
+    assert d.status()["prepared"] == before
+    assert headers["X-Request-Id"] not in d.log_text()
 
 
 def test_client_disconnect_frees_kv(daemon_factory, tiny_model):
@@ -264,7 +302,7 @@ def test_gpu_workers_see_their_own_gpus_first_then_their_peers():
     (CUDA IPC can only open a peer's pool on a visible GPU). Checked on the plan for a
     4-GPU box, without GPUs."""
     from appliance.config import Config
-    from appliance.daemon.app import worker_specs
+    from appliance.daemon.setup import worker_specs
     from appliance.daemon.workers import worker_env
     from appliance.partitions import Device, Inventory, lookup_gpu, plan_partition
 
@@ -291,7 +329,7 @@ def test_gpu_workers_see_their_own_gpus_first_then_their_peers():
 ])
 def test_cpu_workers_split_the_cores(mode, threads, cores, want):
     from appliance.config import Config
-    from appliance.daemon.app import worker_specs
+    from appliance.daemon.setup import worker_specs
     from appliance.partitions import discover, plan_partition
 
     cfg = Config()
@@ -348,7 +386,7 @@ def test_context_is_capped_by_the_smallest_kv_pool(daemon_factory, tiny_model):
 def test_auto_engine_choice_without_importing_torch():
     import subprocess
     import sys
-    code = ("import sys\nfrom appliance.daemon.app import resolve_engine\n"
+    code = ("import sys\nfrom appliance.daemon.setup import resolve_engine\n"
             "from appliance.partitions import discover\n"
             "print(resolve_engine('auto', discover('cpu')), resolve_engine('auto', discover('sim:2xH100')),"
             " 'torch' in sys.modules)")
@@ -386,7 +424,7 @@ def test_cpu_workers_that_cannot_fit_in_memory_are_refused(tiny_model, tmp_path)
     import sys
 
     from appliance.config import Config
-    from appliance.daemon.app import StartupError, check_cpu_memory, worker_specs
+    from appliance.daemon.setup import StartupError, check_cpu_memory, worker_specs
     from appliance.models.specs import spec_from_hf_config
     from appliance.partitions import discover, plan_partition
 

@@ -160,3 +160,27 @@ def test_cli_plan_replay_end_to_end():
         lines = bad.stderr.strip().splitlines()
         assert lines[-1].startswith("applianced: ") and message in lines[-1], bad.stderr
         assert "Traceback" not in bad.stderr
+
+
+def test_replayed_and_live_percentiles_rank_alike():
+    """The replay's p50/p99 and the telemetry hub's live p50/p99 of the same latencies
+    are the same numbers: one definition (nearest rank), not two."""
+    from types import SimpleNamespace
+
+    from appliance.planner.replay import Req, TraceReplay
+    from appliance.telemetry.hub import Telemetry
+    ttfts = [0.4, 0.1, 0.3, 0.2]
+    sim = TraceReplay([], "agg", [], 100)
+    sim.finished = [Req(f"r{i}", sent=10.0, prompt_len=8, osl=3, first=10.0 + x, done=11.0 + x)
+                    for i, x in enumerate(ttfts)]
+    replayed = sim.result("1", end=20.0)
+    hub = Telemetry([], [], clock=lambda: 30.0)
+    for x in ttfts:
+        hub.observe_request(SimpleNamespace(arrival=10.0, first_token=10.0 + x, finish=11.0 + x,
+                                            output_tokens=3, choices=1))
+    live = hub.latency(now=30.0)
+    assert live["requests"] == len(ttfts)
+    assert replayed.ttft_p50_s == pytest.approx(live["ttft_p50_s"])
+    assert replayed.ttft_p99_s == pytest.approx(live["ttft_p99_s"])
+    # nearest rank: the p50 of four values is the second smallest, not the third
+    assert live["ttft_p50_s"] == pytest.approx(sorted(ttfts)[1])

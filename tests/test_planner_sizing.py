@@ -369,3 +369,18 @@ def test_mixed_box_placement_is_explained(tmp_path):
     assert out["placement"]["prefill"] == "L40S" and "Splitwise" in out["placement"]["why"]
     assert out["cost"]["usd_per_day"] == pytest.approx((4 * 0.86 + 4 * 3.00) * 24)
     pl.close()
+
+
+def test_a_closed_planner_is_freed(tmp_path):
+    """Its per-request cost estimates are cached on the planner, not in a method cache
+    of functools that would keep every planner ever built (and its profiles) alive."""
+    import gc
+    import weakref
+    pl = _planner(tmp_path)
+    rec = _record(1, 1_700_000_000, 2000, 100, pl.model_name)
+    assert pl._estimate(rec) == pl._estimate(rec) != (0.0, 0.0)
+    pl.close()
+    gone = weakref.ref(pl)
+    del pl
+    gc.collect()
+    assert gone() is None

@@ -89,3 +89,33 @@ def test_daemon_applies_the_knee_of_the_simulated_profile(daemon_factory, tiny_m
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert f"engine.max_batch_tokens: {knee} (auto), simulated: knee of the simulated" in out.stdout
+
+
+def test_a_worker_a_workflow_restarts_keeps_its_knee(tmp_path, tiny_model):
+    """engine.max_batch_tokens = 0: a worker that a repartition or a model swap starts
+    again gets the knee of its device's profile, as at start-up, not the fixed default."""
+    from appliance.daemon.control import Control
+    from appliance.daemon.router import Router
+    from appliance.daemon.setup import plan_setup
+    from appliance.daemon.state import ServedModel, ServingState
+    from appliance.daemon.workers import WorkerPool
+    from appliance.workflows.journal import Journal
+    from appliance.workflows.machine import ModelRef
+    cfg = parse(f'[devices]\nspec = "sim:8xH100"\n[engine]\nkind = "sim"\nmax_batch_tokens = 0\n'
+                f'model = "{tiny_model}"\nmodel_spec = "llama-3.1-70b-fp8"\n', "t.toml")
+    setup = plan_setup(cfg, tmp_path)
+    knee = simulated_profile(lookup_model_spec("llama-3.1-70b-fp8"), lookup_gpu("H100"),
+                             1).prefill_knee_tokens()
+    assert knee != DEFAULT_MAX_BATCH_TOKENS
+    assert {s.max_batch_tokens for s in setup.specs} == {knee}
+    pool = WorkerPool(setup.specs)
+    state = ServingState(ServedModel(setup.model_name, setup.model_dir, "llama-3.1-70b-fp8",
+                                     setup.max_context), setup.plan, 64)
+    journal = Journal(tmp_path / "workflows.db")
+    control = Control(cfg, setup, state, pool, Router(pool, setup.plan.mode, 0), journal,
+                      profile_dir=tmp_path / "profiles")
+    slot = setup.plan.workers()[0]
+    same = control._spec(slot, state.model.ref)          # restarted where it ran
+    swapped = control._spec(slot, ModelRef("other", str(tiny_model), "llama-3.1-70b-fp8"))
+    journal.close()
+    assert same.max_batch_tokens == swapped.max_batch_tokens == knee

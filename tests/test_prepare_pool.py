@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from appliance.daemon.completion import prepare_prompt
-from appliance.daemon.openai_api import ApiError, parse_request
+from appliance.daemon.openai_protocol import ApiError, parse_request
 from appliance.daemon.tokenizer import ServedTokenizer
 from conftest import http, pid_alive
 

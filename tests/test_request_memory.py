@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from appliance.daemon.completion import Completion
-from appliance.daemon.openai_api import parse_body
+from appliance.daemon.openai_protocol import parse_body
 from conftest import start_daemon
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()

@@ -201,7 +201,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     from types import SimpleNamespace
 
     from appliance.daemon.completion import Completion
-    from appliance.daemon.openai_api import parse_request
+    from appliance.daemon.openai_protocol import parse_request
 
     text = ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
             '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')

@@ -17,9 +17,13 @@ from conftest import free_port
 pytest.importorskip("textual")
 
 from appliance.tui.app import ApplianceConsole  # noqa: E402
-from appliance.tui.model import (History, carbon_from_json, filter_tenants,  # noqa: E402
-                                 fleet_ratio, fmt_ratio, merge_tenants, overview_from_status,
-                                 render_overview_text, sort_tenants, tenants_from_usage)
+from appliance.tui.format import fmt_ratio  # noqa: E402
+from appliance.tui.views.carbon import carbon_from_json  # noqa: E402
+from appliance.tui.views.fleet import fleet_ratio  # noqa: E402
+from appliance.tui.views.overview import (History, overview_from_status,  # noqa: E402
+                                          render_overview_text)
+from appliance.tui.views.tenants import (filter_tenants, merge_tenants,  # noqa: E402
+                                         sort_tenants, tenants_from_usage)
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 

@@ -19,8 +19,9 @@ from conftest import http
 pytest.importorskip("textual")
 
 from appliance.tui.app import ApplianceConsole  # noqa: E402
-from appliance.tui.model import (capacity_from_plan, fmt_num, render_capacity_lines,  # noqa: E402
-                                 resample)
+from appliance.tui.format import fmt_num  # noqa: E402
+from appliance.tui.views.capacity import (capacity_from_plan,  # noqa: E402
+                                          render_capacity_lines, resample)
 
 SIM = ("--devices", "sim:8xH100", "--model-spec", "llama-3.1-70b-fp8", "--sim-speed", "10")
 SNAPSHOTS = Path(__file__).parent / "snapshots"

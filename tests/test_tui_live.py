@@ -26,7 +26,7 @@ from admin_fixture import FixtureAdmin, contract_status, usage_rows, wait_screen
 pytest.importorskip("textual")
 
 from appliance.tui.app import ApplianceConsole  # noqa: E402
-from appliance.tui.model import fmt_ratio  # noqa: E402
+from appliance.tui.format import fmt_ratio  # noqa: E402
 
 
 def get_json(url: str) -> dict:

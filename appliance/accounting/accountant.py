@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from appliance.accounting.attribution import (
-    Attributor, Calibration, DeviceInfo, DeviceWindow, EnergyMeter,
+    Attributor, Calibration, DeviceInfo, DeviceWindow, EnergyReader,
 )
 from appliance.accounting.budgets import Budgets, period_start
 from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon, operational_grams
@@ -77,9 +77,9 @@ class FinalRow:
 class Accountant:
     def __init__(self, devices: list[DeviceInfo], model: str, site: Site, ledger: Ledger,
                  prices: PriceBook, embodied: EmbodiedCarbon, budgets: Budgets | None = None,
-                 meter: Callable[[], EnergyMeter | None] = lambda: None,
+                 meter: Callable[[], EnergyReader | None] = lambda: None,
                  read_meter: Callable[[list[str], list[tuple[float, float]]],
-                                      EnergyMeter | None] | None = None,
+                                      EnergyReader | None] | None = None,
                  window_s: float = 10.0, calibration_min_iterations: int = 50,
                  on_final: Callable[[FinalRow], None] | None = None,
                  on_budget: Callable[[list], None] | None = None, grace_s: float = GRACE_S,

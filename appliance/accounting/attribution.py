@@ -39,15 +39,16 @@ PREFILL, DECODE = "prefill", "decode"
 PHASES = (PREFILL, DECODE)
 
 
-class EnergyMeter(Protocol):
-    """What the telemetry hub offers (CONTRACTS.md); accounting only reads it."""
+class EnergyReader(Protocol):
+    """What accounting reads energy through: the telemetry hub in the daemon (its
+    `telemetry.EnergyMeter`), `Readings` in the accounting process."""
 
     def energy_j(self, device: str, t0: float, t1: float) -> tuple[float | None, str]: ...
     def idle_power_w(self, device: str) -> float | None: ...
 
 
 class Readings:
-    """An EnergyMeter over readings taken in one go: the accounting process runs apart
+    """An EnergyReader over readings taken in one go: the accounting process runs apart
     from the daemon's telemetry and asks it once per tick for every window it closes."""
 
     __slots__ = ("energy", "idle")
@@ -64,7 +65,7 @@ class Readings:
         return self.idle.get(device)
 
 
-def take_readings(meter: EnergyMeter | None, devices: list[str],
+def take_readings(meter: EnergyReader | None, devices: list[str],
                   spans: list[tuple[float, float]]) -> Readings:
     """Read `meter` for every device over every span (a meter that fails gives "not
     measured" for that reading, never an exception)."""
@@ -448,7 +449,7 @@ class Attributor:
             closed = end
         return out
 
-    def close_until(self, t: float, meter: EnergyMeter | None,
+    def close_until(self, t: float, meter: EnergyReader | None,
                     final: bool = False) -> list[DeviceWindow]:
         """Close every window that ends at or before `t`; with `final` (shutdown) also the
         one `t` falls in, cut at `t`. Returns one DeviceWindow per device per window."""
@@ -462,7 +463,7 @@ class Attributor:
         return out
 
     def _close(self, t0: float, t1: float, records: list[tuple[IterationRecord, float]],
-               meter: EnergyMeter | None) -> list[DeviceWindow]:
+               meter: EnergyReader | None) -> list[DeviceWindow]:
         dt = t1 - t0
         cal = self.calibration
         per_device: dict[str, list[tuple[IterationRecord, float]]] = {d: [] for d in self.devices}
@@ -503,7 +504,7 @@ class Attributor:
 
     @staticmethod
     def _device_window(info: DeviceInfo, t0: float, t1: float, dt: float,
-                       its: list[tuple[IterationRecord, float]], meter: EnergyMeter | None,
+                       its: list[tuple[IterationRecord, float]], meter: EnergyReader | None,
                        weights_of: Callable[[str], PhaseWeights]) -> DeviceWindow:
         measured = info.capacity * dt
         busy = sum(tau for _, tau in its)

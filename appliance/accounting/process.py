@@ -11,7 +11,7 @@ What crosses the socketpair (length-prefixed pickles, `appliance.worker.wire`):
 - daemon -> accounting: `Start` (first), `Records` (every worker frame that carries an
   iteration record, forwarded unopened, and the finished requests' records), `Readings`
   (the daemon's energy meter, answering `ReadMeter`), `AskStatus`, `Stop`.
-- accounting -> daemon: `Started` or `StartFailed`, `ReadMeter` (once per tick that
+- accounting -> daemon: `Started` or `AccountingStartFailed`, `ReadMeter` (once per tick that
   closes windows), `Report` (every tick and for each `AskStatus`: status, per-tenant sums
   for /metrics, budgets).
 
@@ -113,7 +113,7 @@ class Started:
 
 
 @dataclass(slots=True)
-class StartFailed:
+class AccountingStartFailed:
     message: str
 
 
@@ -386,7 +386,7 @@ def run(fd: int) -> int:
     except Exception as exc:    # an unusable ledger, a lock held too long: one line
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         try:
-            sock.sendall(wire.pack(StartFailed(message)))
+            sock.sendall(wire.pack(AccountingStartFailed(message)))
         except OSError:
             pass
         return 3

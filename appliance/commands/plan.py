@@ -326,7 +326,7 @@ def cmd_profile(args) -> int:
     if args.model or cfg.engine.model:
         model_dir = Path(args.model or cfg.engine.model).expanduser()
     else:
-        from appliance.daemon.app import default_model
+        from appliance.daemon.setup import default_model
         model_dir = default_model(state, lambda line: print(f"  {line}", file=sys.stderr))
     if not (model_dir / "config.json").exists():
         raise ValueError(f"model directory {model_dir} has no config.json")

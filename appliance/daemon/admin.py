@@ -13,7 +13,7 @@ from appliance.daemon.auth import require_admin
 from appliance.daemon.responses import SERVICE, json_response
 
 if TYPE_CHECKING:
-    from appliance.daemon.app import Service
+    from appliance.daemon.service import Service
 
 
 async def status(request: web.Request):

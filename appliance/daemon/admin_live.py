@@ -15,11 +15,11 @@ import orjson
 from aiohttp import web
 
 from appliance.daemon.auth import require_admin
-from appliance.daemon.openai_api import ApiError
+from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import SERVICE
 
 if TYPE_CHECKING:
-    from appliance.daemon.app import Service
+    from appliance.daemon.service import Service
 
 MIN_INTERVAL_S = 0.25
 MAX_INTERVAL_S = 1.0

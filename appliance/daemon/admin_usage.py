@@ -16,20 +16,21 @@ from aiohttp import web
 
 from appliance.accounting import reports
 from appliance.daemon.auth import CALLER, Caller, require_admin
-from appliance.daemon.openai_api import ApiError
-from appliance.daemon.responses import SERVICE, json_response
+from appliance.daemon.openai_protocol import ApiError
+from appliance.daemon.responses import ACCOUNTING, json_response
 
 if TYPE_CHECKING:
-    from appliance.daemon.app import Service
+    from appliance.daemon.accounting_link import AccountingLink
 
 DEFAULT_SPAN_S = 86400.0
 
 
-def _accountant(svc: Service):
-    if getattr(svc, "accountant", None) is None:
+def _accountant(request: web.Request) -> AccountingLink:
+    acc = request.app[ACCOUNTING]
+    if acc is None:
         raise ApiError(404, "accounting is off on this appliance ([accounting] enabled = false)",
                        code="accounting_disabled")
-    return svc.accountant
+    return acc
 
 
 def _span(request: web.Request) -> tuple[float, float]:
@@ -54,9 +55,8 @@ def _group_by(request: web.Request, allowed, default) -> list[str]:
 
 
 async def usage(request: web.Request):
-    svc: Service = request.app[SERVICE]
     caller: Caller = request[CALLER]
-    acc = _accountant(svc)
+    acc = _accountant(request)
     fmt = request.query.get("format", "json")
     if fmt not in ("json", "csv"):
         raise ApiError(400, f"format must be json or csv, got {fmt!r}", param="format",
@@ -81,8 +81,7 @@ async def usage(request: web.Request):
 
 async def carbon(request: web.Request):
     require_admin(request)
-    svc: Service = request.app[SERVICE]
-    acc = _accountant(svc)
+    acc = _accountant(request)
     group_by = _group_by(request, reports.CARBON_DIMS, ("site", "tenant"))
     since, until = _span(request)
     report = await asyncio.to_thread(reports.carbon, acc.ledger, group_by, since, until,
@@ -100,7 +99,7 @@ async def carbon(request: web.Request):
 async def rates(request: web.Request):
     """The rate cards, each resolved for the device models this appliance accounts."""
     require_admin(request)
-    acc = _accountant(request.app[SERVICE])
+    acc = _accountant(request)
     models = sorted({d.model for d in acc.spec.devices})
     return json_response(acc.prices.describe(models))
 

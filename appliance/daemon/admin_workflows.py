@@ -5,27 +5,19 @@ journals and runs; its one-line refusals become OpenAI-shaped 400 / 404 / 409.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import orjson
 from aiohttp import web
 
 from appliance.daemon.auth import require_admin
-from appliance.daemon.openai_api import ApiError
-from appliance.daemon.responses import SERVICE, json_response
+from appliance.daemon.openai_protocol import ApiError
+from appliance.daemon.responses import WORKFLOWS, json_response
+from appliance.workflows.engine import WorkflowEngine
 from appliance.workflows.journal import NotFound, Refused
 
-if TYPE_CHECKING:
-    from appliance.daemon.app import Service
 
-
-def _engine(request: web.Request):
+def _engine(request: web.Request) -> WorkflowEngine:
     require_admin(request)
-    svc: Service = request.app[SERVICE]
-    if svc.workflows is None:
-        raise ApiError(503, "workflows are not available yet (the daemon is starting)",
-                       code="not_ready", headers={"Retry-After": "1"})
-    return svc.workflows
+    return request.app[WORKFLOWS]
 
 
 def _get(engine, wid: str):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from appliance.daemon.openai_api import ApiError
+from appliance.daemon.openai_protocol import ApiError
 
 ADMIN_PREFIX = "/admin/"
 CALLER = "caller"           # request[CALLER]: the Caller of an admin or metrics route

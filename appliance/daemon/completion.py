@@ -1,5 +1,5 @@
 """One OpenAI generation request in flight: its prompt, its choices, and the response
-shapes (whole, or as SSE chunks). No aiohttp here: http.py moves the bytes.
+shapes (whole, or as SSE chunks). No aiohttp here: openai_routes.py moves the bytes.
 
 Each of a request's `n` choices is an engine request of its own (ids `R`, `R.1`, `R.2`…;
 seeds `seed`, `seed + 1`… so choice 0 is what n = 1 gives), running concurrently once
@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, AsyncIterator
 import orjson
 
 from appliance.accounting.records import RequestRecord
-from appliance.daemon.openai_api import ApiError, GenerationRequest, bad, usage
+from appliance.daemon.openai_protocol import ApiError, GenerationRequest, bad, usage
 from appliance.daemon.router import Trace
 from appliance.daemon.tokenizer import PromptTooLong, ServedTokenizer, StopMatcher
 from appliance.daemon.tool_calls import call_deltas, forced_grammar, new_parser
 
 if TYPE_CHECKING:
-    from appliance.daemon.app import Service
+    from appliance.daemon.service import Service
 
 _END = object()
 # Normalizers (NFC and the like) can shorten a text before it is tokenized; the cost bound

@@ -1,5 +1,5 @@
 """The daemon's side of workflows: the `Machine` a workflow acts on, over the real worker
-processes, the router and the Service.
+processes, the router and the serving state (`daemon.state`).
 
 Every answer comes from what runs now (the pool's processes, the router's routing set),
 which is what recovery compares a workflow's journal against. Every action is "ensure":
@@ -17,13 +17,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance.daemon.router import Trace
+from appliance.daemon.state import context_limits
 from appliance.daemon.workers import WorkerGone
 from appliance.engines.messages import SamplingParams
 from appliance.partitions import PartitionPlan, WorkerSlot
 from appliance.workflows.machine import ModelRef, StepFailed, WorkerView
 
 if TYPE_CHECKING:
-    from appliance.daemon.app import Service
+    from appliance.config import Config
+    from appliance.daemon.router import Router
+    from appliance.daemon.setup import Setup
+    from appliance.daemon.state import ServingState
+    from appliance.daemon.workers import WorkerPool
+    from appliance.telemetry.hub import Telemetry
+    from appliance.workflows.journal import Journal
 
 log = logging.getLogger("applianced.control")
 
@@ -31,30 +38,39 @@ LIVE = ("starting", "ready", "restarting")
 
 
 class Control:
-    def __init__(self, svc: "Service"):
-        self.svc = svc
-        self.inventory = svc.setup.inventory
+    def __init__(self, cfg: Config, setup: Setup, state: ServingState, pool: WorkerPool,
+                 router: Router, journal: Journal, telemetry: Telemetry | None = None,
+                 profile_dir: Path | None = None):
+        self.cfg = cfg
+        self.setup = setup
+        self.state = state
+        self.pool = pool
+        self.router = router
+        self.journal = journal
+        self.telemetry = telemetry
+        self.profile_dir = profile_dir      # device profiles (engine.max_batch_tokens = 0)
+        self.inventory = setup.inventory
 
     # ---- what is ----------------------------------------------------------------
     def plan(self) -> PartitionPlan:
-        return self.svc.plan
+        return self.state.plan
 
     def served_model(self) -> ModelRef:
-        return self.svc.model
+        return self.state.model.ref
 
     def workers(self) -> dict[str, WorkerView]:
-        routed = self.svc.router.routed
+        routed = self.router.routed
         return {n: WorkerView(n, w.role, tuple(w.spec.devices),
                               w.proc.pid if w.proc and w.proc.returncode is None else None,
                               w.state, n in routed, w.inflight,
                               (w.spec.model_dir, w.spec.model_spec))
-                for n, w in self.svc.pool.workers.items()}
+                for n, w in self.pool.workers.items()}
 
     def admission_open(self) -> bool:
-        return self.svc.admission_open
+        return self.state.admission_open
 
     def inflight(self) -> int:
-        return self.svc.inflight
+        return self.state.inflight
 
     def resolve_model(self, params: dict) -> ModelRef:
         """params: {"model": DIR or spec name} or {"model_spec": NAME}, optional
@@ -72,7 +88,7 @@ class Control:
         if not target and not spec:
             raise ValueError("swap-model needs params.model (a checkpoint directory or a "
                              "model spec such as llama-3.1-8b) or params.model_spec")
-        current = self.svc.model
+        current = self.state.model.ref
         model_dir = current.model_dir
         if target:
             path = Path(target).expanduser()
@@ -85,22 +101,22 @@ class Control:
             else:
                 raise ValueError(f"model {target!r} is not a directory")
         if spec is not None:
-            if self.svc.setup.engine != "sim":
+            if self.setup.engine != "sim":
                 raise ValueError(f"model spec {spec!r} shapes the simulator; the "
-                                 f"{self.svc.setup.engine} engine loads a checkpoint directory")
+                                 f"{self.setup.engine} engine loads a checkpoint directory")
             try:
                 lookup_model_spec(spec)
             except ValueError as exc:
                 raise ValueError(f"{target or spec!r} is neither a model directory nor a known "
                                  f"model spec: {exc}") from None
-        elif target and self.svc.setup.engine == "sim":
+        elif target and self.setup.engine == "sim":
             spec = None     # the simulator reads the directory's config.json
         name = name or spec or Path(model_dir).name
         return ModelRef(name, model_dir, spec)
 
     def health(self, names: list[str]) -> list[str]:
         problems = []
-        pool = self.svc.pool.workers
+        pool = self.pool.workers
         for n in names:
             w = pool.get(n)
             if w is None:
@@ -118,53 +134,53 @@ class Control:
 
     # ---- actions ----------------------------------------------------------------
     def set_plan(self, plan: PartitionPlan) -> None:
-        self.svc.plan = plan
-        telemetry = getattr(self.svc, "telemetry", None)
-        if telemetry is not None:
+        self.state.plan = plan
+        if self.telemetry is not None:
             from appliance.telemetry.setup import telemetry_workers
             try:
-                telemetry.set_workers(telemetry_workers(
-                    self.svc.setup.inventory, plan,
-                    {n: w.spec.cpu_cores for n, w in self.svc.pool.workers.items()}))
+                self.telemetry.set_workers(telemetry_workers(
+                    self.inventory, plan,
+                    {n: w.spec.cpu_cores for n, w in self.pool.workers.items()}))
             except Exception:   # telemetry must never break a workflow step
                 log.exception("telemetry: cannot follow the new partition")
 
     def set_admission(self, open_: bool) -> None:
-        self.svc.admission_open = open_
+        self.state.admission_open = open_
 
     def set_routing(self, names: list[str], model: ModelRef | None = None) -> None:
-        if model is not None and model != self.svc.model:
-            self.svc.set_model(model, [n for n in names if n in self.svc.pool.workers])
-        self.svc.router.set_routing(names)
+        if model is not None and model != self.state.model.ref:
+            self.state.model.swap(model, context_limits(
+                self.pool.workers[n] for n in names if n in self.pool.workers))
+        self.router.set_routing(names)
 
     async def wait_idle(self, names: list[str] | None, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         while True:
             if names is None:
-                left = self.svc.inflight
+                left = self.state.inflight
             else:
                 left = sum(w.inflight + w.kv_holds
-                           for n, w in self.svc.pool.workers.items() if n in names)
+                           for n, w in self.pool.workers.items() if n in names)
             if not left or time.monotonic() >= deadline:
                 return left
             await asyncio.sleep(0.05)
 
     async def ensure_stopped(self, names: list[str], reason: str) -> list[str]:
-        pool, router = self.svc.pool, self.svc.router
+        pool, router = self.pool, self.router
         present = [n for n in names if n in pool.workers]
         router.set_routing(router.routed - set(present))
         await asyncio.gather(*(pool.remove(n, reason) for n in present))
         for n in present:
-            self.svc.journal.worker_stopped(n)
+            self.journal.worker_stopped(n)
         router.refresh()
         return present
 
     def _spec(self, slot: WorkerSlot, model: ModelRef):
         """The WorkerSpec of a slot: the same derivation as at start-up (devices, peers,
-        cores), for the plan the slot belongs to."""
-        from appliance.daemon.app import worker_specs
-        svc = self.svc
-        plan = svc.plan
+        cores, the prefill token budget of its device when engine.max_batch_tokens is
+        0), for the plan the slot belongs to."""
+        from appliance.daemon.setup import StartupError, specs_for_plan
+        plan = self.state.plan
         if not any(s.worker == slot.worker and s.devices == slot.devices for s in plan.workers()):
             others = [s for s in plan.workers() if s.worker != slot.worker
                       and not set(s.devices) & set(slot.devices)]
@@ -174,15 +190,19 @@ class Control:
                 decode=tuple(s for s in others if s.role == "decode")
                 + ((slot,) if slot.role == "decode" else ()),
                 agg=tuple(s for s in others if s.role == "agg") + ((slot,) if slot.role == "agg" else ()))
-        cfg = dataclasses.replace(svc.cfg, engine=dataclasses.replace(
-            svc.cfg.engine, model_spec=model.model_spec or ""))
-        specs = worker_specs(cfg, svc.setup.inventory, plan, svc.setup.engine, Path(model.model_dir))
+        cfg = dataclasses.replace(self.cfg, engine=dataclasses.replace(
+            self.cfg.engine, model_spec=model.model_spec or ""))
+        try:
+            specs = specs_for_plan(cfg, self.inventory, plan, self.setup.engine,
+                                   Path(model.model_dir), self.profile_dir)
+        except StartupError as exc:
+            raise StepFailed(str(exc)) from None
         return next(s for s in specs if s.worker == slot.worker)
 
     async def ensure_started(self, slots: list[WorkerSlot], model: ModelRef) -> list[str]:
         """Each slot's worker running on its devices with `model`; a worker of that name
         with other devices, role or model is stopped first. Returns the names started."""
-        pool = self.svc.pool
+        pool = self.pool
         todo = []
         for slot in slots:
             w = pool.workers.get(slot.worker)
@@ -208,24 +228,23 @@ class Control:
             for link, _ in failed:
                 await pool.remove(link.id)
             raise StepFailed("; ".join(str(r) for _, r in failed))
-        self.svc.router.refresh()
+        self.router.refresh()
         return [link.id for link in links]
 
     async def warm_up(self, names: list[str]) -> dict:
         """One short greedy generation on each worker, straight to it (not routed): the
         engine answers and its first-request costs are paid before clients see it."""
-        svc = self.svc
-        prompt = svc.tokenizer.encode("warm up") or [0]
+        prompt = self.state.model.tokenizer.encode("warm up") or [0]
         out = {}
         for n in names:
-            w = svc.pool.workers.get(n)
+            w = self.pool.workers.get(n)
             if w is None or not w.ready:
                 raise StepFailed(f"worker {n} is not ready for its warm-up")
             t0 = time.monotonic()
             tokens = 0
             trace = Trace(f"warmup-{n}-{os.urandom(3).hex()}", time.time())
             try:
-                async for new, _, _ in svc.router._run_local(
+                async for new, _, _ in self.router._run_local(
                         trace, w, prompt, SamplingParams(max_tokens=2, temperature=0.0)):
                     tokens += len(new)
             except (WorkerGone, Exception) as exc:

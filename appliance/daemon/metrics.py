@@ -125,11 +125,12 @@ class WorkerCollector:
 
 
 class Metrics:
-    def __init__(self, pool, model: str, simulated: bool, *, telemetry=None,
+    def __init__(self, pool, served, simulated: bool, *, telemetry=None,
                  site: str = "local", appliance: str = ""):
+        """`served`: the served model (`state.ServedModel`), whose name labels the series."""
         self.registry = CollectorRegistry()
         self._view = SiteLabels(self.registry, site, appliance)
-        self.model = model
+        self.served = served
         self.sim = "true" if simulated else "false"
         r = self.registry
         self.requests = Counter("applianced_requests", "Finished requests",
@@ -155,6 +156,10 @@ class Metrics:
         if telemetry is not None:
             r.register(TelemetryCollector(telemetry, simulated))
         self._iter_children: dict[tuple[str, str], tuple] = {}
+
+    @property
+    def model(self) -> str:
+        return self.served.name
 
     def iteration(self, rec: IterationRecord) -> None:
         key = (rec.worker, rec.phase)
@@ -210,8 +215,8 @@ class ReconciliationGauge:
 
 
 class TenantMetrics:
-    """The chargeback series (CONTRACTS.md): counters per tenant (configured tenants only,
-    the rest as "other", so a stray key cannot explode the series count), fed when a
+    """The chargeback series (`applianced_tenant_*`): counters per tenant (configured
+    tenants only, the rest as "other", so a stray key cannot explode the series count), fed when a
     request's ledger row is final (summed per tenant by the accounting process, added
     once a second), and the budget gauge. A collector over plain sums, read at scrape
     time."""

@@ -29,7 +29,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from appliance.daemon.completion import prepare_prompt
-from appliance.daemon.openai_api import ApiError, GenerationRequest, parse_body
+from appliance.daemon.openai_protocol import ApiError, GenerationRequest, parse_body
 from appliance.daemon.tokenizer import ServedTokenizer
 
 _tokenizer: ServedTokenizer | None = None

@@ -1,18 +1,30 @@
-"""What every route shares: the service key, JSON responses, and the middleware that
-turns every failure into OpenAI-shaped JSON (the traceback goes to the log, never out)."""
+"""What every route shares: the app keys through which handlers reach the service and
+its subsystems, JSON responses, and the middleware that turns every failure into
+OpenAI-shaped JSON (the traceback goes to the log, never out)."""
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
 
-from appliance.daemon.openai_api import ApiError
+from appliance.daemon.openai_protocol import ApiError
 
 log = logging.getLogger("applianced.http")
 
-SERVICE = web.AppKey("service", object)
+if TYPE_CHECKING:
+    from appliance.daemon.accounting_link import AccountingLink
+    from appliance.daemon.service import Service
+    from appliance.planner.planner import Planner
+    from appliance.workflows.engine import WorkflowEngine
+
+# What a handler uses, set once by `server.build_app` from what `daemon.main` built.
+SERVICE: web.AppKey[Service] = web.AppKey("service")
+WORKFLOWS: web.AppKey[WorkflowEngine] = web.AppKey("workflows")
+PLANNER: web.AppKey[Planner | None] = web.AppKey("planner")           # None: not built
+ACCOUNTING: web.AppKey[AccountingLink | None] = web.AppKey("accounting")   # None: off
 RETRY_AFTER_S = "1"
 
 
@@ -28,7 +40,7 @@ def request_id(request: web.Request) -> str:
 async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
     """`on_response_prepare`: every response that leaves through the app (handlers, errors
     of the middlewares, aiohttp's own 404/405) carries `X-Request-Id`. Failures of the
-    HTTP parser never reach the app; `protocol.JsonErrorProtocol` stamps those."""
+    HTTP parser never reach the app; `http_parser_errors.JsonErrorProtocol` stamps those."""
     if "X-Request-Id" not in response.headers:
         response.headers["X-Request-Id"] = request_id(request)
 

@@ -9,20 +9,27 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from appliance.daemon import admin, admin_live, admin_plan, admin_usage, admin_workflows, http
+from appliance.daemon import (
+    admin, admin_live, admin_plan, admin_usage, admin_workflows, openai_routes,
+)
 from appliance.daemon.auth import guard
-from appliance.daemon.responses import SERVICE, errors_as_json, stamp_request_id
+from appliance.daemon.responses import (
+    ACCOUNTING, PLANNER, SERVICE, WORKFLOWS, errors_as_json, stamp_request_id,
+)
 
 if TYPE_CHECKING:
-    from appliance.daemon.app import Service
+    from appliance.daemon.service import Service
 
-SURFACES = (http, admin, admin_live, admin_plan, admin_usage, admin_workflows)
+SURFACES = (openai_routes, admin, admin_live, admin_plan, admin_usage, admin_workflows)
 
 
 def build_app(svc: Service, max_body_bytes: int) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[errors_as_json, guard(svc.auth)])
     app[SERVICE] = svc
+    app[WORKFLOWS] = svc.workflows
+    app[PLANNER] = svc.planner
+    app[ACCOUNTING] = svc.accounting
     app.on_response_prepare.append(stamp_request_id)
     for surface in SURFACES:
         surface.add_routes(app)

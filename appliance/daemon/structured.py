@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import orjson
 
+from appliance.daemon.api_error import bad
 from appliance.engines.grammar import GrammarError, check_guided
 from appliance.engines.messages import GuidedDecoding
 
@@ -25,19 +26,14 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar"}
 
 
-def _bad(message: str, param: str):
-    from appliance.daemon.openai_api import bad
-    return bad(message, param)
-
-
 def _schema_text(schema, param: str) -> str:
     if isinstance(schema, str):     # vLLM takes a schema as JSON text too
         try:
             schema = orjson.loads(schema)
         except orjson.JSONDecodeError as exc:
-            raise _bad(f"'{param}': the schema is not JSON: {exc}", param) from None
+            raise bad(f"'{param}': the schema is not JSON: {exc}", param) from None
     if not isinstance(schema, dict):
-        raise _bad(f"'{param}': the schema must be a JSON object", param)
+        raise bad(f"'{param}': the schema must be a JSON object", param)
     return orjson.dumps(schema).decode()     # key order kept: it is the output's
 
 
@@ -50,14 +46,14 @@ def _checked(spec: GuidedDecoding, param: str) -> GuidedDecoding:
     try:
         check_guided(spec)
     except GrammarError as exc:
-        raise _bad(f"'{param}': {exc}", param) from None
+        raise bad(f"'{param}': {exc}", param) from None
     return spec
 
 
 def _response_format(fmt) -> GuidedDecoding | None:
     param = "response_format"
     if not isinstance(fmt, dict):
-        raise _bad("'response_format' must be an object with a 'type'", param)
+        raise bad("'response_format' must be an object with a 'type'", param)
     kind = fmt.get("type")
     if kind == "text":
         return None
@@ -66,10 +62,10 @@ def _response_format(fmt) -> GuidedDecoding | None:
     if kind == "json_schema":
         inner = fmt.get("json_schema")
         if not isinstance(inner, dict) or "schema" not in inner:
-            raise _bad("'response_format': type json_schema needs 'json_schema': "
+            raise bad("'response_format': type json_schema needs 'json_schema': "
                        "{'name', 'schema'}", param)
         return GuidedDecoding("json_schema", _schema_text(inner["schema"], param))
-    raise _bad(f"'response_format' type must be text, json_object or json_schema, "
+    raise bad(f"'response_format' type must be text, json_object or json_schema, "
                f"got {kind!r}", param)
 
 
@@ -79,16 +75,16 @@ def _vllm(key: str, value, param: str) -> GuidedDecoding:
         return GuidedDecoding(kind, _schema_text(value, param))
     if kind == "json_object":
         if value is not True:
-            raise _bad(f"'{param}': json_object must be true", param)
+            raise bad(f"'{param}': json_object must be true", param)
         return GuidedDecoding(kind)
     if kind == "choice":
         if (not isinstance(value, list) or not value
                 or not all(isinstance(c, str) and c for c in value)):
-            raise _bad(f"'{param}': choice must be a non-empty list of non-empty strings",
+            raise bad(f"'{param}': choice must be a non-empty list of non-empty strings",
                        param)
         return GuidedDecoding(kind, orjson.dumps(value).decode())
     if not isinstance(value, str) or not value:
-        raise _bad(f"'{param}' must be a non-empty string", param)
+        raise bad(f"'{param}' must be a non-empty string", param)
     return GuidedDecoding(kind, value)
 
 
@@ -103,11 +99,11 @@ def parse_guided(body: dict) -> GuidedDecoding | None:
     so = body.get("structured_outputs")
     if so is not None:
         if not isinstance(so, dict):
-            raise _bad("'structured_outputs' must be an object", "structured_outputs")
+            raise bad("'structured_outputs' must be an object", "structured_outputs")
         keys = [k for k in so if so[k] is not None and k in _STRUCTURED_KEYS]
         unknown = [k for k in so if k not in _STRUCTURED_KEYS and so[k] is not None]
         if unknown:
-            raise _bad(f"'structured_outputs': '{unknown[0]}' is not supported (use one of "
+            raise bad(f"'structured_outputs': '{unknown[0]}' is not supported (use one of "
                        f"{sorted(_STRUCTURED_KEYS)})", "structured_outputs")
         for k in keys:
             found.append((_vllm(k, so[k], "structured_outputs"), "structured_outputs"))
@@ -117,7 +113,7 @@ def parse_guided(body: dict) -> GuidedDecoding | None:
     if not found:
         return None
     if len(found) > 1:
-        raise _bad(f"'{found[1][1]}': only one output constraint per request "
+        raise bad(f"'{found[1][1]}': only one output constraint per request "
                    f"('{found[0][1]}' is already given)", found[1][1])
     spec, param = found[0]
     return _checked(spec, param)

@@ -19,16 +19,12 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
+from appliance.daemon.api_error import bad
 from appliance.engines.messages import GuidedDecoding
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 MAX_TOOLS = 128
 ARGUMENT_FRAGMENT = 24      # characters per streamed `arguments` delta
-
-
-def _bad(message: str, param: str):
-    from appliance.daemon.openai_api import bad
-    return bad(message, param)
 
 
 @dataclass(slots=True)
@@ -61,35 +57,35 @@ def parse_tools(body: dict) -> ToolRequest | None:
     """`tools`, `tool_choice`, `parallel_tool_calls` (and the legacy `functions`, refused)
     -> the ToolRequest, or None when there are no tools; a 400 naming the field."""
     if body.get("functions"):
-        raise _bad("'functions' is deprecated and not supported; use 'tools'", "functions")
+        raise bad("'functions' is deprecated and not supported; use 'tools'", "functions")
     tools = body.get("tools")
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls", True)
     if parallel is None:
         parallel = True
     if not isinstance(parallel, bool):
-        raise _bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+        raise bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
-            raise _bad("'tool_choice' needs 'tools'", "tool_choice")
+            raise bad("'tool_choice' needs 'tools'", "tool_choice")
         return None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise _bad(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
+        raise bad(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
     names = []
     clean = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
-            raise _bad(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
+            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
                        "tools")
         name = fn.get("name")
         if not isinstance(name, str) or not name or len(name) > 64:
-            raise _bad(f"tools[{i}].function.name must be a name of 1-64 characters", "tools")
+            raise bad(f"tools[{i}].function.name must be a name of 1-64 characters", "tools")
         if name in names:
-            raise _bad(f"tools[{i}]: function {name!r} is given twice", "tools")
+            raise bad(f"tools[{i}]: function {name!r} is given twice", "tools")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise _bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+            raise bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         names.append(name)
         out = {"name": name}
         if isinstance(fn.get("description"), str):
@@ -104,11 +100,11 @@ def parse_tools(body: dict) -> ToolRequest | None:
           and isinstance(choice.get("function"), dict)):
         name = choice["function"].get("name")
         if name not in names:
-            raise _bad(f"'tool_choice' names function {name!r}, which is not in 'tools'",
+            raise bad(f"'tool_choice' names function {name!r}, which is not in 'tools'",
                        "tool_choice")
         req.choice, req.name = "named", name
     else:
-        raise _bad("'tool_choice' must be 'none', 'auto', 'required' or "
+        raise bad("'tool_choice' must be 'none', 'auto', 'required' or "
                    "{'type': 'function', 'function': {'name'}}", "tool_choice")
     return req
 
@@ -121,13 +117,13 @@ def message_fields(m: dict, i: int) -> dict:
     calls = m.get("tool_calls")
     if calls:
         if m.get("role") != "assistant" or not isinstance(calls, list):
-            raise _bad(f"messages[{i}].tool_calls must be a list on an assistant message",
+            raise bad(f"messages[{i}].tool_calls must be a list on an assistant message",
                        f"messages[{i}].tool_calls")
         clean = []
         for j, call in enumerate(calls):
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise _bad(f"messages[{i}].tool_calls[{j}] needs function.name",
+                raise bad(f"messages[{i}].tool_calls[{j}] needs function.name",
                            f"messages[{i}].tool_calls")
             args = fn.get("arguments", "{}")
             if not isinstance(args, str):
@@ -138,7 +134,7 @@ def message_fields(m: dict, i: int) -> dict:
     if m.get("role") == "tool":
         tid = m.get("tool_call_id")
         if not isinstance(tid, str) or not tid:
-            raise _bad(f"messages[{i}].tool_call_id is required on a tool message",
+            raise bad(f"messages[{i}].tool_call_id is required on a tool message",
                        f"messages[{i}].tool_call_id")
         out["tool_call_id"] = tid
     return out

@@ -11,8 +11,6 @@ import asyncio
 import logging
 import os
 import pickle
-import socket
-import sys
 import time
 from collections import deque
 from typing import Callable
@@ -21,6 +19,8 @@ from appliance.engines.messages import (
     AttachPeer, Hello, IterationRecord, KvImported, PeerGone, PrefillDone, RequestFailed,
     Shutdown, StartFailed, Tokens, WorkerStats,
 )
+from appliance.daemon import supervisor
+from appliance.daemon.supervisor import program_command
 from appliance.worker import wire
 from appliance.worker.cuda_env import gpu_worker_env
 from appliance.worker.spec import WorkerSpec
@@ -71,11 +71,6 @@ def worker_env(spec: WorkerSpec, base) -> dict[str, str]:
     return env
 
 
-def program_command() -> list[str]:
-    """How to run this program again: a frozen binary is its own interpreter."""
-    return [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "appliance"]
-
-
 def worker_command(spec: WorkerSpec, fd: int) -> list[str]:
     return program_command() + ["worker", "--fd", str(fd), "--spec", spec.to_json()]
 
@@ -107,20 +102,10 @@ class WorkerLink:
     # ---- lifecycle --------------------------------------------------------
     async def start(self) -> None:
         self.state = "starting"
-        parent, child = socket.socketpair()
         env = worker_env(self.spec, os.environ)
-        try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *worker_command(self.spec, child.fileno()), pass_fds=(child.fileno(),),
-                env=env, stdin=asyncio.subprocess.DEVNULL)
-        finally:
-            child.close()
-        reader, self.writer = await asyncio.open_unix_connection(sock=parent)
-        try:
-            first = await asyncio.wait_for(wire.recv_async(reader),
-                                           self.pool.start_timeout_s)
-        except asyncio.TimeoutError:
-            first = None
+        self.proc, reader, self.writer = await supervisor.spawn(
+            lambda fd: worker_command(self.spec, fd), env)
+        first = await supervisor.first_message(reader, self.pool.start_timeout_s)
         if not first or not isinstance(first[0], Hello):
             code = await self._reap()
             if first and isinstance(first[0], StartFailed):
@@ -143,15 +128,7 @@ class WorkerLink:
         writer.close()
 
     async def _reap(self) -> str:
-        if self.proc is None:
-            return "not started"
-        try:
-            await asyncio.wait_for(self.proc.wait(), 5)
-        except asyncio.TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
-        rc = self.proc.returncode
-        return f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
+        return await supervisor.reap(self.proc)
 
     async def stop(self, timeout: float = 10.0, reason: str | None = None) -> None:
         self._stopping = True
@@ -243,19 +220,18 @@ class WorkerLink:
         if time.monotonic() - self.started_at < HEALTHY_AFTER_S:
             delay = min(self.pool.backoff_max_s, self.pool.backoff_s * 2 ** min(self.restarts, 10))
         self.state = "restarting"
-        while not self._stopping:
-            await asyncio.sleep(delay)
-            if self._stopping:
-                return
+
+        def failed(exc: BaseException) -> None:
+            self.last_exit = str(exc)
+            log.error("%s", exc)
+
+        def attempt() -> None:
             self.restarts += 1
-            try:
-                await self.start()
-                log.info("worker %s restarted (pid %s)", self.id, self.proc.pid)
-                return
-            except (WorkerGone, OSError) as exc:
-                self.last_exit = str(exc)
-                log.error("%s", exc)
-                delay = min(self.pool.backoff_max_s, delay * 2)
+
+        if await supervisor.restart(self.start, delay=delay, max_delay=self.pool.backoff_max_s,
+                                    stopping=lambda: self._stopping, failures=(WorkerGone, OSError),
+                                    on_failure=failed, on_attempt=attempt):
+            log.info("worker %s restarted (pid %s)", self.id, self.proc.pid)
 
     def status(self) -> dict:
         s = self.stats
@@ -282,7 +258,8 @@ class WorkerLink:
 class WorkerPool:
     """All worker processes of the partition plan."""
 
-    def __init__(self, specs: list[WorkerSpec], on_iteration: Callable[[IterationRecord], None],
+    def __init__(self, specs: list[WorkerSpec],
+                 on_iteration: Callable[[IterationRecord], None] = lambda rec: None,
                  backoff_s: float = 0.5, backoff_max_s: float = 30.0, start_timeout_s: float = 600.0):
         self.workers = {s.worker: WorkerLink(s, self) for s in specs}
         self.on_iteration = on_iteration
@@ -311,11 +288,13 @@ class WorkerPool:
         self.workers.pop(name, None)
         return True
 
-    def by_role(self, role: str) -> list[WorkerLink]:
-        return [w for w in self.workers.values() if w.role == role]
-
     async def start(self) -> None:
         await asyncio.gather(*(w.start() for w in self.workers.values()))
+
+    def pids(self) -> dict[str, int | None]:
+        """Worker id -> pid of its live process (read by the CPU sampler's thread)."""
+        return {w.id: (w.proc.pid if w.proc is not None and w.proc.returncode is None else None)
+                for w in list(self.workers.values())}
 
     async def stop(self, timeout: float = 10.0) -> None:
         await asyncio.gather(*(w.stop(timeout) for w in self.workers.values()),

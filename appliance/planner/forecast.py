@@ -31,9 +31,6 @@ class Forecast:
     season: int          # buckets per season (0 = none)
     level: float         # the prediction interval's coverage, e.g. 0.8 for 10%..90%
 
-    def upper_quantile_peak(self) -> float:
-        return max(self.upper) if self.upper else 0.0
-
 
 def season_for(n: int, bucket_s: float) -> int:
     """Seasonal period in buckets that the history supports (two full seasons)."""

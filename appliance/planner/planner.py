@@ -10,7 +10,6 @@ flux, and the auto-apply clock waits).
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -30,6 +29,7 @@ log = logging.getLogger("applianced.planner")
 
 MAX_HORIZON_S = 8 * 604800
 NOW_WINDOW_S = 900.0             # "now" = the last 15 minutes of trends
+DECODE_COSTS_MAX = 8192          # distinct (prompt, output) shapes kept; then started afresh
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,8 @@ class Planner:
         self.start_repartition = start_repartition
         self.prefill_profile = profile_for(box, box.prefill_gpu, profile_dir, self.engine)
         self.decode_profile = profile_for(box, box.decode_gpu, profile_dir, self.engine)
+        self._prefill_cost: float | None = None
+        self._decode_costs: dict[tuple[int, float], float] = {}
         self.gpu_source = (f"estimated from the {self.prefill_profile.source} profile "
                            "(no measured per-phase GPU-seconds in the request records)")
         self.trends = TrendStore(db_path, self._estimate, self.gpu_source)
@@ -164,18 +166,27 @@ class Planner:
         return (uncached * self._prefill_gpu_s_per_token(),
                 rec.output_tokens * self._decode_gpu_s_per_token(rec.prompt_tokens, per_choice))
 
-    @functools.cache
+    # The two operating points are cached on the planner itself (a method cache of
+    # functools would hold every planner ever made alive through its `self` keys).
     def _prefill_gpu_s_per_token(self) -> float:
-        pp = self.prefill_profile
-        tput = pp.prefill_tokens_per_s(pp.prefill_knee_tokens())
-        return pp.tp / tput if tput else 0.0
+        if self._prefill_cost is None:
+            pp = self.prefill_profile
+            tput = pp.prefill_tokens_per_s(pp.prefill_knee_tokens())
+            self._prefill_cost = pp.tp / tput if tput else 0.0
+        return self._prefill_cost
 
-    @functools.lru_cache(maxsize=8192)
     def _decode_gpu_s_per_token(self, prompt_tokens: int, per_choice: float) -> float:
-        dp = self.decode_profile
-        b, itl, _ = decode_batch(dp, self.cfg.itl_slo_s, prompt_tokens, per_choice,
-                                 self.engine.max_seqs)
-        return dp.tp * itl / max(1, b)
+        key = (prompt_tokens, per_choice)
+        cost = self._decode_costs.get(key)
+        if cost is None:
+            dp = self.decode_profile
+            b, itl, _ = decode_batch(dp, self.cfg.itl_slo_s, prompt_tokens, per_choice,
+                                     self.engine.max_seqs)
+            cost = dp.tp * itl / max(1, b)
+            if len(self._decode_costs) >= DECODE_COSTS_MAX:
+                self._decode_costs.clear()
+            self._decode_costs[key] = cost
+        return cost
 
     # -- planning ---------------------------------------------------------------------
     def follow_box(self) -> None:
@@ -204,8 +215,8 @@ class Planner:
         self.prefill_profile = profile_for(box, box.prefill_gpu, self.profile_dir, self.engine)
         self.decode_profile = profile_for(box, box.decode_gpu, self.profile_dir, self.engine)
         # The per-request estimates are cached per operating point of the old profiles.
-        Planner._prefill_gpu_s_per_token.cache_clear()
-        Planner._decode_gpu_s_per_token.cache_clear()
+        self._prefill_cost = None
+        self._decode_costs.clear()
 
     def plan(self, horizon_s: float | None = None, whatif: WhatIf | None = None,
              now: float | None = None, use_statsmodels: bool = True) -> dict:

@@ -39,6 +39,7 @@ from appliance.engines.messages import (
 )
 from appliance.engines.roofline import DeviceShape, StepTimeModel
 from appliance.engines.sim import SimEngine
+from appliance.percentiles import percentile
 
 VOCAB = list(range(1000, 33000))   # token ids the sim engine samples from (values are irrelevant)
 
@@ -386,13 +387,6 @@ def build_workers(shapes: list[WorkerShape], model, engine: EngineConfig) -> lis
 
 # ---- open-loop trace replay -----------------------------------------------------------
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))]
-
-
 @dataclass
 class ReplayResult:
     split: str
@@ -448,16 +442,16 @@ class TraceReplay(VirtualCluster):
             ws = [w for w in self.workers if w.role == role]
             busy[role] = round(sum(b - a for w in ws for a, b, _ in w.steps) / (len(ws) * end), 4) \
                 if end > 0 else 0.0
-        tp90, ip90 = _pct(ttft, 0.9), _pct(itl, 0.9)
+        tp90, ip90 = percentile(ttft, 0.9), percentile(itl, 0.9)
         front = [w for w in self.workers if w.role in ("prefill", "agg")]
         meets = None
         if ttft_slo is not None and itl_slo is not None:
             meets = (tp90 is None or tp90 <= ttft_slo) and (ip90 is None or ip90 <= itl_slo)
         return ReplayResult(
             split=split, requests=len(self.finished), virtual_s=end,
-            ttft_p50_s=_pct(ttft, 0.5), ttft_p90_s=tp90, ttft_p99_s=_pct(ttft, 0.99),
+            ttft_p50_s=percentile(ttft, 0.5), ttft_p90_s=tp90, ttft_p99_s=percentile(ttft, 0.99),
             ttft_mean_s=statistics.fmean(ttft) if ttft else None,
-            itl_p50_s=_pct(itl, 0.5), itl_p90_s=ip90, itl_p99_s=_pct(itl, 0.99),
+            itl_p50_s=percentile(itl, 0.5), itl_p90_s=ip90, itl_p99_s=percentile(itl, 0.99),
             itl_mean_s=statistics.fmean(itl) if itl else None,
             ttft_slo_met=(sum(x <= ttft_slo for x in ttft) / len(ttft)) if ttft and ttft_slo else None,
             itl_slo_met=(sum(x <= itl_slo for x in itl) / len(itl)) if itl and itl_slo else None,

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from appliance.percentiles import percentile
 from appliance.telemetry.bins import Bins
 from appliance.telemetry.samples import SIMULATED, DeviceSample
 from appliance.telemetry.sim_power import SimPowerModel
@@ -110,14 +111,6 @@ class SimSampler:
                                     dev.memory_bytes or None, None, None,
                                     {"tensor_activity": min(1.0, tensor)}, SIMULATED))
         return out
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile."""
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -368,13 +361,10 @@ class Telemetry:
             return dev.power_model.idle_w
         seen = self._idle_seen.get(device)
         if seen and len(seen) >= 5:
-            return _pct(list(seen), 0.5)
+            return percentile(list(seen), 0.5)
         return dev.idle_w
 
     # ------------------------------------------------------------------ windows
-    def _worker_sum(self, worker: str, t0: float, t1: float) -> list[float]:
-        return self._bins[worker].sum(t0, t1)
-
     def device_busy_s(self, device: str, t0: float, t1: float) -> float:
         """Busy device-seconds of one device over [t0, t1)."""
         return sum(self._bins[w].sum(t0, t1)[BUSY] * frac
@@ -587,8 +577,9 @@ class Telemetry:
         recent = [r for r in self._requests if r[0] >= now - LATENCY_WINDOW_S]
         ttft = [r[1] for r in recent if r[1] is not None]
         itl = [r[2] for r in recent if r[2] is not None]
-        return {"ttft_p50_s": _round(_pct(ttft, 0.5)), "ttft_p99_s": _round(_pct(ttft, 0.99)),
-                "itl_p50_s": _round(_pct(itl, 0.5)), "itl_p99_s": _round(_pct(itl, 0.99)),
+        return {"ttft_p50_s": _round(percentile(ttft, 0.5)),
+                "ttft_p99_s": _round(percentile(ttft, 0.99)),
+                "itl_p50_s": _round(percentile(itl, 0.5)), "itl_p99_s": _round(percentile(itl, 0.99)),
                 "window_s": LATENCY_WINDOW_S, "requests": len(recent)}
 
     def sources(self, win: dict[str, dict] | None = None) -> dict:

@@ -18,7 +18,7 @@ from textual.binding import Binding
 from textual.reactive import reactive
 
 from appliance.tui.feed import ApplianceFeed, Link
-from appliance.tui.model import History, Overview, overview_from_status
+from appliance.tui.views.overview import History, Overview, overview_from_status
 from appliance.tui.screens import SCREENS
 
 MAX_REDRAWS_PER_S = 4

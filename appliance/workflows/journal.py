@@ -228,11 +228,6 @@ class Journal:
                        "'compensated') THEN ? END WHERE id = ?",
                        (status, now, error, owner, status, now, status, now, wid))
 
-    def set_context(self, wid: str, context: dict) -> None:
-        with self.tx() as db:
-            db.execute("UPDATE workflows SET context = ?, updated_at = ? WHERE id = ?",
-                       (_dumps(context), time.time(), wid))
-
     def note_recovery(self, wid: str) -> int:
         """One more daemon death survived; returns how many so far."""
         with self.tx() as db:
@@ -302,10 +297,6 @@ class Journal:
                    "ON CONFLICT(key) DO UPDATE SET value = excluded.value, "
                    "workflow_id = excluded.workflow_id, updated_at = excluded.updated_at",
                    (key, _dumps(value), wid, now))
-
-    def put_state(self, key: str, value, wid: str | None = None) -> None:
-        with self.tx() as db:
-            self._put_state(db, key, value, wid, time.time())
 
     def get_state(self, key: str):
         row = self.db.execute("SELECT value FROM state WHERE key = ?", (key,)).fetchone()

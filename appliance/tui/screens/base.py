@@ -13,7 +13,8 @@ from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from appliance.tui.model import badges, fmt_duration
+from appliance.tui.format import fmt_duration
+from appliance.tui.views.overview import badges
 from appliance.tui.widgets import Field
 
 

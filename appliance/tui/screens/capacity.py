@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from appliance.tui.model import CapacityView, capacity_from_plan, render_capacity_lines
+from appliance.tui.views.capacity import CapacityView, capacity_from_plan, render_capacity_lines
 from appliance.tui.widgets import Field
 from appliance.tui.screens.fetching import FetchingScreen
 

@@ -7,7 +7,8 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from appliance.tui.model import CarbonView, carbon_from_json, fmt_num
+from appliance.tui.format import fmt_num
+from appliance.tui.views.carbon import CarbonView, carbon_from_json
 from appliance.tui.widgets import Field
 from appliance.tui.screens.fetching import FetchingScreen
 

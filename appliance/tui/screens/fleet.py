@@ -8,8 +8,9 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from appliance.tui.model import (fleet_ratio, fmt_num, fmt_pct, fmt_ratio, merge_tenants,
-                                 site_row, tenants_from_usage)
+from appliance.tui.format import fmt_num, fmt_pct, fmt_ratio
+from appliance.tui.views.fleet import fleet_ratio, site_row
+from appliance.tui.views.tenants import merge_tenants, tenants_from_usage
 from appliance.tui.widgets import Field
 from appliance.tui.screens.fetching import FetchingScreen
 from appliance.tui.screens.tenants import money

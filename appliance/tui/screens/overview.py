@@ -7,9 +7,9 @@ from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Sparkline, Static
 
-from appliance.tui.model import (DeviceView, GroupView, Overview, device_line, fmt_ratio,
-                                 group_line, rates_line, sparkline, workers_grid,
-                                 workers_line)
+from appliance.tui.format import fmt_ratio, sparkline
+from appliance.tui.views.overview import (DeviceView, GroupView, Overview, device_line,
+                                          group_line, rates_line, workers_grid, workers_line)
 from appliance.tui.widgets import Field
 from appliance.tui.screens.base import ConsoleScreen
 

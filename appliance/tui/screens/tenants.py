@@ -8,8 +8,9 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import Input, Static
 
-from appliance.tui.model import (NA, PERIODS, TENANT_SORTS, TenantView, filter_tenants, fmt_num,
-                                 fmt_pct, sort_tenants, tenants_from_usage)
+from appliance.tui.format import NA, fmt_num, fmt_pct
+from appliance.tui.views.tenants import (PERIODS, TENANT_SORTS, TenantView, filter_tenants,
+                                         sort_tenants, tenants_from_usage)
 from appliance.tui.widgets import Field
 from appliance.tui.screens.fetching import FetchingScreen
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from appliance.daemon.api_error import ApiError, bad
 from appliance.daemon.structured import parse_guided
 from appliance.daemon.tool_calls import ToolRequest, message_fields, parse_tools
 from appliance.engines.messages import GuidedDecoding, SamplingParams
@@ -25,37 +26,6 @@ _UNSUPPORTED_UNLESS = {"suffix": None, "use_beam_search": False, "length_penalty
                        "allowed_token_ids": None, "spaces_between_special_tokens": True}
 MAX_STOP_TOKEN_IDS = 64
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type_ or _default_type(status)
-        self.headers = headers or {}
-
-    def __reduce__(self):       # crosses the prepare pool's process boundary whole
-        return (ApiError, (self.status, self.message, self.param, self.code, self.type,
-                           self.headers))
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def _default_type(status: int) -> str:
-    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
-            429: "rate_limit_error", 503: "service_unavailable_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
-
-
-def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
-    return ApiError(400, message, param, code)
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from appliance.daemon.openai_api import ApiError
+from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import json_response
 
 log = logging.getLogger("applianced.http")

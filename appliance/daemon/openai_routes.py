@@ -15,7 +15,7 @@ import orjson
 from aiohttp import web
 
 from appliance.daemon.completion import Completion
-from appliance.daemon.openai_api import ApiError
+from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import (
     RETRY_AFTER_S, SERVICE, error_response, json_response, request_id,
 )
@@ -24,7 +24,7 @@ from appliance.daemon.structured import capabilities
 from appliance.daemon.workers import WorkerGone
 
 if TYPE_CHECKING:
-    from appliance.daemon.app import Service
+    from appliance.daemon.service import Service
 
 log = logging.getLogger("applianced.http")
 
@@ -50,36 +50,51 @@ def _failure(exc: BaseException) -> ApiError:
     raise exc
 
 
+def _refusal(svc: Service, n: int, headers: dict) -> ApiError | None:
+    """Why a request of `n` generations is not admitted now, or None. Checked before the
+    body is read and parsed (with n = 1: every request is at least one generation), and
+    again once it is (its real n; shutdown may have begun meanwhile)."""
+    if svc.draining:
+        return ApiError(503, "the appliance is shutting down", code="draining",
+                        headers={"Retry-After": RETRY_AFTER_S, **headers})
+    if not svc.admission_open:
+        return ApiError(503, DRAINED, code="draining",
+                        headers={"Retry-After": RETRY_AFTER_S, **headers})
+    if svc.inflight + n > svc.max_inflight:
+        return ApiError(503, f"overloaded: {svc.inflight} generations in flight, this request "
+                             f"adds {n} (server.max_inflight = {svc.max_inflight})",
+                        code="overloaded", headers={"Retry-After": RETRY_AFTER_S, **headers})
+    return None
+
+
 async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
     svc: Service = request.app[SERVICE]
     tenant = svc.auth.tenant(request)
     rid = request_id(request)
     headers = {"X-Request-Id": rid}
     arrival = time.time()
+    # Refuse before reading, parsing or tokenizing: a 1 MB prompt costs a second of CPU.
+    if (err := _refusal(svc, 1, headers)) is not None:
+        if err.code == "overloaded":    # demand turned away: the planner counts it
+            svc.rejected(endpoint, tenant, rid, arrival, err.message)
+        raise err
     raw = await request.read()
     # Parse, validate and tokenize in the prepare pool's processes, off the event loop.
-    svc.preparing += 1
+    svc.state.preparing += 1
     try:
         req, prompt, max_tokens = await svc.prepare_pool.prepare(raw, endpoint, svc.model_name,
                                                                  svc.max_context)
     finally:
-        svc.preparing -= 1
+        svc.state.preparing -= 1
     comp = Completion(svc, req, tenant, rid, arrival)
     comp.prompt, comp.max_tokens = prompt, max_tokens
-    if svc.draining:
-        raise ApiError(503, "the appliance is shutting down", code="draining",
-                       headers={"Retry-After": RETRY_AFTER_S, **headers})
-    if not svc.admission_open:
-        raise ApiError(503, DRAINED, code="draining",
-                       headers={"Retry-After": RETRY_AFTER_S, **headers})
     n = len(comp.choices)   # each choice is a generation of its own on the workers
-    if svc.inflight + n > svc.max_inflight:
-        comp.status = "rejected"
-        svc.metrics.rejected()
-        raise ApiError(503, f"overloaded: {svc.inflight} generations in flight, this request "
-                            f"adds {n} (server.max_inflight = {svc.max_inflight})",
-                       code="overloaded", headers={"Retry-After": RETRY_AFTER_S, **headers})
-    svc.inflight += n
+    if (err := _refusal(svc, n, headers)) is not None:
+        if err.code == "overloaded":
+            comp.status, comp.error = "rejected", err.message
+            svc.finished(comp)
+        raise err
+    svc.state.inflight += n
     try:
         if req.stream:
             return await _stream(request, comp, headers)
@@ -89,7 +104,7 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
         comp.error = "client disconnected"
         raise
     finally:
-        svc.inflight -= n
+        svc.state.inflight -= n
         svc.finished(comp)
 
 

@@ -4,9 +4,9 @@ the config and the partition plan, starts the accounting process
 the daemon gets anyway, answers its energy questions from the telemetry hub, and feeds
 the tenant series of /metrics and the budgets of the usage API from its reports.
 
-The energy meter is the telemetry hub (`svc.telemetry`, CONTRACTS.md) when the daemon
-has one; without it energy is "not measured" and GPU-seconds, cost and embodied carbon
-still add up.
+The energy meter is the telemetry hub (`appliance.telemetry.hub.Telemetry`, an
+`accounting.attribution.EnergyReader`) when the daemon has one; without it energy is
+"not measured" and GPU-seconds, cost and embodied carbon still add up.
 """
 from __future__ import annotations
 
@@ -21,25 +21,30 @@ from typing import TYPE_CHECKING, Callable
 
 from appliance.accounting.accountant import Site
 from appliance.accounting.allocation import Method
-from appliance.accounting.attribution import DeviceInfo, EnergyMeter, take_readings
+from appliance.accounting.attribution import DeviceInfo, EnergyReader, take_readings
 from appliance.accounting.budgets import Budgets
 from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon
 from appliance.accounting.cost import PriceBook, RateCard
 from appliance.accounting.ledger import LedgerReader
 from appliance.accounting.reconcile import SAMPLE_S, Counters, reconcile
 from appliance.accounting.process import (
-    FORWARD_S, LOCK_TIMEOUT_S, AccountingSpec, AskStatus, ReadMeter, Records, Report, Serving,
-    Start, Started, StartFailed, Stop,
+    FORWARD_S, LOCK_TIMEOUT_S, AccountingSpec, AccountingStartFailed, AskStatus, ReadMeter,
+    Records, Report, Serving, Start, Started, Stop,
 )
-from appliance.accounting.records import FanoutSink, LogSink, RequestRecord
+from appliance.accounting.records import FanoutSink, LogSink, RecordSink, RequestRecord
 from appliance.config import Config
+from appliance.daemon import supervisor
 from appliance.daemon.metrics import ReconciliationGauge, TenantMetrics
-from appliance.daemon.workers import program_command
+from appliance.daemon.supervisor import program_command
 from appliance.engines.messages import IterationRecord
 from appliance.worker import wire
 
 if TYPE_CHECKING:
-    from appliance.daemon.app import Service, Setup
+    from appliance.daemon.metrics import Metrics
+    from appliance.daemon.setup import Setup
+    from appliance.daemon.state import ServingState
+    from appliance.daemon.workers import WorkerPool
+    from appliance.telemetry.hub import Telemetry
 
 log = logging.getLogger("applianced.accounting")
 
@@ -50,6 +55,8 @@ STATUS_TIMEOUT_S = 2.0         # a busy accounting process: the last tick's repo
 # While the accounting process is down (it died; it is being restarted) records wait
 # in the daemon, up to this many of each kind; beyond, the oldest are dropped and counted.
 BUFFER_MAX = 500_000
+RESTART_DELAY_S = 0.5           # then doubling, up to
+RESTART_DELAY_MAX_S = 30.0
 GAUGE_SPAN_S = 300.0           # the reconciliation gauge looks at the last 5 minutes
 GAUGE_EVERY_S = 10.0
 
@@ -103,7 +110,7 @@ class AccountingLink:
     write. What the admin API reads: `ledger` (a read connection), `site`, `prices`,
     `status()`, `budget_report()`."""
 
-    def __init__(self, spec: AccountingSpec, meter: Callable[[], EnergyMeter | None],
+    def __init__(self, spec: AccountingSpec, meter: Callable[[], EnergyReader | None],
                  metrics: TenantMetrics, state_dir: Path,
                  busy_device_s: Callable[[], float] | None = None,
                  energy_counters: Callable[[], list[tuple[str, float, float]]] | None = None,
@@ -112,7 +119,7 @@ class AccountingLink:
         self.spec = spec
         self.site = spec.site
         self.prices = spec.prices
-        self.method: Method | None = None       # set by attach: the reports' pricing
+        self.method: Method | None = None       # set by start_accounting: the reports' pricing
         self.meter = meter
         self.metrics = metrics
         self.state_dir = state_dir
@@ -164,14 +171,8 @@ class AccountingLink:
     async def start(self) -> None:
         """Start the process and wait until it has opened the ledger. Raises ValueError
         with one line when it cannot."""
-        parent, child = socket.socketpair()
-        try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *program_command(), "accountant", "--fd", str(child.fileno()),
-                pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL)
-        finally:
-            child.close()
-        reader, writer = await asyncio.open_unix_connection(sock=parent)
+        self.proc, reader, writer = await supervisor.spawn(
+            lambda fd: program_command() + ["accountant", "--fd", str(fd)])
         writer.write(wire.pack(Start(dataclasses.replace(self.spec, resume=self.restarts > 0))))
         if self._serving_msg is not None:
             writer.write(wire.pack(self._serving_msg))
@@ -181,17 +182,11 @@ class AccountingLink:
             for _, msg in self._recent:
                 writer.write(wire.pack(msg))
         self.writer = writer
-        try:
-            first = await asyncio.wait_for(wire.recv_async(reader), START_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            first = None
+        first = await supervisor.first_message(reader, START_TIMEOUT_S)
         if not isinstance(first, Started):
             self.writer.close()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 5)
-            except asyncio.TimeoutError:
-                self.proc.kill()
-            why = first.message if isinstance(first, StartFailed) else (
+            await supervisor.reap(self.proc)
+            why = first.message if isinstance(first, AccountingStartFailed) else (
                 f"it exited ({self.proc.returncode})" if self.proc.returncode is not None
                 else "it did not answer")
             raise ValueError(f"cannot start accounting on the ledger "
@@ -303,28 +298,20 @@ class AccountingLink:
         if self.writer is not None:
             self.writer.close()
         self.writer = None
-        try:
-            await asyncio.wait_for(proc.wait(), 5)
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
+        self.last_exit = await supervisor.reap(proc)
         self._exited.set()
-        rc = proc.returncode
-        self.last_exit = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
         if self._stopping:
             return
         log.error("accounting: the process ended (%s); restarting it (records wait here)",
                   self.last_exit)
-        delay = 0.5
-        while not self._stopping:
-            await asyncio.sleep(delay)
-            try:
-                self.restarts += 1
-                await self.start()
-                return
-            except (ValueError, OSError) as exc:
-                log.error("accounting: %s", exc)
-                delay = min(delay * 2, 30.0)
+
+        def attempt() -> None:
+            self.restarts += 1
+
+        await supervisor.restart(self.start, delay=RESTART_DELAY_S, max_delay=RESTART_DELAY_MAX_S,
+                                 stopping=lambda: self._stopping, failures=(ValueError, OSError),
+                                 on_failure=lambda exc: log.error("accounting: %s", exc),
+                                 on_attempt=attempt)
 
     # ---- reconciliation ----------------------------------------------------------------
     def sample_counters(self, now: float | None = None) -> None:
@@ -384,7 +371,7 @@ class AccountingLink:
         return [b for b in self._budgets if tenant is None or b["tenant"] == tenant]
 
 
-def serving_of(svc: Service) -> Callable[[], tuple]:
+def serving_of(setup: Setup, state: ServingState, pool: WorkerPool) -> Callable[[], tuple]:
     """(signature, build): the signature changes when the plan, the served model or a
     worker's loaded model does; build() says which model each worker serves and which
     devices the plan uses. A worker loaded with a model not yet routed (the first half
@@ -393,33 +380,31 @@ def serving_of(svc: Service) -> Callable[[], tuple]:
 
     def now() -> tuple:
         loads = tuple(sorted((w.id, (str(w.spec.model_dir), w.spec.model_spec or None))
-                             for w in list(svc.pool.workers.values())))
-        signature = (id(svc.plan), svc.model_name, loads)
+                             for w in list(pool.workers.values())))
+        signature = (id(state.plan), state.model.name, loads)
 
         def build() -> Serving:
-            served = getattr(svc, "model", None)
-            key = (str(served.model_dir), served.model_spec or None) if served is not None else None
-            if key is not None:
-                names[key] = svc.model_name
+            served = state.model
+            names[(str(served.model_dir), served.model_spec or None)] = served.name
             workers = {wid: names.get(ld) or ld[1] or Path(ld[0]).name for wid, ld in loads}
-            return Serving(workers, device_infos(svc.setup, svc.plan))
+            return Serving(workers, device_infos(setup, state.plan))
         return signature, build
     return now
 
 
-def busy_counter(svc: Service) -> Callable[[], float]:
+def busy_counter(metrics: Metrics, pool: WorkerPool) -> Callable[[], float]:
     """Σ over workers of `applianced_engine_busy_seconds_total` × the worker's devices:
     device-seconds inside engine iterations, as /metrics counts them."""
     ndev: dict[str, int] = {}
 
     def read() -> float:
         total = 0.0
-        for metric in svc.metrics.busy.collect():
+        for metric in metrics.busy.collect():
             for sample in metric.samples:
                 if not sample.name.endswith("_total"):
                     continue
                 worker = sample.labels["worker"]
-                w = svc.pool.workers.get(worker)
+                w = pool.workers.get(worker)
                 if w is not None:
                     ndev[worker] = len(w.spec.devices)
                 total += sample.value * ndev.get(worker, 1)
@@ -427,11 +412,10 @@ def busy_counter(svc: Service) -> Callable[[], float]:
     return read
 
 
-def energy_counter(svc: Service) -> Callable[[], list[tuple[str, float, float]]]:
+def energy_counter(telemetry: Telemetry | None) -> Callable[[], list[tuple[str, float, float]]]:
     """Each device's cumulative energy reading (`applianced_device_energy_joules_total`)
     with the time it was read."""
     def read() -> list[tuple[str, float, float]]:
-        telemetry = getattr(svc, "telemetry", None)
         if telemetry is None:
             return []
         return [(d["device"], d["t"], d["energy_j"]) for d in telemetry.metric_values()["devices"]
@@ -439,10 +423,12 @@ def energy_counter(svc: Service) -> Callable[[], list[tuple[str, float, float]]]
     return read
 
 
-async def attach(svc: Service, state_dir: Path) -> AccountingLink | None:
-    """Start accounting and put it behind svc.sink. Raises ValueError with one line
-    (a bad intensity file, an unusable ledger) before any worker starts."""
-    cfg = svc.cfg
+async def start_accounting(cfg: Config, setup: Setup, state: ServingState, pool: WorkerPool,
+                           tenants: set[str], metrics: Metrics, telemetry: Telemetry | None,
+                           state_dir: Path) -> AccountingLink | None:
+    """Start the accounting process (None when accounting is off). Raises ValueError
+    with one line (a bad intensity file, an unusable ledger) before any worker starts;
+    the caller puts the link behind the daemon's record sink and frame tap."""
     if not cfg.accounting.enabled:
         return None
     a = cfg.accounting
@@ -452,30 +438,34 @@ async def attach(svc: Service, state_dir: Path) -> AccountingLink | None:
     prices = prices_of(cfg)
     embodied = EmbodiedCarbon(cfg.site.embodied_kgco2e, cfg.site.lifetime_years)
     spec = AccountingSpec(
-        devices=device_infos(svc.setup), model=svc.model_name, site=site,
+        devices=device_infos(setup), model=state.model.name, site=site,
         ledger_path=str(state_dir / LEDGER_FILE), prices=prices, embodied=embodied,
-        budgets=budgets, labelled_tenants=frozenset(set(svc._tenants) | budgets.tenants()),
+        budgets=budgets, labelled_tenants=frozenset(set(tenants) | budgets.tenants()),
         flush_interval_s=a.flush_interval_s, retention_days=a.retention_days,
         rollup_retention_days=a.rollup_retention_days, window_s=a.window_s,
         calibration_min_iterations=a.calibration_min_iterations,
-        metered=getattr(svc, "telemetry", None) is not None)
-    metrics = TenantMetrics(svc.metrics.registry, svc.simulated)
-    gauge = ReconciliationGauge(svc.metrics.registry, svc.simulated)
-    link = AccountingLink(spec, lambda: getattr(svc, "telemetry", None), metrics, state_dir,
-                          busy_device_s=busy_counter(svc), energy_counters=energy_counter(svc),
-                          gauge=gauge, serving=serving_of(svc))
+        metered=telemetry is not None)
+    link = AccountingLink(spec, lambda: telemetry, TenantMetrics(metrics.registry, setup.simulated),
+                          state_dir, busy_device_s=busy_counter(metrics, pool),
+                          energy_counters=energy_counter(telemetry),
+                          gauge=ReconciliationGauge(metrics.registry, setup.simulated),
+                          serving=serving_of(setup, state, pool))
     link.method = method_of(cfg, site, prices, embodied)
     try:
         await link.start()
     except OSError as exc:
         raise ValueError(f"cannot start accounting: {exc}") from None
-    # beside the request log of --log-requests, if it is on
-    log_off = isinstance(svc.sink, LogSink) and not svc.sink.enabled
-    svc.sink = link if log_off else FanoutSink(svc.sink, link)
-    svc.pool.frame_tap = link.frame
-    svc.accountant = link
     log.info("accounting: ledger %s, %g s windows, site %s (PUE %g, intensity %s), "
              "process pid %s", state_dir / LEDGER_FILE, a.window_s, site.name, site.pue,
              cfg.site.carbon_intensity_file or f"{cfg.site.carbon_intensity:g} g/kWh static",
              link.proc.pid)
     return link
+
+
+def record_sink(base: RecordSink, link: AccountingLink | None) -> RecordSink:
+    """Where finished requests and iterations go: the ledger's link, beside the request
+    log of --log-requests if that is on."""
+    if link is None:
+        return base
+    log_off = isinstance(base, LogSink) and not base.enabled
+    return link if log_off else FanoutSink(base, link)

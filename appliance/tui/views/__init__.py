@@ -1,0 +1,1 @@
+"""The view models of the console's screens, one module per screen (`tui/screens/`)."""
