@@ -556,3 +556,38 @@ def test_meter_read_in_one_go_per_tick_gives_the_same_figures(tmp_path):
     r = take_readings(Broken(), ["g0"], [(T0, T0 + 1)])
     assert r.energy_j("g0", T0, T0 + 1) == (None, "none") and r.idle_power_w("g0") is None
     assert take_readings(None, ["g0"], [(T0, T0 + 1)]).energy_j("g0", T0, T0 + 1) == (None, "none")
+
+
+def test_rows_say_when_a_grammar_constrained_the_output(tmp_path):
+    import dataclasses
+    acc, ledger = make_accountant(tmp_path)
+    acc.iteration(it("p0", "prefill", T0 + 1, 1.0, ["g0"], [("A", 100, 100), ("B", 100, 100)]))
+    acc.request(dataclasses.replace(req("A", "ta", T0, T0 + 2), structured=True))
+    acc.request(req("B", "ta", T0, T0 + 2))
+    acc.stop(now=T0 + 30)
+    con = sqlite3.connect(tmp_path / "ledger.db")
+    rows = dict(con.execute("SELECT request_id, structured FROM requests WHERE final = 1"))
+    con.close()
+    assert rows == {"A": 1, "B": 0}
+
+
+def test_a_ledger_of_an_older_release_gains_the_new_columns(tmp_path):
+    from appliance.accounting.ledger import REQUEST_COLUMNS, RequestRow, _coltype
+    old = [c for c in REQUEST_COLUMNS if c != "structured"]
+    path = tmp_path / "ledger.db"
+    con = sqlite3.connect(path)
+    con.execute(f"CREATE TABLE requests ({', '.join(f'{chr(34)}{c}{chr(34)} {_coltype(c)}' for c in old)}, "
+                "PRIMARY KEY (request_id))")
+    row = RequestRow._make([None] * len(REQUEST_COLUMNS))._replace(
+        request_id="old", tenant="t", model="m", status="ok", arrival=T0, finish=T0 + 1,
+        prompt_tokens=1, output_tokens=1, final=1)
+    con.execute(f"INSERT INTO requests VALUES ({', '.join('?' * len(old))})", row[:len(old)])
+    con.commit()
+    con.close()
+    led = Ledger(path, retention_days=0)       # opens, and migrates, the old file
+    con = sqlite3.connect(path)
+    cols = [r[1] for r in con.execute("PRAGMA table_info(requests)")]
+    assert cols == list(REQUEST_COLUMNS)
+    assert con.execute("SELECT request_id, structured FROM requests").fetchall() == [("old", None)]
+    con.close()
+    led.stop()

@@ -257,7 +257,8 @@ class Accountant:
                 rec.choices, rec.prefill_worker, rec.decode_worker)
         if c is None:           # no window has reached this request yet
             return head + (0.0, 0.0, None, None, 0.0, 0.0, 0.0, 0.0, None, None, 0.0, 0.0) \
-                + carbon_cols + ("none", int(rec.simulated), 0, int(final), 0)
+                + carbon_cols + ("none", int(rec.simulated), 0, int(final), 0,
+                                 int(rec.structured))
         v = c.v
         if c.energy_known and c.energy_source not in ("", "none"):
             j0, j1 = v[2], v[3]
@@ -268,7 +269,7 @@ class Accountant:
         return head + (
             v[0], v[1], j0, j1, v[4], v[5], v[6], v[7], op0, op1, v[8], v[9]) + carbon_cols + (
             c.energy_source or "none", int(rec.simulated or c.simulated), int(c.approximate),
-            int(final), 0)
+            int(final), 0, int(rec.structured))
 
     # ---- start-up -------------------------------------------------------------------
     def load_budgets(self) -> None:

@@ -83,6 +83,7 @@ class RequestRow(NamedTuple):
     approximate: int
     final: int
     incomplete: int
+    structured: int     # a grammar constrained the output (structured output, forced tool call)
 
     @property
     def co2e_g(self) -> float:
@@ -130,7 +131,7 @@ def co2e_of(row: tuple) -> float:
 _TYPES = {"arrival": "REAL", "first_token": "REAL", "finish": "REAL", "start": "REAL",
           "end": "REAL", "pue": "REAL", "intensity_g_per_kwh": "REAL"}
 _INT = {"prompt_tokens", "output_tokens", "cached_tokens", "choices", "intensity_estimated",
-        "simulated", "approximate", "final", "incomplete", "iterations"}
+        "simulated", "approximate", "final", "incomplete", "iterations", "structured"}
 _TEXT = {"request_id", "tenant", "model", "site", "appliance", "endpoint", "status",
          "finish_reason", "prefill_worker", "decode_worker", "intensity_source",
          "intensity_kind", "intensity_factor", "energy_source", "device"}
@@ -203,6 +204,16 @@ def pack_rows(rows: list[RequestRow]) -> bytes:
     if rows and type(rows[0]) is not tuple:
         rows = [tuple(r) for r in rows]
     return marshal.dumps(rows)
+
+
+def _add_new_columns(conn: sqlite3.Connection) -> None:
+    """Columns are only ever added at the end of a table: a ledger written by an older
+    release gains the new ones here (NULL in its old rows, which readers take as 0)."""
+    for table, columns in (("requests", REQUEST_COLUMNS), ("device_windows", WINDOW_COLUMNS)):
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        for c in columns:
+            if c not in have:
+                conn.execute(f'ALTER TABLE {table} ADD COLUMN "{c}" {_coltype(c)}')
 
 
 def unpack_rows(blob: bytes) -> list[RequestRow]:
@@ -292,6 +303,7 @@ class Ledger:
         try:
             with conn:
                 conn.executescript(SCHEMA)
+                _add_new_columns(conn)
                 conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)",
                              (SCHEMA_VERSION,))
             self._longest = self._longest_window(conn)
