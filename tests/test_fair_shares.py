@@ -225,6 +225,28 @@ def test_calibration_belongs_to_the_served_model_and_added_devices_count_from_th
     assert shown["new-model|H100-SXM"]["model"] == "new-model"
 
 
+def test_steps_before_a_swap_stay_with_the_old_model_when_their_window_closes_after_it():
+    """A swap-model restarts workers under the same names, often before the window that
+    holds the old model's last steps has closed: those steps are fitted under the model
+    the worker served when they ran, not the one it serves when the window closes."""
+    dev = DeviceInfo("g0", "H100-SXM", "sim", True)
+    a = Attributor([dev], "old-model", 10.0, Calibration(min_iterations=3), start=T0)
+    t = T0 + 1
+    for i in range(12):
+        wall = TIMING.decode_s([100 * (i + 1)])
+        a.add(IterationRecord("w0", "decode", t, wall, ("g0",), True, [(f"a{i}", 1, 100 * (i + 1))]))
+        t += wall
+    a.serve({"w0": "new-model"}, [dev])          # the window [T0, T0+10) is still open
+    for i in range(5):
+        wall = TIMING.decode_s([50 * (i + 1)])
+        a.add(IterationRecord("w0", "decode", t, wall, ("g0",), True, [(f"b{i}", 1, 50 * (i + 1))]))
+        t += wall
+    a.close_until(T0 + 10, None)
+    shown = a.calibration.describe()
+    assert shown["old-model|H100-SXM"]["decode"]["samples"] == 12
+    assert shown["new-model|H100-SXM"]["decode"]["samples"] == 5
+
+
 def test_a_model_swap_starts_new_terms_and_keeps_the_old_ones(daemon_factory, tiny_model):
     """On a running daemon: swap-model from the 70B shape to the 8B one (named "small");
     /admin/v1/usage then shows a fit for each model × device kind, the old one kept."""

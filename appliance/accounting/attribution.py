@@ -377,7 +377,7 @@ class Attributor:
         self.calibration = calibration or Calibration()
         self.started = time.time() if start is None else start
         self.closed_until = self.started          # every window before this is closed
-        self._windows: dict[int, list[tuple[IterationRecord, float]]] = {}
+        self._windows: dict[int, list[tuple[IterationRecord, float, str]]] = {}
         self.late = 0                             # records that came after their window closed
         # A restarted accounting process resumes where the ledger's windows end; the
         # daemon replays its recent records, and what was accounted before is dropped.
@@ -389,6 +389,10 @@ class Attributor:
         return int(t // self.window_s)
 
     def add(self, rec: IterationRecord) -> None:
+        # The model the worker serves now, when its step arrives, not when its window
+        # closes: a swap-model restarts workers under the same names, and the old
+        # model's last steps must not be fitted and priced as the new one's.
+        model = self.worker_models.get(rec.worker, self.model)
         start, end = rec.start, rec.start + rec.wall_s
         if start < self.closed_until:
             if self.resumed_at is not None and start < self.resumed_at:
@@ -398,29 +402,32 @@ class Attributor:
                     self.replayed += 1
                     return
                 start = self.resumed_at
-                self._file(rec, start, end, max(start, self.closed_until))
+                self._file(rec, model, start, end, max(start, self.closed_until))
                 return
             # its window already closed: bill it to the first open one (with all of its
             # time; close_until caps busy time at capacity, so conservation still holds)
             self.late += 1
-            self._windows.setdefault(self._index(self.closed_until), []).append((rec, rec.wall_s))
+            self._windows.setdefault(self._index(self.closed_until), []).append(
+                (rec, rec.wall_s, model))
             return
         k0, k1 = self._index(start), self._index(end)
         if k0 == k1:
-            self._windows.setdefault(k0, []).append((rec, rec.wall_s))
+            self._windows.setdefault(k0, []).append((rec, rec.wall_s, model))
             return
         for k in range(k0, k1 + 1):
             lo, hi = max(start, k * self.window_s), min(end, (k + 1) * self.window_s)
             if hi > lo:
-                self._windows.setdefault(k, []).append((rec, hi - lo))
+                self._windows.setdefault(k, []).append((rec, hi - lo, model))
 
-    def _file(self, rec: IterationRecord, start: float, end: float, open_from: float) -> None:
+    def _file(self, rec: IterationRecord, model: str, start: float, end: float,
+              open_from: float) -> None:
         """File the part [start, end) of `rec`; a part before `open_from` (closed
         windows) goes to the first open window."""
         for k in range(self._index(start), self._index(end) + 1):
             lo, hi = max(start, k * self.window_s), min(end, (k + 1) * self.window_s)
             if hi > lo:
-                self._windows.setdefault(max(k, self._index(open_from)), []).append((rec, hi - lo))
+                self._windows.setdefault(max(k, self._index(open_from)), []).append(
+                    (rec, hi - lo, model))
 
     def spans_until(self, t: float, final: bool = False) -> list[tuple[int, float, float]]:
         """The windows `close_until(t, final)` would close, as (index, start, end), without
@@ -462,34 +469,30 @@ class Attributor:
             self._windows.clear()
         return out
 
-    def _close(self, t0: float, t1: float, records: list[tuple[IterationRecord, float]],
+    def _close(self, t0: float, t1: float, records: list[tuple[IterationRecord, float, str]],
                meter: EnergyReader | None) -> list[DeviceWindow]:
         dt = t1 - t0
         cal = self.calibration
-        per_device: dict[str, list[tuple[IterationRecord, float]]] = {d: [] for d in self.devices}
-        for rec, tau in records:
-            for dev in rec.devices:
+        per_device: dict[str, list[tuple[IterationRecord, float, str]]] = {d: [] for d in self.devices}
+        for item in records:
+            for dev in item[0].devices:
                 if dev in per_device:
-                    per_device[dev].append((rec, tau))
+                    per_device[dev].append(item)
         for dev_id, its in per_device.items():
             # a step spread over several devices (tensor parallel) is one observation, of
             # its first device's model; a window's list holds each step once
             kind = self.devices[dev_id].model
-            for rec, _ in its:
+            for rec, _, model in its:
                 if rec.devices[0] == dev_id:
-                    cal.observe(self.key(rec.worker, kind), rec)
+                    cal.observe(f"{model}|{kind}", rec)
         out = []
         for dev_id, its in per_device.items():
             info = self.devices[dev_id]
             kind = info.model
             out.append(self._device_window(
                 info, t0, t1, dt, its, meter,
-                lambda worker, kind=kind: cal.weights(self.key(worker, kind))))
+                lambda model, kind=kind: cal.weights(f"{model}|{kind}")))
         return out
-
-    def key(self, worker: str, device_model: str) -> str:
-        """Calibration key: the model `worker` serves × the device kind."""
-        return f"{self.worker_models.get(worker, self.model)}|{device_model}"
 
     def serve(self, worker_models: dict[str, str], devices: list[DeviceInfo]) -> None:
         """The partition or the served model changed: from now on each worker's steps
@@ -504,10 +507,10 @@ class Attributor:
 
     @staticmethod
     def _device_window(info: DeviceInfo, t0: float, t1: float, dt: float,
-                       its: list[tuple[IterationRecord, float]], meter: EnergyReader | None,
+                       its: list[tuple[IterationRecord, float, str]], meter: EnergyReader | None,
                        weights_of: Callable[[str], PhaseWeights]) -> DeviceWindow:
         measured = info.capacity * dt
-        busy = sum(tau for _, tau in its)
+        busy = sum(item[1] for item in its)
         scale = measured / busy if busy > measured else 1.0   # clock jitter, late records
         energy, source = (None, "none")
         if meter is not None:
@@ -536,14 +539,14 @@ class Attributor:
         dec: dict[str, float] = {}
         attributed = unattributed = 0.0
         approximate = False
-        terms: dict[str, tuple] = {}            # worker -> its model's fitted terms
+        terms: dict[str, tuple] = {}            # served model -> its fitted terms
         # share[r] = (c0/n + m[r]) · τ / (c0 + Σm): every entry carries an equal part of
         # the step's shared cost and its own marginal part, scaled to the measured τ.
-        for rec, tau in its:
-            t = terms.get(rec.worker)
+        for rec, tau, model in its:
+            t = terms.get(model)
             if t is None:
-                w = weights_of(rec.worker)
-                t = terms[rec.worker] = (w.p_tok, w.p_ctx, w.d_seq, w.d_ctx, w.p_c0, w.d_c0)
+                w = weights_of(model)
+                t = terms[model] = (w.p_tok, w.p_ctx, w.d_seq, w.d_ctx, w.p_c0, w.d_c0)
             p_tok, p_ctx, d_seq, d_ctx, p_c0, d_c0 = t
             tau *= scale
             approximate |= rec.approximate
