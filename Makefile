@@ -25,10 +25,11 @@ $(DEPS): pyproject.toml
 	touch $@
 
 # pyarrow < 20: the validator pins numpy 1.x, and newer pyarrow needs numpy 2.
+# Not installable (offline, no index): a note, and the validator tests skip.
 $(FOCUS):
-	test -x .venv-focus/bin/python || $(PYTHON312) -m venv .venv-focus
-	.venv-focus/bin/python -m pip install -q focus-validator==2.2.1 'pyarrow<20'
-	touch $@
+	@test -x .venv-focus/bin/python || $(PYTHON312) -m venv .venv-focus
+	@.venv-focus/bin/python -m pip install -q focus-validator==2.2.1 'pyarrow<20' && touch $@ \
+	  || echo "make: focus-validator not installed; tests/test_focus.py skips the validator run" >&2
 
 serve: $(DEPS)
 	$(BIN)/applianced serve $(ARGS)

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -255,12 +256,18 @@ idle_policy = "idle"
     assert {(r["tag:team"], r["tenant"]) for r in body["rows"]} >= {("search", "a"), ("search", "b")}
     code, _, team = get(d, "/admin/v1/usage", group_by="tag:team", since="1h")
     assert code == 200 and {r["tag:team"] for r in team["rows"]} == {"search", None}  # None: (idle)
-    code, _, raw = get(d, "/admin/v1/usage", format="focus", since="1h")
+    # one fixed, closed window for both (a window closing between two requests would
+    # add its capacity to the second one only)
+    until = int(time.time()) - 2
+    span = {"since": str(until - 3600), "until": str(until)}
+    code, _, raw = get(d, "/admin/v1/usage", format="focus", **span)
     assert code == 200, raw
     rows = list(csv.DictReader(io.StringIO(raw.decode() if isinstance(raw, bytes) else raw)))
-    code, _, whole = get(d, "/admin/v1/usage", group_by="tenant,model,phase,site", since="1h")
+    code, _, whole = get(d, "/admin/v1/usage", group_by="tenant,model,phase,site", **span)
     assert sum(float(r["EffectiveCost"]) for r in rows) == pytest.approx(
-        sum(r["cost_allocation"] for r in whole["rows"]), rel=0.01)
+        sum(r["cost_allocation"] for r in whole["rows"]), rel=0.005)
+    assert sum(float(r["EffectiveCost"]) for r in rows) == pytest.approx(
+        whole["totals"]["capacity_cost"], rel=0.005)
     tags = {r["SubAccountId"]: json.loads(r["Tags"]) for r in rows}
     assert tags["a"]["team"] == "search" and tags["a"]["cost_center"] == "CC-1"
     assert tags["b"]["project"] == "p2" and "team" in tags["b"]
