@@ -82,13 +82,17 @@ class WorkflowsConfig:
 
 @dataclass
 class AuthConfig:
-    # SHA-256 hex digest of an API key -> tenant (the microservice that holds the key).
-    keys: dict[str, str] = field(default_factory=dict)
+    # SHA-256 hex digest of an API key -> tenant (the microservice that holds the key),
+    # or -> { tenant = "search", team = "...", project = "...", cost_center = "..." }:
+    # the tags reports group by (group_by=tag:team) and the FOCUS export's Tags carry.
+    keys: dict = field(default_factory=dict)
     # SHA-256 hex digests of admin keys (the /admin/ API). None configured: loopback only.
     admin_keys: list[str] = field(default_factory=list)
     # Who may scrape /metrics: "open" (anyone), "loopback" (loopback clients; others need
     # an admin key), "admin" (an admin key, even on loopback).
     metrics_access: str = "loopback"
+    # Derived, not a key: tenant -> its tags, collected from the [auth.keys] tables.
+    tenant_tags: dict = field(default_factory=dict, metadata={"derived": True})
 
 
 @dataclass
@@ -224,7 +228,7 @@ def _check_value(key: str, value, typ):
 
 
 def _fill(obj, data: dict, prefix: str):
-    fields = {f.name: f for f in dataclasses.fields(obj)}
+    fields = {f.name: f for f in dataclasses.fields(obj) if not f.metadata.get("derived")}
     hints = {f.name: f.type for f in dataclasses.fields(obj)}
     for key, value in data.items():
         path = f"{prefix}{key}"
@@ -254,12 +258,7 @@ def _fill(obj, data: dict, prefix: str):
 
 
 def validate(cfg: Config) -> Config:
-    for digest, tenant in cfg.auth.keys.items():
-        if not _DIGEST.match(digest):
-            raise ConfigError(f"config: auth.keys: {digest!r} is not a lowercase SHA-256 hex digest "
-                              f"(make one with: applianced key digest KEY)")
-        if not isinstance(tenant, str) or not tenant:
-            raise ConfigError(f"config: auth.keys.{digest[:12]}… must name a tenant (a string)")
+    _split_key_tags(cfg.auth)
     for digest in cfg.auth.admin_keys:
         if not _DIGEST.match(digest):
             raise ConfigError(f"config: auth.admin_keys: {digest!r} is not a lowercase SHA-256 hex "
@@ -330,6 +329,46 @@ def validate(cfg: Config) -> Config:
     except ValueError as exc:
         raise ConfigError(f"config: planner.horizon: {exc}") from None
     return cfg
+
+
+TAG_KEYS = ("team", "project", "cost_center")
+
+
+def _split_key_tags(auth: AuthConfig) -> None:
+    """`[auth.keys]` entries are a tenant name or a table with the tenant and its tags.
+    Normalised here: `keys` maps digest -> tenant (what Auth matches), `tenant_tags`
+    tenant -> tags. Tags belong to the tenant: two keys of one tenant must not disagree."""
+    keys: dict[str, str] = {}
+    tags: dict[str, dict[str, str]] = dict(auth.tenant_tags)
+    for digest, entry in auth.keys.items():
+        if not _DIGEST.match(digest):
+            raise ConfigError(f"config: auth.keys: {digest!r} is not a lowercase SHA-256 hex digest "
+                              f"(make one with: applianced key digest KEY)")
+        where = f"auth.keys.{digest[:12]}…"
+        if isinstance(entry, dict):
+            unknown = sorted(set(entry) - {"tenant", *TAG_KEYS})
+            if unknown:
+                raise ConfigError(f"config: unknown key {where}.{unknown[0]} (known here: tenant, "
+                                  f"{', '.join(TAG_KEYS)})")
+            tenant = entry.get("tenant")
+            own = {k: entry[k] for k in TAG_KEYS if k in entry}
+            for k, v in own.items():
+                if not isinstance(v, str) or not v:
+                    raise ConfigError(f"config: {where}.{k} must be a non-empty string, got {v!r}")
+        else:
+            tenant, own = entry, {}
+        if not isinstance(tenant, str) or not tenant:
+            raise ConfigError(f"config: {where} must name a tenant (a string, or a table with "
+                              f"tenant = \"...\")")
+        have = tags.setdefault(tenant, {})
+        for k, v in own.items():
+            if have.get(k, v) != v:
+                raise ConfigError(f"config: {where}: tenant {tenant!r} has {k} = {have[k]!r} on "
+                                  f"another key and {v!r} here (tags belong to the tenant)")
+            have[k] = v
+        keys[digest] = tenant
+    auth.keys = keys
+    auth.tenant_tags = {t: v for t, v in tags.items() if v}
 
 
 def _number_table(key: str, table: dict, positive: bool = True) -> None:

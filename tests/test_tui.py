@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,22 @@ def test_tenants_fold_phases_share_sort_and_filter():
     assert [r.tenant for r in filter_tenants(rows, "B")] == ["b"]
     fleet = merge_tenants([rows, tenants_from_usage(usage_rows({"b": (40.0, 0.0)}, {}))])
     assert [(r.tenant, r.gpu_seconds) for r in fleet] == [("b", 62.0), ("a", 52.0), ("c", 0.0)]
+
+
+def test_tenant_lines_by_a_key_tag():
+    """`g` on the Tenants screen: lines by team (group_by=tag:team,phase), tenants without
+    the tag as (untagged), the (idle) row apart, budgets (the tenants') not shown."""
+    usage = usage_rows({"a": (50.0, 2.0), "b": (4.0, 18.0), "c": (1.0, 1.0)}, {})
+    team = {"a": "search", "b": "search"}
+    for r in usage["rows"]:
+        r["tag:team"] = team.get(r["tenant"])
+    usage["rows"].append({"tenant": "(idle)", "tag:team": None, "phase": None,
+                          "gpu_seconds": 10.0, "cost_allocation": 0.01})
+    usage["budgets"] = {"search": {"gpu_hours": 0.9}}
+    rows = tenants_from_usage(usage, "tag:team")
+    assert [(r.tenant, r.gpu_seconds) for r in rows] == [
+        ("search", 74.0), ("(idle)", 10.0), ("(untagged)", 2.0)]
+    assert rows[0].prefill_gpu_seconds == 54.0 and rows[0].budget_used is None
 
 
 def test_carbon_rows_keep_provenance():
@@ -276,6 +293,10 @@ def test_screens_keys_and_not_available_yet():
                 await pilot.press("t")
                 await wait_screen(app, pilot, lambda t: "period 7d" in t, what="period 7d")
                 assert wait_until(lambda: any("since=7d" in r for r in srv.requests), 5)
+                await pilot.press("g")          # by the tenants' key tag "team"
+                await wait_screen(app, pilot, lambda t: "by tag:team" in t, what="by team")
+                assert wait_until(lambda: any("group_by=tag:team,phase" in urllib.parse.unquote(r)
+                                              for r in srv.requests), 5)
                 await pilot.press("question_mark")
                 text = await wait_screen(app, pilot, lambda t: "keys" in t and "q quit" in t,
                                          what="help")

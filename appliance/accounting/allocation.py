@@ -41,6 +41,9 @@ class Method:
     intensity: CarbonIntensity = field(default_factory=lambda: CarbonIntensity(480.0))
     market_g_per_kwh: float | None = None       # None: no market-based column
     node_overhead_w: float = 0.0
+    # tenant -> its API keys' tags (team, project, cost_center), read from the config at
+    # query time: the ledger stores the tenant only (see docs/operations/chargeback.md#tags)
+    tenant_tags: dict = field(default_factory=dict)
 
     @property
     def idle_policy(self) -> str:

@@ -25,6 +25,8 @@ from appliance.accounting.ledger import Ledger
 USAGE_DIMS = ("tenant", "model", "phase", "site")
 CARBON_DIMS = ("site", "tenant", "model")
 IDLE_TENANT = "(idle)"
+TAG_KEYS = ("team", "project", "cost_center")
+TAG_DIMS = tuple(f"tag:{k}" for k in TAG_KEYS)
 ROW_FIELDS = ("tenant", "model", "phase", "site", "requests", "prompt_tokens", "output_tokens",
               "gpu_seconds", "energy_joules", "cost_usage", "cost_allocation", "currency",
               "co2e_grams", "co2e_complete", "requests_without_energy", "measured", "simulated")
@@ -53,13 +55,19 @@ def parse_when(text: str | None, now: float, default: float) -> float:
 
 
 def parse_group_by(text: str | None, allowed: tuple[str, ...], default: tuple[str, ...]) -> list[str]:
+    """Dimensions, plus `tag:team`, `tag:project`, `tag:cost_center` (the tenant's key tags)."""
     if text is None or text.strip() == "":
         return list(default)
     dims = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in dims if d not in allowed]
+    bad = [d for d in dims if d not in allowed and d not in TAG_DIMS]
     if bad:
-        raise ValueError(f"cannot group by {', '.join(bad)} (allowed: {', '.join(allowed)})")
+        raise ValueError(f"cannot group by {', '.join(bad)} (allowed: "
+                         f"{', '.join((*allowed, *TAG_DIMS))})")
     return list(dict.fromkeys(dims))
+
+
+def tag_dims(dims: list[str]) -> list[str]:
+    return [d for d in dims if d.startswith("tag:")]
 
 
 def iso(t: float) -> str:
@@ -125,11 +133,14 @@ class _Group:
     f_emb: float = 0.0
 
 
-def _groups(ledger: Ledger, dims: list[str], since: float, until: float) -> list[_Group]:
+def _groups(ledger: Ledger, dims: list[str], since: float, until: float,
+            tenant_tags: dict | None = None) -> list[_Group]:
     """Request rows that finished in [since, until), grouped by `dims` and always by
-    tenant (a tenant's own view needs every tenant's weights for its shares)."""
+    tenant (a tenant's own view needs every tenant's weights for its shares). Tag
+    dimensions are the tenant's tags, looked up here (query time) from `tenant_tags`."""
     by_phase = "phase" in dims
-    keys = list(dict.fromkeys([*dims, "tenant"]))
+    tags = tag_dims(dims)
+    keys = list(dict.fromkeys([*(d for d in dims if d not in tags), "tenant"]))
     where = "finish >= ? AND finish < ?"
     args = (since, until) * (2 if by_phase else 1)
     sql = (f"SELECT {', '.join(keys)}, count(DISTINCT request_id), sum(pt), sum(ot), sum(gpu_s), "
@@ -141,6 +152,9 @@ def _groups(ledger: Ledger, dims: list[str], since: float, until: float) -> list
     out = []
     for r in ledger.query(sql, args):
         vals = dict(zip(keys, r[:len(keys)]))
+        own = (tenant_tags or {}).get(vals["tenant"], {})
+        for d in tags:
+            vals[d] = own.get(d[4:])
         (n, pt, ot, gpu, j, j_null, cu, op, emb, measured, simulated, imin, imax, sources,
          kinds, est) = r[len(keys):]
         if not n:
@@ -275,13 +289,15 @@ def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
     policy = idle_policy or m.idle_policy
     share = policy == "share"
     p = window_pots(ledger.query, since, until, m)
-    groups = _groups(ledger, group_by, since, until)
+    groups = _groups(ledger, group_by, since, until, m.tenant_tags)
     _shares(groups)
     rows = []
+    tags = tag_dims(group_by)
     for g in _fold(groups, group_by, tenant):
         c = _carbon_of(g, p, share, False)
         rows.append({"tenant": g.dims.get("tenant"), "model": g.dims.get("model"),
                      "phase": g.dims.get("phase"), "site": g.dims.get("site"),
+                     **{d: g.dims.get(d) for d in tags},
                      "requests": g.requests, "prompt_tokens": g.pt, "output_tokens": g.ot,
                      "gpu_seconds": g.gpu_s, "energy_joules": g.j,
                      "cost_usage": p.used_cost * g.f_cost,
@@ -300,6 +316,7 @@ def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
         if idle_row is not None:
             cost, secs, joules, c = idle_row
             rows.append({"tenant": IDLE_TENANT, "model": None, "phase": None, "site": None,
+                         **{d: None for d in tags},
                          "requests": 0, "prompt_tokens": 0, "output_tokens": 0,
                          "gpu_seconds": secs,
                          "energy_joules": None if tot["measured_energy_joules"] is None else joules,
@@ -327,10 +344,11 @@ def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
 def usage_csv(report: dict) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
-    w.writerow(ROW_FIELDS)
+    fields = (*ROW_FIELDS[:4], *tag_dims(report["group_by"]), *ROW_FIELDS[4:])
+    w.writerow(fields)
     for r in report["rows"]:
         w.writerow(["" if r[f] is None else str(r[f]).lower() if isinstance(r[f], bool)
-                    else r[f] for f in ROW_FIELDS])
+                    else r[f] for f in fields])
     return out.getvalue()
 
 
@@ -350,7 +368,7 @@ def carbon(ledger: Ledger, group_by: list[str], since: float, until: float,
     share = m.idle_policy == "share"
     market = m.market_g_per_kwh is not None
     p = window_pots(ledger.query, since, until, m)
-    groups = _groups(ledger, group_by, since, until)
+    groups = _groups(ledger, group_by, since, until, m.tenant_tags)
     _shares(groups)
     src = m.intensity.source
     rows = []

@@ -15,18 +15,24 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("usage", help="GPU-seconds, energy, cost and carbon per tenant/model/phase",
                        description="Per-request chargeback from the ledger, grouped.")
     add_client_args(p)
-    p.add_argument("--by", default="tenant", help="tenant,model,phase,site (comma list; default tenant)")
+    p.add_argument("--by", default="tenant",
+                   help="tenant,model,phase,site,tag:team,tag:project,tag:cost_center "
+                        "(comma list; default tenant)")
     p.add_argument("--since", default="24h", help="ISO time or a span back from now (24h, 7d)")
     p.add_argument("--until", default=None, help="ISO time or a span back from now (default now)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true")
     out.add_argument("--csv", action="store_true")
+    out.add_argument("--focus", action="store_true",
+                     help="FOCUS 1.2 cost-and-usage CSV: tenant x model x phase x site x hour")
     p.set_defaults(run=cmd_usage)
 
     p = sub.add_parser("carbon", help="gCO2e per site/tenant with SCI and provenance",
                        description="Operational and embodied carbon from the ledger, grouped.")
     add_client_args(p)
-    p.add_argument("--by", default="site", help="site,tenant,model (comma list; default site)")
+    p.add_argument("--by", default="site",
+                   help="site,tenant,model,tag:team,tag:project,tag:cost_center (comma list; "
+                        "default site)")
     p.add_argument("--since", default="24h")
     p.add_argument("--until", default=None)
     p.add_argument("--json", action="store_true")
@@ -46,8 +52,9 @@ def _num(v, fmt: str) -> str:
 def cmd_usage(args) -> int:
     client = AdminClient.from_args(args)
     params = {"group_by": args.by, "since": args.since, "until": args.until}
-    if args.csv:
-        print(client.get("/admin/v1/usage", {**params, "format": "csv"}, raw=True).decode(), end="")
+    if args.csv or args.focus:
+        fmt = "focus" if args.focus else "csv"
+        print(client.get("/admin/v1/usage", {**params, "format": fmt}, raw=True).decode(), end="")
         return 0
     data = client.get("/admin/v1/usage", params)
     if args.json:

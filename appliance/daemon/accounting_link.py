@@ -99,7 +99,7 @@ def method_of(cfg: Config, site: Site, prices: PriceBook, embodied: EmbodiedCarb
     s = cfg.site
     return Method(prices, embodied, site.pue, site.intensity,
                   None if s.carbon_intensity_market < 0 else s.carbon_intensity_market,
-                  s.node_overhead_w)
+                  s.node_overhead_w, dict(cfg.auth.tenant_tags))
 
 
 class AccountingLink:

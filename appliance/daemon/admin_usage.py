@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from appliance.accounting import reports
+from collections import Counter
+
+from appliance.accounting import focus, reports
 from appliance.daemon.auth import CALLER, Caller, require_admin
 from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import ACCOUNTING, json_response
@@ -58,12 +60,14 @@ async def usage(request: web.Request):
     caller: Caller = request[CALLER]
     acc = _accountant(request)
     fmt = request.query.get("format", "json")
-    if fmt not in ("json", "csv"):
-        raise ApiError(400, f"format must be json or csv, got {fmt!r}", param="format",
+    if fmt not in ("json", "csv", "focus"):
+        raise ApiError(400, f"format must be json, csv or focus, got {fmt!r}", param="format",
                        code="invalid_format")
     group_by = _group_by(request, reports.USAGE_DIMS, reports.USAGE_DIMS)
     since, until = _span(request)
     tenant = None if caller.admin else caller.tenant
+    if fmt == "focus":
+        return await _focus(request, acc, caller, since, until)
     report = await asyncio.to_thread(reports.usage, acc.ledger, group_by, since, until, tenant,
                                      acc.prices.idle_policy, acc.method)
     if fmt == "csv":
@@ -77,6 +81,32 @@ async def usage(request: web.Request):
             rec = await asyncio.to_thread(acc.reconciliation, since, until)
             report["reconciliation"] = rec.as_json()
     return json_response(report)
+
+
+def _source(acc: AccountingLink) -> focus.Source:
+    """The FOCUS rows' resource: this appliance's device group, e.g. `8xH100-SXM`."""
+    kinds = Counter(d.model for d in acc.spec.devices)
+    devices = "+".join(f"{n}x{m}" for m, n in sorted(kinds.items())) or "none"
+    site = acc.site
+    return focus.Source(site.appliance, devices, site.name, site.region)
+
+
+async def _focus(request: web.Request, acc: AccountingLink, caller: Caller, since: float,
+                 until: float):
+    """The FOCUS 1.2 export: appliance-wide (every tenant and the idle capacity), so
+    for operators only; the rows per UTC hour of the window."""
+    if not caller.admin:
+        raise ApiError(403, "the FOCUS export covers every tenant: it needs an admin key",
+                       code="forbidden")
+    if until - since > focus.MAX_SPAN_S:
+        raise ApiError(400, f"a FOCUS export covers at most {focus.MAX_SPAN_S / 86400:g} days "
+                            "(one report per hour); ask for several windows",
+                       param="since", code="invalid_time")
+    method = acc.method or reports.default_method(acc.prices.idle_policy)
+    rows = await asyncio.to_thread(focus.rows, acc.ledger, since, until, method, _source(acc),
+                                   acc.prices.idle_policy)
+    return web.Response(text=focus.to_csv(rows), content_type="text/csv",
+                        headers={"X-FOCUS-Version": focus.FOCUS_VERSION})
 
 
 async def carbon(request: web.Request):

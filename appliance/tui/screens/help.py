@@ -11,7 +11,8 @@ applianced tui — keys
 
   1 Overview   prefill:decode ratio, devices by group, workers
   2 Tenants    who spends the GPU budget
-               s/S sort, t period 1h/24h/7d, / filter
+               s/S sort, t period 1h/24h/7d, g by tenant/team/project/
+               cost centre, / filter
   3 Carbon     intensity, provenance, SCI per 1k tokens
   4 Capacity   the planner's view (when the daemon has it)
   5 Workflows  workflows (when the daemon has them)

@@ -1,4 +1,5 @@
-"""Screen 2: who spends the GPU budget (`/admin/v1/usage?group_by=tenant,phase`)."""
+"""Screen 2: who spends the GPU budget (`/admin/v1/usage?group_by=tenant,phase`), by
+tenant or by a tag on the tenants' keys (`g`: team, project, cost centre)."""
 from __future__ import annotations
 
 from rich.table import Table
@@ -9,7 +10,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Input, Static
 
 from appliance.tui.format import NA, fmt_num, fmt_pct
-from appliance.tui.views.tenants import (PERIODS, TENANT_SORTS, TenantView, filter_tenants,
+from appliance.tui.views.tenants import (GROUPS, PERIODS, TENANT_SORTS, TenantView, filter_tenants,
                                          sort_tenants, tenants_from_usage)
 from appliance.tui.widgets import Field
 from appliance.tui.screens.fetching import FetchingScreen
@@ -22,7 +23,8 @@ def money(x: float | None) -> str:
     return NA if x is None else f"${x:,.2f}"
 
 
-def tenant_table(rows: list[TenantView], sort_key: str, descending: bool) -> Table:
+def tenant_table(rows: list[TenantView], sort_key: str, descending: bool,
+                 group: str = "tenant") -> Table:
     arrow = "↓" if descending else "↑"
     table = Table(box=None, pad_edge=False, expand=True, header_style="bold")
     heads = [("tenant", "left"), ("gpu_seconds", "right"), ("split", "right"),
@@ -30,6 +32,8 @@ def tenant_table(rows: list[TenantView], sort_key: str, descending: bool) -> Tab
              ("kwh", "right"), ("kg_co2e", "right"), ("budget_used", "right")]
     for key, justify in heads:
         label = SORT_LABELS.get(key, {"split": "P/D", "share": "share"}.get(key, key))
+        if key == "tenant" and group != "tenant":
+            label = group[4:]
         if key == sort_key:
             label += arrow
         table.add_column(label, justify=justify, no_wrap=True, overflow="ellipsis",
@@ -56,6 +60,7 @@ class TenantsScreen(FetchingScreen):
         Binding("s", "sort", "Sort"),
         Binding("S", "reverse", "Reverse", show=False),
         Binding("t", "period", "Period"),
+        Binding("g", "group", "Group"),
         Binding("slash", "filter", "Filter"),
         Binding("escape", "clear_filter", "Clear filter", show=False),
     ]
@@ -63,6 +68,7 @@ class TenantsScreen(FetchingScreen):
     def __init__(self):
         super().__init__()
         self.period = "24h"
+        self.group = "tenant"
         self.sort_key = "gpu_seconds"
         self.descending = True
         self.needle = ""
@@ -75,7 +81,7 @@ class TenantsScreen(FetchingScreen):
         yield Input(placeholder="filter tenants (Enter applies, Esc clears)", id="tenants-filter")
 
     def request(self):
-        return "/admin/v1/usage", {"group_by": "tenant,phase", "since": self.period}
+        return "/admin/v1/usage", {"group_by": f"{self.group},phase", "since": self.period}
 
     def extra_badges(self) -> list[str]:
         out = []
@@ -88,7 +94,7 @@ class TenantsScreen(FetchingScreen):
     def update_view(self) -> None:
         url = self.app.selected
         answer = self.data.get(url)
-        head = Text(f"period {self.period} (t)  sort {SORT_LABELS[self.sort_key]} "
+        head = Text(f"period {self.period} (t)  by {self.group} (g)  sort {SORT_LABELS[self.sort_key]} "
                     f"{'desc' if self.descending else 'asc'} (s/S)")
         if self.needle:
             head.append(f"  filter '{self.needle}' (/, Esc)")
@@ -103,13 +109,13 @@ class TenantsScreen(FetchingScreen):
             self.rows = []
             body.update("Usage by tenant: not available yet (this daemon has no /admin/v1/usage).")
             return
-        self.rows = tenants_from_usage(answer or {})
+        self.rows = tenants_from_usage(answer or {}, self.group)
         rows = filter_tenants(sort_tenants(self.rows, self.sort_key, self.descending), self.needle)
         if not rows:
             body.update("no usage in this period" + (" matching the filter" if self.needle else ""))
             return
-        body.update(tenant_table(rows, self.sort_key, self.descending),
-                    key=(tuple(rows), self.sort_key, self.descending))
+        body.update(tenant_table(rows, self.sort_key, self.descending, self.group),
+                    key=(tuple(rows), self.sort_key, self.descending, self.group))
 
     # ------------------------------------------------------------ keys
 
@@ -126,6 +132,13 @@ class TenantsScreen(FetchingScreen):
     def action_period(self) -> None:
         keys = list(PERIODS)
         self.period = keys[(keys.index(self.period) + 1) % len(keys)]
+        self.fetched = False
+        self.update_all()
+        self.refresh_data()
+
+    def action_group(self) -> None:
+        """Next grouping: tenant, then each key tag; the report is fetched anew."""
+        self.group = GROUPS[(GROUPS.index(self.group) + 1) % len(GROUPS)]
         self.fetched = False
         self.update_all()
         self.refresh_data()

@@ -11,6 +11,10 @@ from appliance.tui.format import as_dict, as_list, num, text, windowed
 
 
 PERIODS = {"1h": 3600, "24h": 86400, "7d": 7 * 86400}
+# What a line is: the tenant, or one of the tags on the tenants' API keys.
+GROUPS = ("tenant", "tag:team", "tag:project", "tag:cost_center")
+IDLE = "(idle)"
+UNTAGGED = "(untagged)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +66,21 @@ def _budget_map(usage: dict) -> dict[str, float]:
     return out
 
 
-def tenants_from_usage(usage: dict) -> list[TenantView]:
-    """Rows of `/admin/v1/usage?group_by=tenant,phase` folded into one line per tenant."""
+def tenants_from_usage(usage: dict, group: str = "tenant") -> list[TenantView]:
+    """Rows of `/admin/v1/usage?group_by=tenant,phase` folded into one line per tenant
+    (or, `group` a tag such as `tag:team`, of `group_by=tag:team,phase`: one line per
+    team, `(untagged)` for tenants without it, the `(idle)` row kept apart). Budgets are
+    the tenants': they are shown on tenant lines only."""
     usage = as_dict(usage)
     acc: dict[str, dict] = {}
     for row in as_list(usage.get("rows")):
         row = as_dict(row)
-        tenant = text(row.get("tenant"), "(none)")
+        if group == "tenant":
+            tenant = text(row.get("tenant"), "(none)")
+        elif row.get("tenant") == IDLE:
+            tenant = IDLE
+        else:
+            tenant = text(row.get(group), UNTAGGED)
         a = acc.setdefault(tenant, {"gpu": None, "prefill": 0.0, "decode": 0.0, "cu": None,
                                     "ca": None, "j": None, "g": None, "req": None,
                                     "sim": False, "measured": True, "budget": None})
@@ -88,7 +100,7 @@ def tenants_from_usage(usage: dict) -> list[TenantView]:
                      default=None)
         if bu is not None:
             a["budget"] = bu if a["budget"] is None else max(a["budget"], bu)
-    budgets = _budget_map(usage)
+    budgets = _budget_map(usage) if group == "tenant" else {}
     total = sum(a["gpu"] or 0.0 for a in acc.values())
     out = []
     for tenant, a in acc.items():
