@@ -307,6 +307,13 @@ def test_reader_sizes_what_the_engine_refuses() -> None:
         with pytest.raises(ModelLoadError, match=why):
             servable_shape(cfg)
     assert spec_from_hf_config(_BASE | {"model_type": "qwen3"}).head_dim == 128
+    # An unknown class with a known model_type is sized by its model_type (the daemon
+    # then lets the worker say what it cannot load), and refused by the engine.
+    mamba = _BASE | {"model_type": "llama", "architectures": ["MambaForCausalLM"]}
+    assert spec_from_hf_config(mamba).params == spec_from_hf_config(
+        _BASE | {"model_type": "llama"}).params
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'MambaForCausalLM'"):
+        servable_shape(mamba)
 
 
 def test_loaded_model_has_the_simulators_parameter_count(tiny_dir: Path) -> None:

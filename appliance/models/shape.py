@@ -92,7 +92,10 @@ class LlamaShape:
         """Parse an HF ``config.json`` dict (transformers 4.x or 5.x spelling)."""
         model_type = cfg.get("model_type") or ""
         arch = architecture_of(cfg)
-        family = _FAMILY_BY_ARCH.get(arch)
+        # The family (the layer layout) by model_type first, as the simulator always
+        # sized it: a class this reader does not know is still sized by its model_type,
+        # and refused by the engine that cannot build it (`loader.servable_shape`).
+        family = model_type if model_type in ARCHITECTURES else _FAMILY_BY_ARCH.get(arch)
         if family is None:
             raise ModelLoadError(
                 f"unsupported architecture {arch or model_type!r} (model_type "
