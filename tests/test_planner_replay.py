@@ -167,7 +167,8 @@ def test_replayed_and_live_percentiles_rank_alike():
     are the same numbers: one definition (nearest rank), not two."""
     from types import SimpleNamespace
 
-    from appliance.planner.replay import Req, TraceReplay
+    from appliance.planner.cluster_sim import Req
+    from appliance.planner.replay import TraceReplay
     from appliance.telemetry.hub import Telemetry
     ttfts = [0.4, 0.1, 0.3, 0.2]
     sim = TraceReplay([], "agg", [], 100)
