@@ -1,4 +1,4 @@
-"""The bounded-memory attention path (appliance/engines/torch_attention.py) on the CPU:
+"""The bounded-memory attention path (appliance/engines/layers/attention_backends.py) on the CPU:
 what the planner gives a 32k-token prompt, the largest allocation one call makes
 (measured with the CPU profiler's memory hooks), and its time next to SDPA's fused CPU
 kernel on the same masked problem (a 1,536-token chunk after a 512-token prefix).
@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from appliance.engines.torch_attention import bounded_prefill, plan_chunks
+from appliance.engines.layers.attention_backends import bounded_prefill, plan_chunks
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ The workload of NVIDIA's Dynamo claim (~+30% throughput/GPU for disaggregation o
 loop: C users, each sends its next request the moment the previous one finishes.
 
 What runs is the real engine code, on the virtual-clock cluster of
-`appliance/planner/replay.py` (which `applianced plan replay` uses open-loop):
+`appliance/planner/cluster_sim.py` (which `applianced plan replay` drives open-loop):
 `SimEngine`/`BatchEngine` with the real `Scheduler` and `BlockManager`, engines built with the sizes `engine_factory._build_sim` would give
 them (`StepTimeModel.kv_capacity_tokens`, config defaults for block size, token budget,
 max_seqs, reserve ratio). The change that matters is `_sleep`: instead of sleeping, the
@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 from appliance.config import EngineConfig  # noqa: E402
 from appliance.engines.roofline import DeviceShape, StepTimeModel  # noqa: E402
 from appliance.models.specs import lookup_model_spec  # noqa: E402
-from appliance.planner.replay import (  # noqa: E402
+from appliance.planner.cluster_sim import (  # noqa: E402
     VirtualCluster, VirtualSimEngine, Worker, build_engine as _build_engine,
 )
 from appliance.partitions.catalogue import lookup_gpu  # noqa: E402

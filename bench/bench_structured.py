@@ -37,7 +37,7 @@ from appliance.engines.messages import (  # noqa: E402
     GuidedDecoding, IterationRecord, Prefill, SamplingParams,
 )
 from appliance.engines.torch_engine import TorchEngine  # noqa: E402
-from appliance.engines.torch_model import load_model  # noqa: E402
+from appliance.engines.loader import load_model  # noqa: E402
 from appliance.models.eos import read_eos_ids  # noqa: E402
 from appliance.models.tiny import init_tiny  # noqa: E402
 

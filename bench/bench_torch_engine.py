@@ -49,7 +49,8 @@ from appliance.engines.block_manager import BlockManager  # noqa: E402
 from appliance.engines.cpu_heap import keep_freed_memory  # noqa: E402
 from appliance.engines.sequence import Role, Sequence  # noqa: E402
 from appliance.engines.torch_engine import TorchEngine  # noqa: E402
-from appliance.engines.torch_model import kv_pool_bytes_per_block, load_model  # noqa: E402
+from appliance.engines.kv_pool import kv_pool_bytes_per_block  # noqa: E402
+from appliance.engines.loader import load_model  # noqa: E402
 from appliance.kv.handoff import allocate_pool, export_pool  # noqa: E402
 
 BS = 16

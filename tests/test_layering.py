@@ -32,7 +32,7 @@ def imports(path: Path) -> set[str]:
 def test_lower_packages_do_not_import_upper_ones():
     wrong = []
     for package, forbidden in BELOW.items():
-        for path in sorted((ROOT / package).glob("*.py")):
+        for path in sorted((ROOT / package).rglob("*.py")):
             for name in imports(path):
                 if name.startswith(forbidden):
                     wrong.append(f"{path.relative_to(ROOT.parent)} imports {name}")

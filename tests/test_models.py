@@ -254,3 +254,76 @@ def test_spec_from_config_defaults_and_families() -> None:
 def test_spec_20m_preset_size() -> None:
     spec = spec_from_hf_config(tiny_config("20m"))
     assert 15e6 < spec.params < 25e6
+
+
+# --- one reader of config.json for the engine and the simulator ----------------------
+
+_BASE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 3, "num_attention_heads": 4, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("cfg", [
+    _BASE | {"model_type": "llama"},                                    # MHA, defaults
+    _BASE | {"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 2,
+             "head_dim": 32, "max_position_embeddings": 8192, "attention_bias": True},
+    _BASE | {"model_type": "mistral", "num_key_value_heads": 1, "sliding_window": None,
+             "max_position_embeddings": 32768, "tie_word_embeddings": True},
+    _BASE | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+             "num_key_value_heads": 2, "rope_theta": 1e6},
+    tiny_config("20m"),
+], ids=["llama-defaults", "llama-gqa-bias", "mistral-tied", "qwen2", "tiny-20m"])
+def test_engine_and_simulator_read_a_config_alike(cfg) -> None:
+    """The torch engine's shape (what it would build) and the simulator's ModelSpec (what it
+    sizes) come from one reader, so they agree on every dimension, the context, and the
+    parameter count the engine's weights would have."""
+    from appliance.engines.loader import servable_shape
+
+    shape, spec = servable_shape(cfg), spec_from_hf_config(cfg)
+    assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.vocab) == (
+        shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads,
+        shape.head_dim, shape.vocab_size)
+    assert spec.max_context == shape.max_position_embeddings
+    D, Iz, V = shape.hidden_size, shape.intermediate_size, shape.vocab_size
+    per_layer = (D * (shape.q_size + 2 * shape.kv_size) + shape.q_size * D + 3 * D * Iz + 2 * D
+                 + (shape.q_size + 2 * shape.kv_size if shape.qkv_bias else 0)
+                 + (D if shape.o_bias else 0))
+    weights = V * D * (1 if shape.tie_word_embeddings else 2) + D + shape.num_layers * per_layer
+    assert spec.params == weights
+
+
+def test_reader_sizes_what_the_engine_refuses() -> None:
+    """A family or option the torch engine cannot run is still sized for the simulator,
+    and the engine refuses it with a one-line reason instead of building something else."""
+    from appliance.engines.loader import servable_shape
+    from appliance.models.shape import ModelLoadError
+
+    for cfg, why in [
+        (_BASE | {"model_type": "qwen3"}, "unsupported architecture 'Qwen3ForCausalLM'"),
+        (_BASE | {"model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        (_BASE | {"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+         "rope scaling type 'yarn'"),
+    ]:
+        assert spec_from_hf_config(cfg).params > 0
+        with pytest.raises(ModelLoadError, match=why):
+            servable_shape(cfg)
+    assert spec_from_hf_config(_BASE | {"model_type": "qwen3"}).head_dim == 128
+    # An unknown class with a known model_type is sized by its model_type (the daemon
+    # then lets the worker say what it cannot load), and refused by the engine.
+    mamba = _BASE | {"model_type": "llama", "architectures": ["MambaForCausalLM"]}
+    assert spec_from_hf_config(mamba).params == spec_from_hf_config(
+        _BASE | {"model_type": "llama"}).params
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'MambaForCausalLM'"):
+        servable_shape(mamba)
+
+
+def test_loaded_model_has_the_simulators_parameter_count(tiny_dir: Path) -> None:
+    from appliance.engines.loader import load_model
+
+    model = load_model(tiny_dir)
+    counted = model.embed.numel() + model.norm.numel() + sum(
+        layer.attn_norm.numel() + layer.mlp_norm.numel() + layer.qkv.dense().numel()
+        + layer.o.dense().numel() + layer.gate_up.dense().numel() + layer.down.dense().numel()
+        for layer in model.layers)
+    if not model.shape.tie_word_embeddings:
+        counted += model.lm_head.dense().numel()
+    assert counted == spec_from_hf_config(tiny_dir).params

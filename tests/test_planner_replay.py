@@ -167,8 +167,10 @@ def test_replayed_and_live_percentiles_rank_alike():
     are the same numbers: one definition (nearest rank), not two."""
     from types import SimpleNamespace
 
-    from appliance.planner.replay import Req, TraceReplay
+    from appliance.planner.cluster_sim import Req
+    from appliance.planner.replay import TraceReplay
     from appliance.telemetry.hub import Telemetry
+    from appliance.telemetry.status import latency
     ttfts = [0.4, 0.1, 0.3, 0.2]
     sim = TraceReplay([], "agg", [], 100)
     sim.finished = [Req(f"r{i}", sent=10.0, prompt_len=8, osl=3, first=10.0 + x, done=11.0 + x)
@@ -178,7 +180,7 @@ def test_replayed_and_live_percentiles_rank_alike():
     for x in ttfts:
         hub.observe_request(SimpleNamespace(arrival=10.0, first_token=10.0 + x, finish=11.0 + x,
                                             output_tokens=3, choices=1))
-    live = hub.latency(now=30.0)
+    live = latency(hub, now=30.0)
     assert live["requests"] == len(ttfts)
     assert replayed.ttft_p50_s == pytest.approx(live["ttft_p50_s"])
     assert replayed.ttft_p99_s == pytest.approx(live["ttft_p99_s"])

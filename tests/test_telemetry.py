@@ -23,6 +23,7 @@ from appliance.telemetry import (
 from appliance.telemetry.bins import Bins
 from appliance.telemetry.cpu import CpuSampler, Rapl
 from appliance.telemetry.nvml_sampler import NvmlSampler
+from appliance.telemetry.status import latency, metric_values, status_fields
 from appliance.telemetry.sim_power import CEIL, FLOOR, SimPowerModel, ridge_tokens
 
 TELEMETRY_DIR = Path(__file__).resolve().parent.parent / "appliance" / "telemetry"
@@ -86,7 +87,7 @@ def test_busy_fraction_clips_iterations_to_the_window_exactly():
     hub.observe_iteration(it("prefill0", "prefill", 1099.5, 0.25, ["sim0"]))   # all inside
     hub.observe_iteration(it("prefill0", "prefill", 1099.875, 0.5, ["sim0"]))  # 0.125 inside
     clock.t = 1100.0625
-    st = hub.status_fields([])
+    st = status_fields(hub, [])
     pre = st["groups"]["prefill"]
     assert pre["busy_fraction"]["1s"] == pytest.approx(0.625, abs=1e-9)
     assert pre["gpu_seconds"]["1s"] == pytest.approx(0.625, abs=1e-9)
@@ -97,7 +98,7 @@ def test_busy_fraction_clips_iterations_to_the_window_exactly():
     assert dev["busy_fraction"]["1s"] == pytest.approx(0.625, abs=1e-9)
     assert st["groups"]["decode"]["busy_fraction"]["1s"] == 0.0
     # Counters see the whole of every iteration at once.
-    assert hub.metric_values()["group_busy_seconds"]["prefill"] == pytest.approx(1.5)
+    assert metric_values(hub)["group_busy_seconds"]["prefill"] == pytest.approx(1.5)
 
 
 def test_tp_worker_counts_every_device_and_group_capacity():
@@ -108,7 +109,7 @@ def test_tp_worker_counts_every_device_and_group_capacity():
     hub = Telemetry(devices, workers, clock=clock, bin_s=0.125)
     hub.observe_iteration(it("prefill0", "prefill", 1000.0, 0.5, ["sim0", "sim1"]))
     clock.t = 1001.0
-    pre = hub.status_fields([])["groups"]["prefill"]
+    pre = status_fields(hub, [])["groups"]["prefill"]
     assert pre["gpu_seconds"]["1s"] == pytest.approx(1.0)      # 2 devices x 0.5 s
     assert pre["busy_fraction"]["1s"] == pytest.approx(0.5)    # of 2 device-seconds
 
@@ -123,7 +124,7 @@ def test_ratio_in_three_currencies_and_history():
         hub.observe_iteration(it("decode0", "decode", 1000 + k, 0.25, ["sim1"], batch))
     clock.t = 1010.0
     hub.sample()
-    st = hub.status_fields([])
+    st = status_fields(hub, [])
     r = st["ratio"]
     assert r["window"] == "10s"
     assert r["gpu_seconds"] == pytest.approx(2.0)
@@ -146,11 +147,11 @@ def test_ratio_is_null_without_decode_time_and_in_agg_mode():
     hub = _sim_hub(clock)
     hub.observe_iteration(it("prefill0", "prefill", 1005, 0.5, ["sim0"]))
     clock.t = 1010.0
-    assert hub.status_fields([])["ratio"]["gpu_seconds"] is None
+    assert status_fields(hub, [])["ratio"]["gpu_seconds"] is None
     agg = _sim_hub(clock, mode="agg")
     agg.observe_iteration(it("agg0", "prefill", 1005, 0.5, ["sim0"]))
     agg.observe_iteration(it("agg1", "decode", 1005, 0.5, ["sim1"]))
-    st = agg.status_fields([])
+    st = status_fields(agg, [])
     assert list(st["groups"]) == ["agg"]
     assert st["ratio"]["gpu_seconds"] is None and st["ratio"]["history"] == []
     assert st["groups"]["agg"]["gpu_seconds"]["10s"] == pytest.approx(1.0)
@@ -161,7 +162,7 @@ def test_queue_depths_come_from_the_workers_rows():
     rows = [{"role": "prefill", "waiting": 3, "running": 1, "queued_prefill_tokens": 900},
             {"role": "decode", "waiting": 0, "running": 40, "queued_prefill_tokens": 0},
             {"role": "prefill", "waiting": None, "running": None, "queued_prefill_tokens": None}]
-    g = hub.status_fields(rows)["groups"]
+    g = status_fields(hub, rows)["groups"]
     assert g["prefill"]["queue"] == {"waiting": 3, "queued_prefill_tokens": 900, "running": 1}
     assert g["decode"]["queue"]["running"] == 40
 
@@ -178,15 +179,15 @@ def test_latency_percentiles_and_requests_per_s():
         hub.observe_request(_request(990.0, 990.0 + i / 1000, 990.0 + i / 1000 + 0.5, 51))
     hub.observe_request(_request(995.0, 995.1, 995.1, 1))    # 1 token: no ITL
     hub.observe_request(_request(995.0, 995.1, 995.5, 6, choices=2))   # 3 per choice: 0.2
-    lat = hub.latency()
+    lat = latency(hub)
     assert lat["ttft_p50_s"] == pytest.approx(0.05)     # nearest rank of 102: the 51st
     assert lat["ttft_p99_s"] == pytest.approx(0.1)
     assert lat["itl_p50_s"] == pytest.approx(0.01)
     assert lat["itl_p99_s"] == pytest.approx(0.01)
     assert lat["requests"] == 102
-    assert hub.status_fields([])["requests_per_s"] == pytest.approx(10.2)
+    assert status_fields(hub, [])["requests_per_s"] == pytest.approx(10.2)
     clock.t = 1100.0       # all older than 60 s
-    assert hub.latency()["ttft_p50_s"] is None
+    assert latency(hub)["ttft_p50_s"] is None
 
 
 # --------------------------------------------------------------------------- sim power
@@ -236,7 +237,7 @@ def test_build_telemetry_for_a_simulated_box():
     assert all(d.power_model is not None for d in hub.devices.values())
     assert hub.devices["sim0"].power_model.ridge == pytest.approx(
         ridge_tokens(H100_SXM.flops_fp8, H100_SXM.mem_bw, 1.0))
-    rows = {d["id"]: d for d in hub.status_fields([])["devices"]}
+    rows = {d["id"]: d for d in status_fields(hub, [])["devices"]}
     assert rows["sim5"]["group"] == "decode" and rows["sim5"]["worker"] == "decode1"
 
 
@@ -337,7 +338,7 @@ def test_nvml_through_the_hub_activity_uses_gpm_and_energy_is_measured():
         hub.observe_iteration(it("decode0", "decode", clock.t, 0.5, ["gpu1"]))
         hub.sample()
         clock.t += 1.0
-    st = hub.status_fields([])
+    st = status_fields(hub, [])
     assert st["sources"]["energy"] == MEASURED and st["sources"]["activity"] == "gpm_sm_activity"
     assert st["ratio"]["activity"] == pytest.approx(3.0)
     assert st["ratio"]["energy"] == pytest.approx(3.0, rel=1e-3)
@@ -345,7 +346,7 @@ def test_nvml_through_the_hub_activity_uses_gpm_and_energy_is_measured():
     # EnergyMeter between readings: interpolated (600 J per second).
     assert hub.energy_j("gpu0", 1002.25, 1005.75) == (pytest.approx(2100.0), MEASURED)
     assert hub.energy_j("gpu0", 900.0, 1001.0)[0] is None          # before the first reading
-    assert hub.metric_values()["group_energy_joules"]["prefill"] == pytest.approx(11 * 600.0)
+    assert metric_values(hub)["group_energy_joules"]["prefill"] == pytest.approx(11 * 600.0)
 
 
 def test_idle_power_is_calibrated_from_idle_readings():
@@ -492,9 +493,9 @@ def test_shared_cpu_energy_splits_by_worker_cpu_seconds():
         cpu.worker_cpu_s["decode0"] += 0.25
         hub.observe_iteration(it("prefill0", "prefill", clock.t - 1.0, 1.0, ["cpu0"]))
         hub.sample()
-    totals = hub.metric_values()["group_energy_joules"]
+    totals = metric_values(hub)["group_energy_joules"]
     assert totals["prefill"] == pytest.approx(225.0) and totals["decode"] == pytest.approx(75.0)
-    st = hub.status_fields([])
+    st = status_fields(hub, [])
     assert st["ratio"]["energy"] == pytest.approx(3.0, rel=0.02)
     # Busy time weighted by each worker's share of the CPU: 1 s per s on half of it.
     assert st["groups"]["prefill"]["busy_fraction"]["10s"] == pytest.approx(1.0, abs=0.02)

@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from appliance.engines import torch_attention
-from appliance.engines.torch_attention import (
+from appliance.engines.layers import attention_backends
+from appliance.engines.layers.attention_backends import (
     bounded_decode, bounded_prefill, chunk_temp_bytes, min_temp_bytes, plan_chunks,
     select_backend,
 )
-from appliance.engines.torch_model import allocate_kv_pool, load_model
+from appliance.engines.kv_pool import allocate_kv_pool
+from appliance.engines.loader import load_model
 
 import fake_flashinfer
 from test_torch_model import (  # noqa: F401 (the llama fixture)
@@ -111,7 +112,7 @@ def test_planner_bounds_a_32k_prompt_by_construction():
     assert plan.peak_bytes == chunk_temp_bytes(plan.q_chunk, plan.head_chunk, plan.k_chunk,
                                                hd, elem)
     assert plan.head_chunk == H // KVH and plan.q_chunk >= 64     # not degenerate
-    assert plan.k_chunk == torch_attention.MAX_K_CHUNK
+    assert plan.k_chunk == attention_backends.MAX_K_CHUNK
     # Maximal: one more row would not fit.
     assert chunk_temp_bytes(plan.q_chunk + 1, plan.head_chunk, plan.k_chunk, hd, elem) > budget
     # A smaller budget gives smaller chunks, never a bigger peak.
@@ -183,13 +184,13 @@ def test_bounded_decode_groups_within_budget_and_equal_to_sdpa():
         tables.append(order[k0:k0 + need])
         k0 += need
     q = torch.randn(len(lens), H, hd, generator=g)
-    budget = torch_attention.decode_seq_bytes(250, H, KVH, hd, 4) * 2   # groups of 1-2
+    budget = attention_backends.decode_seq_bytes(250, H, KVH, hd, 4) * 2   # groups of 1-2
     out: list[torch.Tensor] = []
     largest = _largest_allocation(lambda: out.append(
         bounded_decode(q, k_cache, v_cache, tables, lens, bs, budget)))
     assert largest <= budget
     for i, n in enumerate(lens):
-        slots = torch_attention._slots(tables[i], n, bs, q.device)
+        slots = attention_backends._slots(tables[i], n, bs, q.device)
         want = F.scaled_dot_product_attention(
             q[i][None, :, None], k_cache[slots].transpose(0, 1)[None],
             v_cache[slots].transpose(0, 1)[None], enable_gqa=True)[0, :, 0]

@@ -228,7 +228,7 @@ def _fragment(eng: TorchEngine, seed: int) -> list[Sequence]:
 
 def test_disagg_handoff_between_fragmented_pools(tiny_model, prompts, reference):
     """Sources scattered over holes, destinations taken as the longest free runs: the
-    copy gathers blocks into runs (torch_model.copy_blocks) and the output is unchanged."""
+    copy gathers blocks into runs (kv.blocks.copy_blocks) and the output is unchanged."""
     pre = make_engine(tiny_model, "prefill0", role="prefill", num_blocks=48)
     dec = make_engine(tiny_model, "decode0", role="decode", num_blocks=48)
     dec.attach_peer(pre.worker, pre.peer_handle())

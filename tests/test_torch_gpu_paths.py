@@ -13,7 +13,7 @@ from appliance.engines.messages import (
 from appliance.engines.torch_engine import (
     MemoryPlan, build_torch_engine, kv_pool_budget, profile_activation,
 )
-from appliance.engines.torch_model import load_model
+from appliance.engines.loader import load_model
 from appliance.worker.spec import WorkerSpec
 
 torch.set_num_threads(1)

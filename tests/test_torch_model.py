@@ -10,20 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance.engines import torch_model
+from appliance.engines.kv_pool import allocate_kv_pool, kv_pool_bytes_per_block, layout_tag
+from appliance.engines.layers import attention
+from appliance.engines.layers.attention import AttnBatch
+from appliance.engines.loader import load_model, servable_shape
+from appliance.engines.models import llama as llama_model
+from appliance.engines.models.llama import Linear
 from appliance.engines.sampling import SamplingState, sample
-from appliance.engines.torch_model import (
-    AttnBatch,
-    Linear,
-    LlamaShape,
-    ModelLoadError,
-    RopeScaling,
-    allocate_kv_pool,
-    copy_blocks,
-    kv_pool_bytes_per_block,
-    layout_tag,
-    load_model,
-)
+from appliance.kv import blocks
+from appliance.kv.blocks import copy_blocks
+from appliance.models.shape import LlamaShape, ModelLoadError, RopeScaling
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
@@ -169,7 +165,7 @@ def test_prefill_then_decode_matches_transformers(llama, group_blocks, monkeypat
     if group_blocks is not None:
         per_layer = kv_pool_bytes_per_block(model.shape, BLOCK, torch.float32)
         per_layer //= model.shape.num_layers
-        monkeypatch.setattr(torch_model, "DECODE_GROUP_BYTES", group_blocks * per_layer)
+        monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", group_blocks * per_layer)
     kv = allocate_kv_pool(model.shape, num_blocks=40, block_size=BLOCK)
     pager = Pager(40, seed=3)
     seqs = _prompts([5, 17, 33], seed=7)
@@ -211,9 +207,9 @@ def test_mixed_step_of_prompt_chunks_and_decodes_matches_transformers(llama):
 
 
 def test_decode_groups_bound_gathered_bytes(monkeypatch):
-    monkeypatch.setattr(torch_model, "DECODE_GROUP_BYTES", 6)
+    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 6)
     tables = [[7], [3, 9], [1, 2, 4], [5, 6, 8, 10, 11, 12, 13], [0]]
-    groups = torch_model._decode_groups([6, 18, 34, 100, 16], tables, 16, 1, torch.device("cpu"))
+    groups = attention._decode_groups([6, 18, 34, 100, 16], tables, 16, 1, torch.device("cpu"))
     assert [(g.first, g.end, g.blocks, g.context) for g in groups] == [
         (0, 2, 2, 18), (2, 3, 3, 34), (3, 4, 7, 100), (4, 5, 1, 16)]
     # Sequence 0 is padded with its own first block and masked past its 6 tokens.
@@ -221,7 +217,7 @@ def test_decode_groups_bound_gathered_bytes(monkeypatch):
     assert groups[0].mask[:, 0, 0].sum(1).tolist() == [6, 18]
     assert all(g.mask is None for g in groups[1:])
     # On a GPU (only the device type is looked at) the batch stays one group.
-    one = torch_model._decode_groups([6, 18, 34, 100, 16], tables, 16, 1, torch.device("meta"))
+    one = attention._decode_groups([6, 18, 34, 100, 16], tables, 16, 1, torch.device("meta"))
     assert [(g.first, g.end, g.blocks, g.context) for g in one] == [(0, 5, 7, 100)]
 
 
@@ -406,8 +402,9 @@ def test_shape_parsing_variants():
     ],
 )
 def test_shape_rejects(cfg, message):
+    """What the torch engine cannot run is refused before any weight is read."""
     with pytest.raises(ModelLoadError, match=message):
-        LlamaShape.from_hf_config(cfg)
+        servable_shape(cfg)
 
 
 def _copy_ckpt(llama, tmp_path) -> Path:
@@ -480,12 +477,10 @@ def test_linear_packed_for_the_cpu_and_plain_elsewhere(monkeypatch):
     """fp32 CPU weights are kept only in oneDNN's packed layout; the product is F.linear's
     (to fp32 rounding) for any batch, with and without bias; without oneDNN (or on
     another dtype) the plain weight is kept and F.linear runs."""
-    import appliance.engines.torch_model as tm
-
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     packed = Linear(w.clone(), b)
-    if tm._onednn_ok():
+    if llama_model._onednn_ok():
         assert packed.packed is not None and packed.weight is None
     for shape in ((1, 64), (7, 64), (64, 64), (3, 5, 64)):
         x = torch.randn(shape, generator=g)
@@ -497,7 +492,7 @@ def test_linear_packed_for_the_cpu_and_plain_elsewhere(monkeypatch):
 
     half = Linear(w.to(torch.float64))
     assert half.packed is None and half.weight.dtype == torch.float64
-    monkeypatch.setattr(tm, "_ONEDNN_OK", False)
+    monkeypatch.setattr(llama_model, "_ONEDNN_OK", False)
     plain = Linear(w, b)
     assert plain.packed is None and plain.dense() is w
     assert torch.equal(plain(x), torch.nn.functional.linear(x, w, b))
@@ -541,10 +536,10 @@ def test_pool_layout_and_copy_blocks():
         assert torch.equal(got, want), f"case {case}: {pairs}"
         # What runs between GPUs (peer pool on another device), here on CPU tensors:
         # slice copies per stretch, strided over all rows or one per row.
-        _, stretches, _ = torch_model._stretches([p[1] for p in pairs], [p[0] for p in pairs])
+        _, stretches, _ = blocks._stretches([p[1] for p in pairs], [p[0] for p in pairs])
         for per_row in (False, True):
             alt = torch.zeros_like(big_src)
-            torch_model._copy_stretches(big_src.view(4, 40, -1), alt.view(4, 40, -1),
+            blocks._copy_stretches(big_src.view(4, 40, -1), alt.view(4, 40, -1),
                                         stretches, per_row)
             assert torch.equal(alt, want), f"case {case}, per_row={per_row}: {pairs}"
 

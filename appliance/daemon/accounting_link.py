@@ -37,6 +37,7 @@ from appliance.daemon import supervisor
 from appliance.daemon.metrics import ReconciliationGauge, TenantMetrics
 from appliance.daemon.supervisor import program_command
 from appliance.engines.messages import IterationRecord
+from appliance.telemetry.status import metric_values
 from appliance.worker import wire
 
 if TYPE_CHECKING:
@@ -418,7 +419,7 @@ def energy_counter(telemetry: Telemetry | None) -> Callable[[], list[tuple[str, 
     def read() -> list[tuple[str, float, float]]:
         if telemetry is None:
             return []
-        return [(d["device"], d["t"], d["energy_j"]) for d in telemetry.metric_values()["devices"]
+        return [(d["device"], d["t"], d["energy_j"]) for d in metric_values(telemetry)["devices"]
                 if d.get("energy_j") is not None and d.get("t") is not None]
     return read
 

@@ -17,6 +17,7 @@ from prometheus_client.metrics_core import Metric
 
 from appliance.accounting.records import RequestRecord
 from appliance.engines.messages import IterationRecord
+from appliance.telemetry.status import metric_values
 
 disable_created_metrics()   # *_created series only add noise to an appliance's scrape
 
@@ -33,7 +34,7 @@ class TelemetryCollector:
         self.sim = "true" if simulated else "false"
 
     def collect(self):
-        v = self.telemetry.metric_values()
+        v = metric_values(self.telemetry)
         sim = self.sim
         busy = CounterMetricFamily("applianced_group_busy_seconds",
                                    "Device-seconds inside engine iterations, per group",

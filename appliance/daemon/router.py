@@ -1,14 +1,13 @@
 """One request's path through the workers: prefill -> KV handoff -> decode.
 
-The router picks the prefill worker with the fewest queued prompt tokens and the
-decode worker with the most free KV (Dynamo's cost idea, without the overlap term
-until we have a cross-worker prefix index). It also owns the handoff bookkeeping:
+Which worker gets a request is `appliance.routing`'s policy (the planner's replay uses
+the same one): the prefill worker with the fewest queued prompt tokens, the decode
+worker with the most free KV. The router applies it to the ready workers and owns the handoff bookkeeping:
 the source worker's blocks are released as soon as the decode worker reports its
 copy, or when the request ends any other way.
 """
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -18,6 +17,7 @@ from appliance.engines.messages import (
     TokenLogprob, Tokens,
 )
 from appliance.daemon.workers import Channel, WorkerGone, WorkerLink, WorkerPool
+from appliance.routing import Rotation, least_queued, most_free
 
 
 # What a request yields per event: new tokens, finish reason or None, logprobs or None.
@@ -76,7 +76,7 @@ class Router:
         self.conditional_tokens = conditional_tokens
         self.routed: set[str] = set(pool.workers)
         self.refresh()
-        self._turns: dict[str, itertools.count] = {}
+        self._rotation = Rotation()
 
     def set_routing(self, names) -> None:
         """Switch the workers new requests may go to, all at once (one event-loop turn:
@@ -101,14 +101,13 @@ class Router:
         ready = [w for w in workers if w.ready]
         if not ready:
             raise NoWorker(f"no {role} worker is ready")
-        k = next(self._turns.setdefault(role, itertools.count())) % len(ready)
-        return ready[k:] + ready[:k]
+        return self._rotation.rotate(ready, role)
 
     def _least_queued(self, workers: list[WorkerLink], role: str) -> WorkerLink:
-        return min(self._ready(workers, role), key=lambda w: (w.pending_prefill_tokens, w.inflight))
+        return least_queued(self._ready(workers, role))
 
     def _most_free(self, workers: list[WorkerLink]) -> WorkerLink:
-        return max(self._ready(workers, "decode"), key=lambda w: (_free_blocks(w), -w.inflight))
+        return most_free(self._ready(workers, "decode"), _free_blocks)
 
     def _decode_for(self, pw: WorkerLink) -> WorkerLink:
         """A decode worker that can import pw's KV. Across a model swap the routing set

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from appliance import __version__
 from appliance.accounting.records import RecordSink, RequestRecord
 from appliance.partitions import inventory_json
+from appliance.telemetry import status as telemetry_status
 from appliance.workflows.machine import split_of
 
 if TYPE_CHECKING:
@@ -189,7 +190,7 @@ class Service:
         workers = [{**w.status(), "routed": w.id in self.router.routed}
                    for w in self.pool.workers.values()]
         try:
-            live = self.telemetry.status_fields(workers)
+            live = telemetry_status.status_fields(self.telemetry, workers)
         except Exception:   # the inventory and workers are still worth showing
             log.exception("telemetry: live status failed")
             live = {"devices": []}

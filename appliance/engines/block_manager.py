@@ -121,7 +121,7 @@ class BlockManager:
         as long as possible), in ascending order: freed sequences leave runs of
         neighbouring ids, and sorted they become runs in the table. With `run` (KV
         imports) the first free run long enough is taken instead when there is one: the
-        handoff then writes one slice of the pool (see torch_model.copy_blocks), else a
+        handoff then writes one slice of the pool (see kv.blocks.copy_blocks), else a
         few long runs. That may evict cached blocks out of LRU order, which on a
         decode worker only serve its own occasional local prefills."""
         hits = self._cache_hits(seq) if use_cache else []

@@ -2,7 +2,7 @@
 
 `BatchEngine` (scheduler, block manager, prefix cache, preemption, handoff table) decides
 what runs; this class only turns a scheduled `Batch` into one forward pass
-(`torch_model.LlamaModel`) and one sampled token per sequence, and moves KV between pools:
+(`models.llama.LlamaModel`) and one sampled token per sequence, and moves KV between pools:
 
 - prefill: `seq.step_tokens` of each sequence's uncached tokens (all of them, or one chunk
   of a long prompt; a prefix-cache hit, an earlier chunk or a recompute after
@@ -26,16 +26,18 @@ from typing import Any
 
 import torch
 
-from appliance.engines import cpu_heap, torch_attention
+from appliance.engines import cpu_heap
 from appliance.engines.base import BatchEngine, KvLayoutError
 from appliance.engines.grammar import GrammarBook
 from appliance.engines.messages import Decode, Prefill, RequestFailed, SamplingParams
 from appliance.engines.sampling import SamplingState, sample, top_logprobs
 from appliance.engines.scheduler import Batch
 from appliance.engines.sequence import Sequence
-from appliance.engines.torch_model import (
-    AttnBatch, LlamaModel, kv_pool_bytes_per_block, layout_tag, load_model,
-)
+from appliance.engines.kv_pool import kv_pool_bytes_per_block, layout_tag
+from appliance.engines.layers import attention_backends
+from appliance.engines.layers.attention import AttnBatch
+from appliance.engines.loader import load_model
+from appliance.engines.models.llama import LlamaModel
 from appliance.kv import handoff
 
 __all__ = ["MemoryPlan", "TorchEngine", "build_torch_engine", "canary_pattern", "kv_pool_budget",
@@ -424,7 +426,7 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     sized from spec.kv_cache_bytes (in /dev/shm), SDPA attention.
     GPU (NOT RUN ON HARDWARE): bf16 on cuda:0 (the worker's own first device; the daemon
     lists its devices first in CUDA_VISIBLE_DEVICES); attention through FlashInfer's paged
-    kernels when installed, else the bounded-memory path (torch_attention); the pool sized
+    kernels when installed, else the bounded-memory path (layers.attention_backends); the pool sized
     after a profile run of a full batch (`profile_activation`, `kv_pool_budget`), reported
     on stderr. One device per worker: tensor parallelism is not implemented, so a worker
     given more is refused (the planner refuses tp > 1 for this engine first)."""
@@ -449,9 +451,9 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         except RuntimeError:        # already set (or parallel work already ran)
             pass
     model = load_model(model_dir, device=device, dtype=dtype)
-    backend = torch_attention.select_backend(device, os.environ.get(ATTENTION_ENV, "auto"))
+    backend = attention_backends.select_backend(device, os.environ.get(ATTENTION_ENV, "auto"))
     temp_bytes = int(os.environ.get(ATTENTION_BYTES_ENV, "0") or 0) or \
-        torch_attention.DEFAULT_TEMP_BYTES
+        attention_backends.DEFAULT_TEMP_BYTES
     model.set_attention(backend, temp_bytes)
     plan = None
     if device.type == "cuda":

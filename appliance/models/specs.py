@@ -1,8 +1,9 @@
 """Model shapes for the timing simulator: sizes that set weight traffic and KV footprint.
 
 A `ModelSpec` holds only what a roofline needs. Dense models are described by their
-Hugging Face config.json and counted from shapes (`spec_from_hf_config`), so the
-catalogue and a user's checkpoint go through the same arithmetic. MoE entries whose
+Hugging Face config.json and counted from shapes (`spec_from_hf_config`, reading the
+config with the torch engine's own `models.shape` reader), so the catalogue and a user's
+checkpoint go through the same arithmetic. MoE entries whose
 checkpoints mix precisions are written out by hand from their model cards.
 """
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from appliance.models.shape import LlamaShape
 from appliance.models.tiny import DEFAULT_MODEL_NAME, tiny_config
 
 
@@ -51,15 +53,11 @@ _DTYPE_BYTES = {
 _MXFP4_BYTES = 4.25 / 8
 # NVFP4: 4-bit elements plus one FP8 scale per 16 -> 4.5 bits.
 _NVFP4_BYTES = 4.5 / 8
-# Families whose layers are Llama's (q/k/v/o, gate/up/down, two RMSNorms). Differences
-# handled below: qwen2 has q/k/v biases, qwen3 has per-head q/k RMSNorms,
-# mixtral replaces the MLP with routed experts.
-_DENSE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
-_MOE_FAMILIES = {"mixtral"}
 
 
 def spec_from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | None = None) -> ModelSpec:
-    """A ModelSpec from an HF config.json (a dict, the file, or its directory).
+    """A ModelSpec from an HF config.json (a dict, the file, or its directory), read by
+    the same `LlamaShape.from_hf_config` the torch engine loads a checkpoint with.
 
     Parameter counts are computed from shapes and match
     `sum(p.numel() for p in model.parameters())` of the transformers model.
@@ -73,61 +71,49 @@ def spec_from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | N
             path = path / "config.json"
         cfg = json.loads(path.read_text(encoding="utf-8"))
         default_name = path.parent.name
-    family = cfg.get("model_type")
-    if family not in _DENSE_FAMILIES | _MOE_FAMILIES:
-        known = ", ".join(sorted(_DENSE_FAMILIES | _MOE_FAMILIES))
-        raise ValueError(f"cannot size model_type {family!r} from its config; supported: {known}")
-
-    vocab = int(cfg["vocab_size"])
-    hidden = int(cfg["hidden_size"])
-    layers = int(cfg["num_hidden_layers"])
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    # Qwen3Config defaults head_dim to 128; the others derive it.
-    head_dim = int(cfg.get("head_dim") or (128 if family == "qwen3" else hidden // heads))
-    inter = int(cfg["intermediate_size"])
-    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    shape = LlamaShape.from_hf_config(cfg)
+    hidden, inter, head_dim = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    q_dim, kv_dim = shape.q_size, shape.kv_size
 
     attn = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
-    if family == "qwen2":
-        attn += q_dim + 2 * kv_dim                  # q/k/v biases, no o bias
-    elif cfg.get("attention_bias", False):
-        attn += q_dim + 2 * kv_dim + hidden         # q/k/v/o biases
-    if family == "qwen3":
+    if shape.qkv_bias:
+        attn += q_dim + 2 * kv_dim
+    if shape.o_bias:
+        attn += hidden
+    if shape.qk_norm:
         attn += 2 * head_dim                        # q_norm, k_norm
 
     expert = 3 * hidden * inter                     # gate, up, down
-    if cfg.get("mlp_bias", False):
+    if shape.mlp_bias:
         expert += 2 * inter + hidden
-    if family in _MOE_FAMILIES:
-        experts = int(cfg["num_local_experts"])
-        top_k = int(cfg["num_experts_per_tok"])
-        router = hidden * experts
-        mlp, active_mlp = router + experts * expert, router + top_k * expert
+    if shape.num_experts:
+        router = hidden * shape.num_experts
+        mlp = router + shape.num_experts * expert
+        active_mlp = router + shape.experts_per_token * expert
     else:
         mlp = active_mlp = expert
 
     norms = 2 * hidden
-    embed = vocab * hidden
-    head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
+    embed = shape.vocab_size * hidden
+    head = 0 if shape.tie_word_embeddings else shape.vocab_size * hidden
     outside = embed + head + hidden                 # + final norm
-    params = outside + layers * (attn + mlp + norms)
-    active = outside + layers * (attn + active_mlp + norms)
+    params = outside + shape.num_layers * (attn + mlp + norms)
+    active = outside + shape.num_layers * (attn + active_mlp + norms)
 
     weight_bytes, kv_bytes = _bytes_per_element(cfg)
     return ModelSpec(
         name=name or default_name,
         params=float(params),
         active_params=float(active),
-        layers=layers,
+        layers=shape.num_layers,
         hidden=hidden,
-        heads=heads,
-        kv_heads=kv_heads,
+        heads=shape.num_heads,
+        kv_heads=shape.num_kv_heads,
         head_dim=head_dim,
-        vocab=vocab,
+        vocab=shape.vocab_size,
         weight_bytes=weight_bytes,
         kv_bytes=kv_bytes,
-        max_context=int(cfg.get("max_position_embeddings") or 0),
+        max_context=shape.max_position_embeddings,
     )
 
 

@@ -1,7 +1,7 @@
 """Live device telemetry: samplers per device kind, the hub, the EnergyMeter protocol.
 
 Knows nothing of HTTP; the daemon feeds the hub iteration and request records and reads
-its snapshot (`status_fields`) and counters (`metric_values`).
+its snapshot and counters through `telemetry.status` (`status_fields`, `metric_values`).
 """
 from appliance.telemetry.hub import Telemetry, TelemetryDevice, TelemetryWorker
 from appliance.telemetry.samples import (

@@ -16,7 +16,10 @@ its own cores) has its busy time weighted by each worker's share of it (cores pi
 cores), and its energy split between the groups by their workers' CPU seconds over the
 same span (psutil), else by busy time, else by share.
 
-Knows nothing of HTTP: the daemon feeds it and reads `status_fields` and `metric_values`.
+This module keeps the readings and answers queries; what the answers look like to the
+outside (the live keys of /admin/v1/status, the values /metrics exports) is
+`telemetry/status.py`'s. Knows nothing of HTTP: the daemon feeds the hub and reads it
+through `status.status_fields` and `status.metric_values`.
 """
 from __future__ import annotations
 
@@ -35,11 +38,8 @@ from appliance.telemetry.sim_power import SimPowerModel
 
 log = logging.getLogger("applianced.telemetry")
 
-WINDOWS: tuple[tuple[str, float], ...] = (("1s", 1.0), ("10s", 10.0), ("60s", 60.0))
-RATIO_WINDOW = "10s"
-HISTORY_S = 60
-LATENCY_WINDOW_S = 60.0
-RATE_WINDOW_S = 10.0
+HISTORY_S = 60            # seconds of bins kept for the ratio history
+LATENCY_WINDOW_S = 60.0   # finished requests kept for the latency percentiles
 
 # Columns of a worker's bins.
 BUSY, PREFILL_TOK, DECODE_TOK, SIM_ACTIVE_J, SIM_TENSOR_S = range(5)
@@ -111,16 +111,6 @@ class SimSampler:
                                     dev.memory_bytes or None, None, None,
                                     {"tensor_activity": min(1.0, tensor)}, SIMULATED))
         return out
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b <= 0:
-        return None
-    return a / b
-
-
-def _round(x: float | None, nd: int = 6) -> float | None:
-    return None if x is None else round(x, nd)
 
 
 class Telemetry:
@@ -452,7 +442,8 @@ class Telemetry:
             activity, src = busy, "busy_fraction"
         return {"busy": busy, "util": util, "activity": activity, "activity_source": src}
 
-    def _window_edges(self, now: float) -> float:
+    def window_edge(self, now: float) -> float:
+        """The last whole bin edge at or before `now`: where every window ends."""
         return math.floor(now / self.bin_s) * self.bin_s
 
     def group_window(self, group: str, t0: float, t1: float) -> dict:
@@ -505,84 +496,26 @@ class Telemetry:
             "prefill_tokens": prefill, "decode_tokens": decode,
         }
 
-    # ------------------------------------------------------------------ the snapshot
-    def status_fields(self, workers: list[dict] | None = None) -> dict:
-        """The live keys of /admin/v1/status. `workers`: the daemon's worker status rows
-        (role, waiting, running, queued_prefill_tokens) for the queue depths. `devices`
-        holds the live fields only; the daemon merges them into its inventory rows."""
-        now = self.clock()
-        edge = self._window_edges(now)
-        windows = {name: {g: self.group_window(g, edge - span, edge) for g in self.groups}
-                   for name, span in WINDOWS}
-        groups = {}
-        for g in self.groups:
-            gw = {name: windows[name][g] for name, _ in WINDOWS}
-            span = dict(WINDOWS)
-            groups[g] = {
-                "devices": self.group_devices[g],
-                "workers": len(self.groups[g]),
-                "busy_fraction": {n: _round(gw[n]["busy_fraction"]) for n in span},
-                "gpu_seconds": {n: _round(gw[n]["busy_s"]) for n in span},
-                "energy_joules": {n: _round(gw[n]["energy_j"], 3) for n in span},
-                "utilization": {n: _round(gw[n]["utilization"]) for n in span},
-                "power_w": _round(self._group_power(g), 3),
-                "tokens_per_s": {n: _round((gw[n]["prefill_tokens"] + gw[n]["decode_tokens"]) / span[n], 3)
-                                 for n in span},
-                "queue": self._queue(g, workers or []),
-            }
-            if gw["10s"]["cpu_s"] is not None:
-                # CPU workers: their processes' CPU seconds (psutil), measured.
-                groups[g]["cpu_seconds"] = {n: _round(gw[n]["cpu_s"], 4) for n in span}
-        phase_tps = {p: {n: _round(sum(windows[n][g][f"{p}_tokens"] for g in self.groups) / s, 3)
-                         for n, s in WINDOWS} for p in ("prefill", "decode")}
-        ratio = self._ratio(windows[RATIO_WINDOW])
-        ratio["window"] = RATIO_WINDOW
-        ratio["history"] = self.ratio_history(now)
-        return {
-            "site": self.site, "appliance": self.appliance,
-            "devices": [self._device_row(d, edge) for d in self.devices],
-            "groups": groups,
-            "ratio": ratio,
-            "phase_tokens_per_s": phase_tps,
-            "latency": self.latency(now),
-            "requests_per_s": _round(sum(1 for r in self._requests if r[0] >= now - RATE_WINDOW_S)
-                                     / RATE_WINDOW_S, 3),
-            "sources": self.sources(windows[RATIO_WINDOW]),
-        }
+    # ------------------------------------------------------------------ queries for the status
+    def group_busy_s(self, group: str, t0: float, t1: float) -> float:
+        """Busy worker-seconds of a group over [t0, t1), from the iteration bins."""
+        return sum(self._bins[w].sum(t0, t1)[BUSY] for w in self.groups[group])
 
-    def _ratio(self, win: dict[str, dict]) -> dict:
-        if self.mode == "agg" or "prefill" not in win or "decode" not in win:
-            return {"gpu_seconds": None, "energy": None, "activity": None}
-        p, d = win["prefill"], win["decode"]
-        return {"gpu_seconds": _round(_ratio(p["busy_s"], d["busy_s"]), 4),
-                "energy": _round(_ratio(p["energy_j"], d["energy_j"]), 4),
-                "activity": _round(_ratio(p["activity_s"], d["activity_s"]), 4)}
+    def recent_requests(self, now: float, span: float) -> list[tuple[float, float | None, float | None]]:
+        """(finish, TTFT, ITL) of the requests that finished in the last `span` seconds."""
+        return [r for r in self._requests if r[0] >= now - span]
 
-    def ratio_history(self, now: float | None = None) -> list[list]:
-        """[end of second, busy GPU-seconds ratio in that second] for the last 60 whole seconds."""
-        if self.mode == "agg" or "prefill" not in self.groups or "decode" not in self.groups:
-            return []
-        now = self.clock() if now is None else now
-        end = math.floor(now)
-        first = max(end - HISTORY_S, math.floor(self.started))
-        out = []
-        for t in range(first, end):
-            busy = {g: sum(self._bins[w].sum(t, t + 1)[BUSY] for w in self.groups[g])
-                    for g in ("prefill", "decode")}
-            out.append([float(t + 1), _round(_ratio(busy["prefill"], busy["decode"]), 4)])
-        return out
+    def latest(self, device: str) -> DeviceSample | None:
+        """The device's last reading, if any."""
+        return self._latest[device]
 
-    def latency(self, now: float | None = None) -> dict:
-        now = self.clock() if now is None else now
-        recent = [r for r in self._requests if r[0] >= now - LATENCY_WINDOW_S]
-        ttft = [r[1] for r in recent if r[1] is not None]
-        itl = [r[2] for r in recent if r[2] is not None]
-        return {"ttft_p50_s": _round(percentile(ttft, 0.5)),
-                "ttft_p99_s": _round(percentile(ttft, 0.99)),
-                "itl_p50_s": _round(percentile(itl, 0.5)), "itl_p99_s": _round(percentile(itl, 0.99)),
-                "window_s": LATENCY_WINDOW_S, "requests": len(recent)}
+    def device_workers(self, device: str) -> list[str]:
+        """The workers running on a device."""
+        return [w for w, _ in self._dev_workers.get(device, ())]
 
     def sources(self, win: dict[str, dict] | None = None) -> dict:
+        """Where the figures come from: energy by its readings' source, utilization
+        measured or simulated, activity by the windows' sources (`win`: group windows)."""
         energy = {(s.source if s is not None else None) for s in self._latest.values()}
         energy.discard(None)
         util = set()
@@ -597,7 +530,9 @@ class Telemetry:
             return values.pop() if len(values) == 1 else ("mixed" if values else None)
         return {"energy": one(energy), "utilization": one(util), "activity": one(acts)}
 
-    def _group_power(self, group: str) -> float | None:
+    def group_power_w(self, group: str) -> float | None:
+        """The group's power now: its devices' last readings, a shared device's split by
+        the groups' shares over the last 10 s; None if a reading lacks power."""
         now = self.clock()
         total = 0.0
         for d in self.group_devices[group]:
@@ -607,48 +542,3 @@ class Telemetry:
             total += s.power_w * self._group_shares(d, now - 10.0, now).get(group, 0.0)
         return total
 
-    @staticmethod
-    def _queue(group: str, workers: list[dict]) -> dict:
-        rows = [w for w in workers if w.get("role") == group]
-        return {k: sum(w.get(k) or 0 for w in rows)
-                for k in ("waiting", "queued_prefill_tokens", "running")}
-
-    def _device_row(self, d: str, edge: float) -> dict:
-        s = self._latest[d]
-        workers = [w for w, _ in self._dev_workers.get(d, ())]
-        row = {
-            "id": d,
-            "group": "+".join(self.device_groups.get(d, [])) or None,
-            "worker": "+".join(workers) or None,
-            "util": None, "power_w": None, "energy_j": None, "mem_used_bytes": None,
-            "mem_total_bytes": None, "sm_clock_mhz": None, "temp_c": None, "activity": {},
-            "busy_fraction": {n: _round(min(1.0, self.device_busy_s(d, edge - span, edge) / span))
-                              for n, span in WINDOWS},
-            "source": s.source if s is not None else None,
-            "lost": bool(s.lost) if s is not None else False,
-            "sampled_at": s.t if s is not None else None,
-        }
-        if s is not None:
-            row.update(util=_round(s.util), power_w=_round(s.power_w, 3),
-                       energy_j=_round(s.energy_j, 3), mem_used_bytes=s.mem_used_bytes,
-                       mem_total_bytes=s.mem_total_bytes, sm_clock_mhz=s.sm_clock_mhz,
-                       temp_c=s.temp_c, activity={k: _round(v) for k, v in s.activity.items()})
-        return row
-
-    # ------------------------------------------------------------------ metrics
-    def metric_values(self) -> dict:
-        """Counters and gauges for /metrics, read at scrape time."""
-        devices = []
-        for d in self.devices:
-            s = self._latest[d]
-            devices.append({"device": d, "group": "+".join(self.device_groups.get(d, [])) or "none",
-                            "t": s.t if s is not None else None,
-                            "energy_j": s.energy_j if s is not None else None,
-                            "power_w": s.power_w if s is not None else None,
-                            "util": s.util if s is not None else None})
-        return {"group_busy_seconds": dict(self.group_busy_total),
-                "group_energy_joules": dict(self.group_energy_total),
-                "group_devices": {g: len(v) for g, v in self.group_devices.items()},
-                "group_workers": {g: len(v) for g, v in self.groups.items()},
-                "phase_tokens": dict(self.phase_tokens_total),
-                "devices": devices}

@@ -1,0 +1,1 @@
+"""One module per kind of layer the torch engine's models are built from."""

@@ -1,0 +1,323 @@
+"""Attention over the paged KV pool: one step's batch metadata, the plan every layer
+shares, and the backend that attends.
+
+A step arrives as an `AttnBatch` (which sequences, how many new tokens each, their block
+tables); `PagedAttention.begin` turns it once into index tensors (`_Plan`), and each layer
+then calls the `PagedAttention` with its q, k, v. The backends:
+
+- ``sdpa`` (the CPU's): prompts one by one through SDPA (causal, or masked over the cached
+  prefix), decoding sequences in groups gathered from the pool (`DECODE_GROUP_BYTES`);
+- ``bounded`` and ``flashinfer`` (the GPU's): see `attention_backends`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from appliance.engines.layers import attention_backends
+from appliance.models.shape import LlamaShape
+
+__all__ = ["AttnBatch", "DECODE_GROUP_BYTES", "PagedAttention"]
+
+
+@dataclass(slots=True)
+class AttnBatch:
+    """One step's attention metadata, tokens flattened in sequence order.
+
+    ``seq_lens_q[i]`` new tokens of sequence i; ``context_lens[i]`` = cached + new tokens;
+    ``block_tables[i]`` covers ``context_lens[i]`` slots; ``slot_mapping[t]`` is where the
+    K/V of flat token t is written. A decode batch has exactly one new token per sequence.
+    A mixed batch (`num_prefill` set) has prompts (or chunks of them) first, attended one
+    by one as in a prefill, then decoding sequences, one token each, attended in groups
+    as in a decode: both share the step's matmuls.
+    """
+
+    is_prefill: bool
+    seq_lens_q: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor
+    num_prefill: int | None = None    # mixed: sequences [0, num_prefill) are prompts
+    # Rows whose final (normed) hidden states the caller wants besides the logits (prompt
+    # logprobs); forward stores them in `hidden`, [len(hidden_rows), hidden_size].
+    hidden_rows: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    def prompts(self) -> int:
+        """How many leading sequences are prompts (the rest decode)."""
+        if self.num_prefill is not None:
+            return self.num_prefill
+        return len(self.seq_lens_q) if self.is_prefill else 0
+
+
+# A decode step attends over the K/V of its sequences in groups of at most this many bytes
+# per layer: gathered block by block into a buffer kept between steps, then read back by
+# SDPA while still in cache. Gathering the whole batch first sends it through DRAM twice:
+# at 32 sequences of 600 tokens (20m model) one group per batch took 12.6 ms per layer,
+# 4 MiB groups 6.0 ms; at batch 1 and short contexts both are one group.
+DECODE_GROUP_BYTES = 4 << 20
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    """Sequences ``first..end-1`` of a decode batch, attended together."""
+
+    first: int
+    end: int
+    block_ids: torch.Tensor  # [(end-first) * blocks], each sequence's first `blocks` blocks
+    blocks: int
+    context: int  # longest context in the group; shorter ones are masked
+    mask: torch.Tensor | None  # [n, 1, 1, context] (True = attend), None if all equal
+
+
+@dataclass(slots=True)
+class _Plan:
+    """Per-forward index tensors shared by all layers (computed once per step)."""
+
+    last_token_idx: torch.Tensor  # [B] rows of the last new token of each sequence
+    # prefill: per sequence (q_start, q_end, ctx_slots | None, mask | None)
+    prefill: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
+    decode: list[_DecodeGroup]    # over the decoding sequences only (first = 0)
+    prefill_tokens: int = 0       # rows [0, prefill_tokens) belong to prompts
+
+
+def _context_slots(
+    table: Sequence[int], n: int, block_size: int, device: torch.device
+) -> torch.Tensor:
+    blocks = torch.tensor(table[: (n + block_size - 1) // block_size], dtype=torch.long)
+    pos = torch.arange(n)
+    return (blocks[pos // block_size] * block_size + pos % block_size).to(device)
+
+
+def _decode_groups(ctx_lens: list[int], tables: list[list[int]], block_size: int,
+                   block_bytes: int, device: torch.device) -> list[_DecodeGroup]:
+    """Consecutive sequences grouped so each group's gathered K and V of one layer
+    (sequences x its longest block count x `block_bytes`) stay within DECODE_GROUP_BYTES;
+    a sequence longer than that is a group of its own. On a GPU the whole batch is one
+    group: there one big kernel beats many small ones (NOT RUN ON HARDWARE)."""
+    bound = DECODE_GROUP_BYTES if device.type == "cpu" else float("inf")
+    groups: list[_DecodeGroup] = []
+    first = 0
+    while first < len(ctx_lens):
+        end, blocks = first, 0
+        while end < len(ctx_lens):
+            need = max(blocks, -(-ctx_lens[end] // block_size))
+            if end > first and (end + 1 - first) * need * block_bytes > bound:
+                break
+            blocks, end = need, end + 1
+        lens = ctx_lens[first:end]
+        # Padding repeats the sequence's own first block: finite data, masked out.
+        ids = [b for t in tables[first:end] for b in t[:blocks] + [t[0]] * (blocks - len(t))]
+        context, mask = max(lens), None
+        if min(lens) != context:
+            pos = torch.arange(context)
+            mask = (pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(device)
+        groups.append(_DecodeGroup(first, end, torch.tensor(ids, device=device), blocks,
+                                   context, mask))
+        first = end
+    return groups
+
+
+def _plan(batch: AttnBatch, num_tokens: int, block_size: int, block_bytes: int,
+          device: torch.device) -> _Plan:
+    q_lens, ctx_lens, tables = batch.seq_lens_q, batch.context_lens, batch.block_tables
+    nseq = len(q_lens)
+    if nseq == 0 or len(ctx_lens) != nseq or len(tables) != nseq:
+        raise ValueError(
+            f"AttnBatch lists differ in length: seq_lens_q {nseq}, context_lens "
+            f"{len(ctx_lens)}, block_tables {len(tables)}"
+        )
+    if sum(q_lens) != num_tokens or batch.slot_mapping.numel() != num_tokens:
+        raise ValueError(
+            f"{num_tokens} input tokens, sum(seq_lens_q) {sum(q_lens)}, "
+            f"slot_mapping {batch.slot_mapping.numel()}"
+        )
+    for i, (q, c, t) in enumerate(zip(q_lens, ctx_lens, tables)):
+        if q <= 0 or c < q or len(t) * block_size < c:
+            raise ValueError(
+                f"sequence {i}: seq_len_q {q}, context_len {c}, {len(t)} blocks of {block_size}"
+            )
+    ends = torch.tensor(q_lens, dtype=torch.long).cumsum(0)
+    last = (ends - 1).to(device)
+    P = batch.prompts()
+    if not 0 <= P <= nseq:
+        raise ValueError(f"num_prefill {P} of {nseq} sequences")
+    steps: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+    start = 0
+    for q, c, t in zip(q_lens[:P], ctx_lens[:P], tables[:P]):
+        if c == q:  # no cached prefix: attend over this step's own K/V, causal
+            steps.append((start, start + q, None, None))
+        else:
+            slots = _context_slots(t, c, block_size, device)
+            qpos = torch.arange(c - q, c, device=device)
+            mask = torch.arange(c, device=device)[None, :] <= qpos[:, None]
+            steps.append((start, start + q, slots, mask))
+        start += q
+    if P == nseq:
+        return _Plan(last, steps, [], start)
+    if any(q != 1 for q in q_lens[P:]):
+        raise ValueError(f"decode batch must have one new token per sequence, got {q_lens[P:]}")
+    groups = _decode_groups(ctx_lens[P:], tables[P:], block_size, block_bytes, device)
+    return _Plan(last, steps, groups, start)
+
+
+class PagedAttention:
+    """The attention of every layer of one model, over its paged KV pool. Holds what
+    persists between steps: the backend choice and the decode gather buffer."""
+
+    def __init__(self, shape: LlamaShape, device: torch.device, dtype: torch.dtype) -> None:
+        self.shape = shape
+        self.device = device
+        # Decode gathers K and V into this buffer, kept between steps and layers: a fresh
+        # multi-MB tensor per layer would be newly mapped memory, page-faulted in each step.
+        self._gather = torch.empty(2, 0, device=device, dtype=dtype)
+        # SDPA on the CPU; on CUDA FlashInfer's paged kernels or the bounded path, so no
+        # masked SDPA falls to the math kernel there.
+        self.backend = "sdpa"
+        self.budget = attention_backends.DEFAULT_TEMP_BYTES
+        self._flashinfer: attention_backends.FlashInferAttention | None = None
+
+    def set_backend(self, backend: str, budget: int = attention_backends.DEFAULT_TEMP_BYTES,
+                    flashinfer_module: Any = None) -> None:
+        """Choose the backend ("sdpa" | "bounded" | "flashinfer"); `budget`: bytes the
+        bounded path's temporaries may take at once."""
+        if backend not in attention_backends.BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}")
+        self.backend = backend
+        self.budget = int(budget)
+        self._flashinfer = (attention_backends.FlashInferAttention(self.device, flashinfer_module)
+                            if backend == "flashinfer" else None)
+
+    def begin(self, batch: AttnBatch, num_tokens: int, kv: torch.Tensor) -> _Plan:
+        """Check and plan one step (once, for all layers)."""
+        s = self.shape
+        block_size = kv.shape[3]
+        block_bytes = 2 * kv[0, 0, 0].numel() * kv.element_size()  # K and V, one layer
+        plan = _plan(batch, num_tokens, block_size, block_bytes, kv.device)
+        if self._flashinfer is not None:
+            self._flashinfer.plan(batch.seq_lens_q, batch.context_lens, batch.block_tables,
+                                  block_size, s.num_heads, s.num_kv_heads, s.head_dim, kv.dtype)
+        return plan
+
+    def __call__(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 batch: AttnBatch, plan: _Plan) -> torch.Tensor:
+        """Layer `li`'s attention output ``[T, q_size]``; this step's K/V are already in
+        the pool (`k_cache`, `v_cache`: the layer's slots, ``[slots, KVH, hd]``)."""
+        T, Tp = q.shape[0], plan.prefill_tokens
+        if self._flashinfer is not None:
+            return self._flashinfer.run(q, kv[0, li], kv[1, li]).reshape(T, self.shape.q_size)
+        if self.backend == "bounded":
+            return self._bounded_attention(q, k, v, k_cache, v_cache, batch, plan, kv.shape[3])
+        if not plan.decode:
+            return self._prefill_attention(q, k, v, k_cache, v_cache, plan)
+        if not plan.prefill:
+            return self._decode_attention(q, kv[:, li], plan)
+        # mixed: prompt rows first, then one row per decoding sequence
+        return torch.cat((
+            self._prefill_attention(q[:Tp], k[:Tp], v[:Tp], k_cache, v_cache, plan),
+            self._decode_attention(q[Tp:], kv[:, li], plan)))
+
+    def _prefill_attention(
+        self,
+        q: torch.Tensor,  # [T, H, hd]
+        k: torch.Tensor,  # [T, KVH, hd]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [slots, KVH, hd]
+        v_cache: torch.Tensor,
+        plan: _Plan,
+    ) -> torch.Tensor:
+        s = self.shape
+        out = torch.empty(q.shape[0], s.q_size, device=q.device, dtype=q.dtype)
+        # 4-d inputs: with 3-d ones torch 2.13's CPU SDPA falls back to the math kernel
+        # (materialized scores), 3-5x slower on long prompts than the fused kernel.
+        for start, end, ctx_slots, mask in plan.prefill:
+            qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+            if ctx_slots is None:
+                ki = k[start:end].transpose(0, 1).unsqueeze(0)
+                vi = v[start:end].transpose(0, 1).unsqueeze(0)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+            else:
+                ki = k_cache.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
+                vi = v_cache.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+            out[start:end] = oi[0].transpose(0, 1).reshape(end - start, s.q_size)
+        return out
+
+    def _bounded_attention(self, q, k, v, k_cache, v_cache, batch: AttnBatch, plan: _Plan,
+                           block_size: int) -> torch.Tensor:
+        """The bounded-memory path (attention_backends): prompts one by one in chunks, decode
+        rows in groups, every temporary within `attention_budget`. A prompt without a
+        cached prefix goes to SDPA (causal, no mask) when even the math kernel's worst
+        case for it fits the budget, which keeps short prompts on the fused kernels."""
+        s = self.shape
+        budget = self.budget
+        out = q.new_empty(q.shape[0], s.num_heads, s.head_dim)
+        for i, (start, end, ctx_slots, _mask) in enumerate(plan.prefill):
+            n = end - start
+            if ctx_slots is None and (s.num_heads * n * n * 4
+                                      + 2 * s.num_heads * n * s.head_dim * q.element_size()
+                                      <= budget):
+                qi = q[start:end].transpose(0, 1).unsqueeze(0)
+                ki = k[start:end].transpose(0, 1).unsqueeze(0)
+                vi = v[start:end].transpose(0, 1).unsqueeze(0)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+                out[start:end] = oi[0].transpose(0, 1)
+                continue
+            if ctx_slots is None:
+                ctx_slots = _context_slots(batch.block_tables[i], batch.context_lens[i],
+                                           block_size, q.device)
+            attention_backends.bounded_prefill(q[start:end], k_cache, v_cache, ctx_slots, budget,
+                                            out[start:end])
+        Tp = plan.prefill_tokens
+        if plan.decode:
+            P = len(plan.prefill)
+            out[Tp:] = attention_backends.bounded_decode(
+                q[Tp:], k_cache, v_cache, batch.block_tables[P:], batch.context_lens[P:],
+                block_size, budget)
+        return out.reshape(q.shape[0], s.q_size)
+
+    def _decode_attention(
+        self,
+        q: torch.Tensor,  # [B, H, hd]
+        kv_layer: torch.Tensor,  # [2, blocks, block_size, KVH, hd]
+        plan: _Plan,
+    ) -> torch.Tensor:
+        s = self.shape
+        B, block_size = q.shape[0], kv_layer.shape[2]
+        blocks = kv_layer.view(2, kv_layer.shape[1], -1)  # whole blocks: one memcpy each
+        q = q.unsqueeze(2)  # [B, H, 1, hd]
+        out = None if len(plan.decode) == 1 else q.new_empty(B, s.num_heads, 1, s.head_dim)
+        row = blocks.shape[2]
+        buf = self._gather_buffer(max(g.block_ids.numel() for g in plan.decode) * row)
+        for g in plan.decode:
+            n, used = g.end - g.first, g.block_ids.numel() * row
+            kb = torch.index_select(blocks[0], 0, g.block_ids, out=buf[0, :used].view(-1, row))
+            vb = torch.index_select(blocks[1], 0, g.block_ids, out=buf[1, :used].view(-1, row))
+            per_seq = (n, g.blocks * block_size, s.num_kv_heads, s.head_dim)
+            o = F.scaled_dot_product_attention(
+                q[g.first:g.end],
+                kb.view(per_seq)[:, : g.context].transpose(1, 2),  # [n, KVH, ctx, hd]
+                vb.view(per_seq)[:, : g.context].transpose(1, 2),
+                attn_mask=g.mask,
+                enable_gqa=True,
+            )
+            if out is None:
+                return o.reshape(B, s.q_size)
+            out[g.first:g.end] = o
+        assert out is not None
+        return out.reshape(B, s.q_size)
+
+    def _gather_buffer(self, elems: int) -> torch.Tensor:
+        """``[2, elems]`` of the kept gather buffer, for a step's largest group (see
+        DECODE_GROUP_BYTES). It grows by half again when too small, and is given back when
+        a step needs under a quarter of it (after a sequence longer than a group's bound)."""
+        cap = self._gather.shape[1]
+        if elems > cap or elems * 4 < cap:
+            cap = elems if elems * 4 < cap else max(elems, cap + cap // 2)
+            self._gather = self._gather.new_empty(2, cap)
+        return self._gather[:, :elems]

@@ -1,0 +1,143 @@
+"""Loading an HF Llama/Mistral/Qwen2 safetensors checkpoint into a `LlamaModel`.
+
+Supported checkpoints: HF ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
+in safetensors (single file or sharded index). config.json is read by the one shape reader
+(`appliance.models.shape`), which knows more families than this engine runs;
+`servable_shape` refuses the rest with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from appliance.engines.models.llama import Linear, LlamaModel, _Layer
+from appliance.models.shape import LlamaShape, ModelLoadError, architecture_of
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "load_model", "servable_shape"]
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def servable_shape(cfg: dict[str, Any]) -> LlamaShape:
+    """The shape of a config.json this engine can run; raises ModelLoadError otherwise."""
+    arch = architecture_of(cfg)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {arch or cfg.get('model_type')!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    shape = LlamaShape.from_hf_config(cfg)
+    if shape.hidden_act != "silu":
+        raise ModelLoadError(f"unsupported hidden_act {shape.hidden_act!r} for {arch}; only 'silu'")
+    if shape.mlp_bias:
+        raise ModelLoadError(f"unsupported mlp_bias=true for {arch}")
+    if shape.head_dim % 2:
+        raise ModelLoadError(f"head_dim {shape.head_dim} must be even for RoPE")
+    if shape.partial_rotary_factor != 1.0:
+        raise ModelLoadError("unsupported partial_rotary_factor != 1.0")
+    if shape.rope_type not in ("default", "llama3"):
+        raise ModelLoadError(
+            f"unsupported rope scaling type {shape.rope_type!r}; supported: default, llama3")
+    return shape
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"missing {path}") from None
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"unreadable {path}: {e}") from None
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Map tensor name -> safetensors file (sharded index or a single model.safetensors)."""
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"unreadable {index}: {e!r}") from None
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    if single.exists():
+        return {}  # resolved lazily from the file's own header
+    raise ModelLoadError(f"no weights in {model_dir}: neither model.safetensors nor {index.name}")
+
+
+def _load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    mapping = _tensor_files(model_dir)
+    files = sorted(set(mapping.values())) if mapping else [model_dir / "model.safetensors"]
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        if not path.exists():
+            raise ModelLoadError(f"missing weight shard {path}")
+        try:
+            tensors.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"corrupt safetensors file {path}: {e}") from None
+    return tensors
+
+
+def load_model(
+    model_dir: Path | str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LlamaModel:
+    """Load an HF Llama/Mistral/Qwen2 safetensors checkpoint; raises ModelLoadError."""
+    model_dir = Path(model_dir)
+    shape = servable_shape(_read_config(model_dir))
+    raw = _load_tensors(model_dir)
+    D, I = shape.hidden_size, shape.intermediate_size
+
+    def get(name: str, expected: tuple[int, ...]) -> torch.Tensor:
+        t = raw.pop(name, None)  # consumed once: freed as soon as it is packed or fused
+        if t is None:
+            raise ModelLoadError(f"checkpoint {model_dir} lacks tensor {name!r}")
+        if tuple(t.shape) != expected:
+            raise ModelLoadError(
+                f"tensor {name!r} in {model_dir} has shape {tuple(t.shape)}, expected {expected}"
+            )
+        return t.to(device=device, dtype=dtype)
+
+    embed = get("model.embed_tokens.weight", (shape.vocab_size, D))
+    if shape.tie_word_embeddings:
+        lm_head = Linear(embed)
+    else:
+        lm_head = Linear(get("lm_head.weight", (shape.vocab_size, D)))
+    layers: list[_Layer] = []
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        w_qkv = torch.cat([get(attn + "q_proj.weight", (shape.q_size, D)),
+                           get(attn + "k_proj.weight", (shape.kv_size, D)),
+                           get(attn + "v_proj.weight", (shape.kv_size, D))])
+        b_qkv = None
+        if shape.qkv_bias:
+            b_qkv = torch.cat([get(attn + "q_proj.bias", (shape.q_size,)),
+                               get(attn + "k_proj.bias", (shape.kv_size,)),
+                               get(attn + "v_proj.bias", (shape.kv_size,))])
+        w_gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (I, D)),
+                               get(p + "mlp.up_proj.weight", (I, D))])
+        layers.append(
+            _Layer(
+                attn_norm=get(p + "input_layernorm.weight", (D,)),
+                qkv=Linear(w_qkv, b_qkv),
+                o=Linear(get(attn + "o_proj.weight", (D, shape.q_size)),
+                         get(attn + "o_proj.bias", (D,)) if shape.o_bias else None),
+                mlp_norm=get(p + "post_attention_layernorm.weight", (D,)),
+                gate_up=Linear(w_gate_up),
+                down=Linear(get(p + "mlp.down_proj.weight", (D, I))),
+            )
+        )
+    norm = get("model.norm.weight", (D,))
+    raw.clear()  # tensors the model does not use (e.g. rotary caches in old checkpoints)
+    return LlamaModel(shape, embed, layers, norm, lm_head)

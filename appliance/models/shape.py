@@ -1,0 +1,206 @@
+"""A decoder's shape as its Hugging Face ``config.json`` states it: the one reader.
+
+Both the torch engine (which builds the model from it) and the simulator's `ModelSpec`
+(which counts parameters and KV bytes from it) read config.json here, so a checkpoint
+is never understood two ways. The reader accepts every Llama-shaped family either caller
+knows (q/k/v/o attention, gate/up/down MLP, two RMSNorms): llama, mistral, qwen2, qwen3
+and mixtral. What the torch engine can actually run is narrower; it says so when loading
+(`appliance.engines.loader.servable_shape`).
+
+Defaults where config.json is silent are transformers' own: `head_dim` = hidden/heads
+(Qwen3Config: 128), `num_key_value_heads` = heads, `max_position_embeddings` 2048,
+`rms_norm_eps` 1e-6, `rope_theta` 10000, untied embeddings, and Mistral's 4,096-token
+sliding window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ARCHITECTURES", "LlamaShape", "ModelLoadError", "RopeScaling", "architecture_of"]
+
+# model_type -> the transformers class config.json names in "architectures".
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+_FAMILY_BY_ARCH = {arch: family for family, arch in ARCHITECTURES.items()}
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint cannot be served: unsupported config, missing/corrupt file or tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3.1 ("llama3") frequency scaling of RoPE."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaShape:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None  # set for rope_type "llama3"
+    tie_word_embeddings: bool
+    qkv_bias: bool  # bias on q/k/v projections (Qwen2; Llama/Qwen3 attention_bias)
+    o_bias: bool  # bias on the output projection (Llama/Qwen3 attention_bias only)
+    sliding_window: int | None = None  # tokens a query sees (itself included), if limited
+    family: str = "llama"  # config.json's model_type (one of ARCHITECTURES)
+    hidden_act: str = "silu"
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    num_experts: int = 0  # routed MLP experts (Mixtral); 0 = dense
+    experts_per_token: int = 0
+    rope_type: str = "default"  # "default", "llama3", or one the engine refuses (yarn, ...)
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def max_context(self) -> int:
+        """The longest context this engine computes exactly as `transformers` does."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaShape:
+        """Parse an HF ``config.json`` dict (transformers 4.x or 5.x spelling)."""
+        model_type = cfg.get("model_type") or ""
+        arch = architecture_of(cfg)
+        # The family (the layer layout) by model_type first, as the simulator always
+        # sized it: a class this reader does not know is still sized by its model_type,
+        # and refused by the engine that cannot build it (`loader.servable_shape`).
+        family = model_type if model_type in ARCHITECTURES else _FAMILY_BY_ARCH.get(arch)
+        if family is None:
+            raise ModelLoadError(
+                f"unsupported architecture {arch or model_type!r} (model_type "
+                f"{model_type or None!r}); supported: {', '.join(ARCHITECTURES.values())}"
+            )
+
+        def need(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise ModelLoadError(f"config.json for {arch} lacks {key!r}")
+            return cfg[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
+        head_dim = int(cfg.get("head_dim") or (128 if family == "qwen3" else hidden // heads))
+        rope_theta, rope_type, rope_scaling, partial = _parse_rope(cfg)
+
+        if family == "qwen2":
+            qkv_bias, o_bias = True, False
+        elif family in ("llama", "qwen3"):
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        else:  # Mistral and Mixtral attention has no biases
+            qkv_bias = o_bias = False
+        experts = top_k = 0
+        if family == "mixtral":
+            experts, top_k = int(need("num_local_experts")), int(need("num_experts_per_tok"))
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rope_type=rope_type,
+            partial_rotary_factor=partial,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            sliding_window=_sliding_window(arch, cfg),
+            family=family,
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            num_experts=experts,
+            experts_per_token=top_k,
+        )
+
+
+def architecture_of(cfg: dict[str, Any]) -> str:
+    """The transformers class a config.json names (from its model_type if it names none)."""
+    archs = cfg.get("architectures") or []
+    return archs[0] if archs else ARCHITECTURES.get(cfg.get("model_type") or "", "")
+
+
+def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
+    """The attention window, as `transformers` applies it: a token sees itself and the
+    W-1 before it. Mistral slides on every layer (MistralConfig defaults the window to
+    4,096 when config.json has no key; v0.2 and later write null). Qwen2 slides only with
+    ``use_sliding_window``, on the layers from ``max_window_layers`` on, or as
+    ``layer_types`` says. Llama never slides."""
+    if arch == "MistralForCausalLM":
+        window = cfg.get("sliding_window", 4096)
+        return int(window) if window else None
+    if arch != "Qwen2ForCausalLM":
+        return None
+    if not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
+        return None
+    types = cfg.get("layer_types")
+    if types is not None:
+        slides = "sliding_attention" in types
+    else:
+        slides = int(cfg.get("max_window_layers", 28)) < int(cfg["num_hidden_layers"])
+    return int(cfg["sliding_window"]) if slides else None
+
+
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, str, RopeScaling | None, float]:
+    """(theta, rope type, llama3 scaling, partial rotary factor). Other scaling types are named, not parsed: the
+    simulator sizes such a model all the same, the torch engine refuses it."""
+    # transformers 5 writes "rope_parameters" (with rope_theta inside); 4.x writes
+    # "rope_theta" + "rope_scaling" (with "type" or "rope_type").
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"rope parameters must be an object, got {params!r}")
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    kind = str(params.get("rope_type") or params.get("type") or "default")
+    if kind != "llama3":
+        return theta, kind, None, partial
+    try:
+        scaling = RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"llama3 rope scaling lacks {e.args[0]!r}") from None
+    return theta, kind, scaling, partial
