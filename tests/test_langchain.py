@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import openai
 import pytest
 from pydantic import BaseModel, Field
 
@@ -52,7 +53,19 @@ def test_with_structured_output_returns_a_parsed_object(llm):
         assert isinstance(out, Verdict), method
 
 
-def test_json_mode_returns_a_dict(llm):
-    out = llm.bind(max_tokens=400, seed=1).with_structured_output(method="json_mode").invoke(
-        "Answer in JSON")
+def test_json_mode_returns_a_dict(llm, request):
+    # A copy with the budget and seed set on the model itself: bind()'s kwargs do not reach
+    # the request that with_structured_output makes.
+    json_llm = llm.model_copy(update={"max_tokens": 400, "seed": 1})
+    engine = request.node.callspec.params["llm"]
+    try:
+        out = json_llm.with_structured_output(method="json_mode").invoke("Answer in JSON")
+    except openai.LengthFinishReasonError as exc:
+        # json_object without a schema bounds nothing: the simulator's random walk through
+        # the JSON grammar may still be inside a string when max_tokens cuts it, which the
+        # API reports as OpenAI does (finish_reason "length"), never as broken JSON.
+        assert engine == "sim", exc
+        assert exc.completion.choices[0].finish_reason == "length"
+        assert exc.completion.usage.completion_tokens == 400
+        return
     assert isinstance(out, dict)
