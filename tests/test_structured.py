@@ -276,3 +276,16 @@ def test_logprobs_come_with_structured_output(daemon):
     # are not certain for a random model.
     assert any(t.logprob < -0.5 for t in tokens)
     assert all(len(t.top_logprobs) == 2 for t in tokens)
+
+
+def test_the_daemon_never_loads_xgrammar_or_torch(daemon):
+    """A small guided body is checked in a preparation child, not on the event loop: the
+    grammar's compile imports xgrammar and torch (~2 s the first time), which would stall
+    every stream and grow the daemon by hundreds of MB."""
+    before = daemon.status()["prepared"]["pooled"]
+    out = ask(daemon.client(), max_tokens=60, response_format={
+        "type": "json_schema", "json_schema": {"name": "pet", "schema": Pet.model_json_schema()}})
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert daemon.status()["prepared"]["pooled"] == before + 1
+    maps = open(f"/proc/{daemon.proc.pid}/maps").read()
+    assert "xgrammar" not in maps and "libtorch" not in maps

@@ -14,7 +14,8 @@ Small bodies are prepared on the event loop instead: a 4 KB body costs at most ~
 there (measured on the worst contents: one long word, CJK, 140 messages), while the
 round trip through the executor's queues, threads and pickling costs the daemon ~300 µs
 of CPU and two thread hand-offs per request, which at high concurrency was most of
-what the daemon spent per request.
+what the daemon spent per request. Bodies that may ask for a grammar (structured outputs,
+tool calls) go to the children whatever their size (`may_ask_for_a_grammar`).
 """
 from __future__ import annotations
 
@@ -71,6 +72,18 @@ def _child_prepare(raw: bytes, endpoint: str, model_name: str,
     return prepare_request(_tokenizer, raw, endpoint, model_name, max_context)
 
 
+# A body that may ask for a grammar is prepared in the children even when small: checking
+# its grammar compiles it with xgrammar, whose import (with transformers and torch, ~2 s the
+# first time, ~300 MB) must neither stall the event loop nor grow the daemon, which never
+# loads torch. A byte search (~1 µs on 4 KB): a false hit costs only the pool's round trip.
+_GRAMMAR_FIELDS = (b'"response_format"', b'"tools"', b'"tool_choice"', b'"structured_outputs"',
+                   b'"guided_')
+
+
+def may_ask_for_a_grammar(raw: bytes) -> bool:
+    return any(field in raw for field in _GRAMMAR_FIELDS)
+
+
 class PreparePool:
     """Parse, validate and tokenize requests: bodies of up to `inline_bytes` here with
     `tokenizer`, bigger ones in `processes` child processes."""
@@ -107,7 +120,7 @@ class PreparePool:
 
     async def prepare(self, raw: bytes, endpoint: str, model_name: str,
                       max_context: int) -> tuple[GenerationRequest, list[int], int]:
-        if len(raw) <= self.inline_bytes:
+        if len(raw) <= self.inline_bytes and not may_ask_for_a_grammar(raw):
             self.inline += 1
             return prepare_request(self.tokenizer, raw, endpoint, model_name, max_context)
         self.pooled += 1

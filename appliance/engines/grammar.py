@@ -12,7 +12,8 @@ generated so far (`Guide.sync`): a decode worker that took a request over from a
 worker, or a sequence recomputed after preemption, continues from where the grammar was.
 
 xgrammar (and its import of transformers, ~2 s) is loaded on the first guided request,
-never at start-up: an appliance that serves no structured output pays nothing.
+never at start-up: an appliance that serves no structured output pays nothing. The daemon
+itself never loads it: guided bodies are checked in its preparation children.
 """
 from __future__ import annotations
 
