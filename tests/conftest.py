@@ -126,6 +126,16 @@ def start_daemon(tmp_path: Path, model: Path | None, *args: str, config: str | N
     raise AssertionError(f"daemon not ready after {timeout}s:\n{daemon.log_text()}")
 
 
+def engine_daemon(engine: str, model: Path, tmp_path_factory, prefix: str,
+                  config: str | None = None) -> Daemon:
+    """A CPU daemon on the simulator (fast: --sim-speed 50) or the real torch engine, for the
+    tests that run the same requests through both."""
+    args = ["--devices", "cpu", "--engine", engine]
+    if engine == "sim":
+        args += ["--sim-speed", "50"]
+    return start_daemon(tmp_path_factory.mktemp(f"{prefix}-{engine}"), model, *args, config=config)
+
+
 @pytest.fixture
 def daemon_factory(tmp_path):
     started: list[Daemon] = []

@@ -8,7 +8,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from conftest import start_daemon
+from conftest import engine_daemon
 
 pytest.importorskip("xgrammar")
 langchain_openai = pytest.importorskip("langchain_openai")
@@ -30,10 +30,7 @@ class Verdict(BaseModel):
 
 @pytest.fixture(scope="module", params=["sim", "torch"])
 def llm(request, tiny_model, tmp_path_factory):
-    args = ["--devices", "cpu", "--engine", request.param]
-    if request.param == "sim":
-        args += ["--sim-speed", "50"]
-    d = start_daemon(tmp_path_factory.mktemp(f"lc-{request.param}"), tiny_model, *args)
+    d = engine_daemon(request.param, tiny_model, tmp_path_factory, "lc")
     yield langchain_openai.ChatOpenAI(model=MODEL, base_url=d.url + "/v1", api_key="unused",
                                       max_tokens=80, max_retries=0, temperature=0, timeout=60)
     d.stop()

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from appliance.engines.grammar import GrammarBook, MAX_SCHEMA_BYTES
 from appliance.engines.messages import GuidedDecoding
-from conftest import start_daemon
+from conftest import engine_daemon
 
 pytest.importorskip("xgrammar")
 
@@ -40,11 +40,8 @@ def valid_pet(text: str) -> Pet:
 
 @pytest.fixture(scope="module", params=["sim", "torch"])
 def daemon(request, tiny_model, tmp_path_factory):
-    args = ["--devices", "cpu", "--engine", request.param]
-    if request.param == "sim":
-        args += ["--sim-speed", "50"]
-    d = start_daemon(tmp_path_factory.mktemp(f"structured-{request.param}"), tiny_model, *args,
-                     config="[server]\nlog_requests = true\n")
+    d = engine_daemon(request.param, tiny_model, tmp_path_factory, "structured",
+                      config="[server]\nlog_requests = true\n")
     d.engine = request.param
     yield d
     d.stop()

@@ -11,7 +11,7 @@ import pytest
 
 from appliance.daemon.tokenizer import ServedTokenizer
 from appliance.daemon.tool_calls import detect_parser, new_parser
-from conftest import start_daemon
+from conftest import engine_daemon, start_daemon
 
 pytest.importorskip("xgrammar")
 
@@ -30,10 +30,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module", params=["sim", "torch"])
 def daemon(request, tiny_model, tmp_path_factory):
-    args = ["--devices", "cpu", "--engine", request.param]
-    if request.param == "sim":
-        args += ["--sim-speed", "50"]
-    d = start_daemon(tmp_path_factory.mktemp(f"tools-{request.param}"), tiny_model, *args)
+    d = engine_daemon(request.param, tiny_model, tmp_path_factory, "tools")
     yield d
     d.stop()
 
