@@ -13,7 +13,7 @@ from appliance.commands.client import AdminClient, AdminError, add_client_args
 from appliance.tui.views.overview import core_ranges  # noqa: F401  (tests and scripts import it here)
 
 # Subcommand modules under appliance/commands/ (see its __init__): one line per area.
-AREAS: tuple[str, ...] = ("plan", "tui", "usage", "workflow")
+AREAS: tuple[str, ...] = ("plan", "tenants", "tui", "usage", "workflow")
 
 
 def _serve_overrides(p: argparse.ArgumentParser) -> None:
@@ -110,7 +110,10 @@ def cmd_serve(args) -> int:
     from appliance import config
     from appliance.daemon.main import serve
     cfg = _config(args)
-    return serve(cfg, config.state_dir(cfg, args.state_dir))
+    path = args.config or (config.DEFAULT_CONFIG_PATH if config.DEFAULT_CONFIG_PATH.exists()
+                           else None)
+    return serve(cfg, config.state_dir(cfg, args.state_dir),
+                 Path(path).resolve() if path else None)
 
 
 def cmd_devices(args) -> int:

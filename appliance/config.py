@@ -153,6 +153,20 @@ class BudgetsConfig:
     gpu_hours: dict[str, float] = field(default_factory=dict)
     usd: dict[str, float] = field(default_factory=dict)
     kgco2e: dict[str, float] = field(default_factory=dict)
+    # tenant -> what 100% of a budget does: "alert" (log and gauge only), "reject" (429
+    # budget_exceeded until the next period) or "deprioritize" (lowest priority class
+    # until the next period). Unnamed tenants: "alert".
+    enforce: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class TenantConfig:
+    # One microservice's share of the box (docs/operations/tenants.md).
+    weight: float = 1.0               # fair-queuing weight: capacity shared in proportion
+    priority: int = 0                 # default priority class; lower is served first (as vLLM's `priority`)
+    max_concurrent: int = 0           # requests in flight at once; 0 = unlimited
+    requests_per_minute: float = 0.0  # token bucket; 0 = unlimited
+    tokens_per_minute: float = 0.0    # prompt + max output reserved at admission, settled at finish; 0 = unlimited
 
 
 @dataclass
@@ -208,6 +222,8 @@ class Config:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     tui: TuiConfig = field(default_factory=TuiConfig)
     workflows: WorkflowsConfig = field(default_factory=WorkflowsConfig)
+    # [tenants.NAME] tables; [tenants.default] applies to a tenant not named.
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
     state_dir: str = ""
 
 
@@ -267,6 +283,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config: auth.metrics_access must be open, loopback or admin, "
                           f"got {cfg.auth.metrics_access!r}")
     _validate_accounting(cfg)
+    cfg.tenants = validate_tenants(cfg.tenants)
     for url in cfg.tui.urls:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"config: tui.urls: {url!r} is not an http:// or https:// URL")
@@ -421,6 +438,34 @@ def _validate_accounting(cfg: Config) -> None:
         raise ConfigError(f"config: budgets.period must be day, week or month, got {bud.period!r}")
     for name in ("gpu_hours", "usd", "kgco2e"):
         _number_table(f"budgets.{name}", getattr(bud, name))
+    for tenant, mode in bud.enforce.items():
+        if mode not in ENFORCE_MODES:
+            raise ConfigError(f"config: budgets.enforce.{tenant} must be alert, reject or "
+                              f"deprioritize, got {mode!r}")
+
+
+ENFORCE_MODES = ("alert", "reject", "deprioritize")
+
+
+def validate_tenants(tables: dict) -> dict[str, TenantConfig]:
+    """`[tenants.NAME]` tables -> TenantConfig each, every key checked like any other."""
+    out: dict[str, TenantConfig] = {}
+    for name, table in tables.items():
+        if isinstance(table, TenantConfig):     # already checked (validate may run twice)
+            tc = table
+        elif not isinstance(table, dict):
+            raise ConfigError(f"config: tenants.{name} must be a table ([tenants.{name}])")
+        else:
+            tc = TenantConfig()
+            _fill(tc, table, f"tenants.{name}.")
+        if tc.weight <= 0:
+            raise ConfigError(f"config: tenants.{name}.weight must be positive, got {tc.weight}")
+        for key in ("max_concurrent", "requests_per_minute", "tokens_per_minute"):
+            if getattr(tc, key) < 0:
+                raise ConfigError(f"config: tenants.{name}.{key} must be 0 (unlimited) or more, "
+                                  f"got {getattr(tc, key)}")
+        out[name] = tc
+    return out
 
 
 def _instant(value) -> float:

@@ -271,6 +271,23 @@ class Accountant:
             c.energy_source or "none", int(rec.simulated or c.simulated), int(c.approximate),
             int(final), 0, int(rec.structured))
 
+    def set_budgets(self, budgets: Budgets) -> None:
+        """New limits (a reload): this period's usage is read back from the ledger, and
+        what this process counted for a budget it already had is kept (rows not yet
+        committed are in it)."""
+        old = self.budgets
+        self.budgets = budgets
+        self._budget_tenants = budgets.tenants()
+        self.load_budgets()
+        if old is None or old.period != budgets.period:
+            return
+        for key, s in budgets.states.items():
+            prev = old.states.get(key)
+            if prev is not None:
+                s.used = max(s.used, prev.used)
+                s.alerts = list(prev.alerts)
+                s.crossed = [th for th in prev.crossed if s.ratio >= th]
+
     # ---- start-up -------------------------------------------------------------------
     def load_budgets(self) -> None:
         """Read the current period's usage back from the ledger (after a restart)."""

@@ -10,7 +10,8 @@ writes them out every `FORWARD_S`.
 What crosses the socketpair (length-prefixed pickles, `appliance.worker.wire`):
 - daemon -> accounting: `Start` (first), `Records` (every worker frame that carries an
   iteration record, forwarded unopened, and the finished requests' records), `Readings`
-  (the daemon's energy meter, answering `ReadMeter`), `AskStatus`, `Stop`.
+  (the daemon's energy meter, answering `ReadMeter`), `AskStatus`, `SetBudgets`
+  (a reload), `Stop`.
 - accounting -> daemon: `Started` or `AccountingStartFailed`, `ReadMeter` (once per tick that
   closes windows), `Report` (every tick and for each `AskStatus`: status, per-tenant sums
   for /metrics, budgets).
@@ -100,6 +101,13 @@ class Serving:
 
     workers: dict[str, str]
     devices: list[DeviceInfo]
+
+
+@dataclass(slots=True)
+class SetBudgets:
+    """`applianced reload`: the [budgets] limits changed (usage so far is kept)."""
+
+    budgets: Budgets
 
 
 @dataclass(slots=True)
@@ -314,6 +322,9 @@ class Host:
                 self.acc.attributor.serve(msg.workers, msg.devices)
             elif isinstance(msg, AskStatus):
                 self.asked = msg.n
+                self._send(self.report())
+            elif isinstance(msg, SetBudgets):
+                self.acc.set_budgets(msg.budgets)
                 self._send(self.report())
             if time.monotonic() >= next_tick:
                 try:

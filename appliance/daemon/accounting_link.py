@@ -29,10 +29,10 @@ from appliance.accounting.ledger import LedgerReader
 from appliance.accounting.reconcile import SAMPLE_S, Counters, reconcile
 from appliance.accounting.process import (
     FORWARD_S, LOCK_TIMEOUT_S, AccountingSpec, AccountingStartFailed, AskStatus, ReadMeter,
-    Records, Report, Serving, Start, Started, Stop,
+    Records, Report, Serving, SetBudgets, Start, Started, Stop,
 )
 from appliance.accounting.records import FanoutSink, LogSink, RecordSink, RequestRecord
-from appliance.config import Config
+from appliance.config import BudgetsConfig, Config
 from appliance.daemon import supervisor
 from appliance.daemon.metrics import ReconciliationGauge, TenantMetrics
 from appliance.daemon.supervisor import program_command
@@ -371,6 +371,20 @@ class AccountingLink:
     def budget_report(self, tenant: str | None = None) -> list[dict]:
         return [b for b in self._budgets if tenant is None or b["tenant"] == tenant]
 
+    def set_budgets(self, cfg: BudgetsConfig) -> None:
+        """A reload: the accounting process counts against the new limits from now on
+        (and a restarted one starts with them)."""
+        budgets = budgets_of(cfg)
+        self.spec = dataclasses.replace(
+            self.spec, budgets=budgets,
+            labelled_tenants=frozenset(self.spec.labelled_tenants | budgets.tenants()))
+        if self.writer is not None and not self.writer.is_closing():
+            self.writer.write(wire.pack(SetBudgets(budgets)))
+
+
+def budgets_of(b: BudgetsConfig) -> Budgets:
+    return Budgets(b.period, {"gpu_hours": b.gpu_hours, "usd": b.usd, "kgco2e": b.kgco2e})
+
 
 def serving_of(setup: Setup, state: ServingState, pool: WorkerPool) -> Callable[[], tuple]:
     """(signature, build): the signature changes when the plan, the served model or a
@@ -434,8 +448,7 @@ async def start_accounting(cfg: Config, setup: Setup, state: ServingState, pool:
         return None
     a = cfg.accounting
     site = site_of(cfg)
-    b = cfg.budgets
-    budgets = Budgets(b.period, {"gpu_hours": b.gpu_hours, "usd": b.usd, "kgco2e": b.kgco2e})
+    budgets = budgets_of(cfg.budgets)
     prices = prices_of(cfg)
     embodied = EmbodiedCarbon(cfg.site.embodied_kgco2e, cfg.site.lifetime_years)
     spec = AccountingSpec(

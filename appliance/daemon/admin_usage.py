@@ -73,6 +73,9 @@ async def usage(request: web.Request):
     if fmt == "csv":
         return web.Response(text=reports.usage_csv(report), content_type="text/csv")
     report["budgets"] = acc.budget_report(tenant)
+    # refused requests (overload, rate limits, budgets) per tenant and reason: the
+    # ledger's rejected rows (they cost nothing, so the usage rows do not show them)
+    report["rejected"] = await asyncio.to_thread(rejected_counts, acc, since, until, tenant)
     if caller.admin:
         report["accounting"] = await acc.fresh_status()
         # the fitted step-time terms per served model × device kind (accounting/attribution.py)
@@ -81,6 +84,21 @@ async def usage(request: web.Request):
             rec = await asyncio.to_thread(acc.reconciliation, since, until)
             report["reconciliation"] = rec.as_json()
     return json_response(report)
+
+
+def rejected_counts(acc: AccountingLink, since: float, until: float,
+                    tenant: str | None) -> dict[str, dict[str, int]]:
+    """tenant -> reason -> refused requests that finished in [since, until)."""
+    sql = ("SELECT tenant, coalesce(finish_reason, 'overloaded'), count(*) FROM requests "
+           "WHERE status = 'rejected' AND finish >= ? AND finish < ?")
+    args: tuple = (since, until)
+    if tenant is not None:
+        sql += " AND tenant = ?"
+        args += (tenant,)
+    out: dict[str, dict[str, int]] = {}
+    for t, reason, n in acc.ledger.query(sql + " GROUP BY 1, 2", args):
+        out.setdefault(t, {})[reason] = n
+    return out
 
 
 def _source(acc: AccountingLink) -> focus.Source:

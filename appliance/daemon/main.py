@@ -37,6 +37,7 @@ from appliance.daemon.server import build_app
 from appliance.daemon.service import Service, labelled_tenants
 from appliance.daemon.setup import Setup, StartupError, plan_setup, weight_bytes
 from appliance.daemon.state import ServedModel, ServingState, context_limits
+from appliance.daemon.tenants import TenantPolicy
 from appliance.daemon.workers import WorkerGone, WorkerPool
 from appliance.telemetry import build_telemetry
 from appliance.workflows.engine import WorkflowEngine
@@ -55,7 +56,8 @@ def open_journal(state_dir: Path) -> Journal:
 
 
 async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: Path,
-                        sink: RecordSink | None, stack: contextlib.AsyncExitStack) -> Service:
+                        sink: RecordSink | None, stack: contextlib.AsyncExitStack,
+                        config_path: Path | None = None) -> Service:
     """Every subsystem, then the Service from them. Nothing is started but the
     accounting process (it must hold the ledger before any worker runs); what needs
     stopping is pushed onto `stack`."""
@@ -100,11 +102,14 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
                                max_recoveries=cfg.workflows.max_recoveries)
     planner = planner_link.start_planner(cfg, setup, state, workflows, state_dir,
                                          metrics.registry)
+    tenants = TenantPolicy(cfg.tenants, cfg.budgets,
+                           budget_report=accounting.budget_report if accounting else None)
     return Service(cfg, setup, state, pool=pool, router=router, metrics=metrics,
                    auth=Auth(cfg.auth.keys, cfg.auth.admin_keys, cfg.auth.metrics_access),
                    sink=record_sink(sink or LogSink(enabled=cfg.server.log_requests), accounting),
                    prepare_pool=prepare_pool, telemetry=telemetry, journal=journal,
-                   workflows=workflows, planner=planner, accounting=accounting)
+                   workflows=workflows, tenants=tenants, planner=planner,
+                   accounting=accounting, config_path=config_path)
 
 
 def warn_if_exposed(cfg: Config) -> None:
@@ -158,7 +163,17 @@ def _cancel_all(tasks: list[asyncio.Task]) -> None:
         task.cancel()
 
 
-async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = None) -> int:
+def reload_on_hup(svc: Service) -> None:
+    """SIGHUP: as `applianced reload`; a bad file keeps the old limits, one log line."""
+    from appliance.config import ConfigError
+    try:
+        svc.reload()
+    except ConfigError as exc:
+        log.error("reload refused, the old limits stay: %s", exc)
+
+
+async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = None,
+                     config_path: Path | None = None) -> int:
     # First, before any child starts: inherited listening sockets and their variables.
     inherited = systemd.listen_sockets()
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -182,7 +197,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         if setup.inventory.note:
             log.warning("%s", setup.inventory.note)
         log.info("plan: %s", setup.plan.reason)
-        svc = await build_service(cfg, setup, journal, state_dir, sink, stack)
+        svc = await build_service(cfg, setup, journal, state_dir, sink, stack, config_path)
         phase = ["loading"]
         status = (asyncio.create_task(status_loop(svc, phase))
                   if os.environ.get("NOTIFY_SOCKET") else None)
@@ -227,6 +242,7 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, reload_on_hup, svc)
         warn_if_exposed(cfg)
         log.info("serving %s on %s (%s, %s%s)", svc.model_name, where, setup.engine,
                  setup.plan.mode, ", simulated" if svc.simulated else "")
@@ -290,7 +306,7 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
 
 
-def serve(cfg: Config, state_dir: Path) -> int:
+def serve(cfg: Config, state_dir: Path, config_path: Path | None = None) -> int:
     # Under systemd, records go to the journal with their fields (systemd.JournalHandler).
     logging.basicConfig(level=os.environ.get("APPLIANCED_LOG", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -301,7 +317,7 @@ def serve(cfg: Config, state_dir: Path) -> int:
     except ImportError:  # pragma: no cover
         runner = asyncio.run
     try:
-        return runner(run_daemon(cfg, state_dir))
+        return runner(run_daemon(cfg, state_dir, config_path=config_path))
     except StartupError as exc:
         print(f"applianced: {exc}", file=sys.stderr)
         return 1

@@ -153,6 +153,10 @@ class Metrics:
                             ["worker", "phase", "simulated"], registry=r)
         self.rejections = Counter("applianced_rejected_requests", "Requests refused as overloaded",
                                   ["model", "simulated"], registry=r)
+        self.tenant_rejections = Counter(
+            "applianced_tenant_rejected", "Requests refused per tenant and reason (overloaded, "
+            "rate_limit_requests, rate_limit_tokens, budget_exceeded)",
+            ["tenant", "reason", "simulated"], registry=r)
         r.register(WorkerCollector(pool, simulated))
         if telemetry is not None:
             r.register(TelemetryCollector(telemetry, simulated))
@@ -187,6 +191,9 @@ class Metrics:
 
     def rejected(self) -> None:
         self.rejections.labels(self.model, self.sim).inc()
+
+    def tenant_rejected(self, tenant_label: str, reason: str) -> None:
+        self.tenant_rejections.labels(tenant_label, reason, self.sim).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self._view), CONTENT_TYPE_LATEST

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from appliance.daemon.responses import (
 )
 from appliance.daemon.router import EngineError, NoWorker
 from appliance.daemon.structured import capabilities
+from appliance.daemon.tenants import Refusal
 from appliance.daemon.workers import WorkerGone
 
 if TYPE_CHECKING:
@@ -67,6 +69,22 @@ def _refusal(svc: Service, n: int, headers: dict) -> ApiError | None:
     return None
 
 
+# OpenAI's `type` of a 429: which limit ("requests", "tokens"), or the quota.
+ERROR_TYPES = {"rate_limit_requests": "requests", "rate_limit_tokens": "tokens",
+               "budget_exceeded": "insufficient_quota"}
+
+
+def _limited(refusal: Refusal, headers: dict) -> ApiError:
+    """A tenant's limit as OpenAI's API answers it: 429 with Retry-After (whole seconds,
+    and `retry-after-ms`, which the official clients read first) and x-ratelimit-*."""
+    extra = dict(refusal.headers)
+    if refusal.retry_after_s is not None:
+        extra["Retry-After"] = str(max(1, math.ceil(refusal.retry_after_s)))
+        extra["retry-after-ms"] = str(max(1, math.ceil(refusal.retry_after_s * 1000)))
+    return ApiError(429, refusal.message, code=refusal.code,
+                    type_=ERROR_TYPES.get(refusal.reason), headers={**extra, **headers})
+
+
 async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
     svc: Service = request.app[SERVICE]
     tenant = svc.auth.tenant(request)
@@ -78,6 +96,11 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
         if err.code == "overloaded":    # demand turned away: the planner counts it
             svc.rejected(endpoint, tenant, rid, arrival, err.message)
         raise err
+    policy = svc.tenants
+    # The tenant's spent budget and its requests-per-minute: before the body is read.
+    if (refusal := policy.admit(tenant)) is not None:
+        svc.rejected(endpoint, tenant, rid, arrival, refusal.message, refusal.reason)
+        raise _limited(refusal, headers)
     raw = await request.read()
     # Parse, validate and tokenize in the prepare pool's processes, off the event loop.
     svc.state.preparing += 1
@@ -88,13 +111,23 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
         svc.state.preparing -= 1
     comp = Completion(svc, req, tenant, rid, arrival)
     comp.prompt, comp.max_tokens = prompt, max_tokens
+    comp.priority, _ = policy.priority(tenant)
     n = len(comp.choices)   # each choice is a generation of its own on the workers
+    # Tokens per minute need the count: prompt + the output the request may make.
+    asked = len(prompt) + n * (req.max_tokens or 0)
+    reservation, refusal = policy.reserve(tenant, asked)
+    if refusal is not None:
+        svc.rejected(endpoint, tenant, rid, arrival, refusal.message, refusal.reason)
+        raise _limited(refusal, headers)
     if (err := _refusal(svc, n, headers)) is not None:
+        policy.finished_unstarted(tenant, reservation)
         if err.code == "overloaded":
             comp.status, comp.error = "rejected", err.message
             svc.finished(comp)
         raise err
+    headers.update(policy.headers(tenant))
     svc.state.inflight += n
+    policy.started(tenant)
     try:
         if req.stream:
             return await _stream(request, comp, headers)
@@ -105,6 +138,7 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
         raise
     finally:
         svc.state.inflight -= n
+        policy.finished(tenant, reservation, len(comp.prompt) + comp.completion_tokens)
         svc.finished(comp)
 
 

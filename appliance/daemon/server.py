@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from appliance.daemon import (
-    admin, admin_live, admin_plan, admin_usage, admin_workflows, openai_routes,
+    admin, admin_live, admin_plan, admin_tenants, admin_usage, admin_workflows, openai_routes,
 )
 from appliance.daemon.auth import guard
 from appliance.daemon.responses import (
@@ -20,7 +20,8 @@ from appliance.daemon.responses import (
 if TYPE_CHECKING:
     from appliance.daemon.service import Service
 
-SURFACES = (openai_routes, admin, admin_live, admin_plan, admin_usage, admin_workflows)
+SURFACES = (openai_routes, admin, admin_live, admin_plan, admin_tenants, admin_usage,
+            admin_workflows)
 
 
 def build_app(svc: Service, max_body_bytes: int) -> web.Application:

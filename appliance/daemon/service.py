@@ -12,6 +12,7 @@ import itertools
 import logging
 import secrets
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from appliance import __version__
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from appliance.daemon.router import Router
     from appliance.daemon.setup import Setup
     from appliance.daemon.state import ServingState
+    from appliance.daemon.tenants import TenantPolicy
     from appliance.daemon.tokenizer import ServedTokenizer
     from appliance.daemon.workers import WorkerPool
     from appliance.partitions import PartitionPlan
@@ -63,8 +65,9 @@ class Service:
     def __init__(self, cfg: Config, setup: Setup, state: ServingState, *, pool: WorkerPool,
                  router: Router, metrics: Metrics, auth: Auth, sink: RecordSink,
                  prepare_pool: RequestPreparer, telemetry: Telemetry,
-                 journal: Journal, workflows: WorkflowEngine,
-                 planner: Planner | None = None, accounting: AccountingLink | None = None):
+                 journal: Journal, workflows: WorkflowEngine, tenants: TenantPolicy,
+                 planner: Planner | None = None, accounting: AccountingLink | None = None,
+                 config_path: Path | None = None):
         self.cfg = cfg
         self.setup = setup                  # what start-up decided (never changed after)
         self.state = state                  # what changes: model, partition, admission
@@ -79,6 +82,8 @@ class Service:
         self.workflows = workflows
         self.planner = planner              # None: it could not be built (logged)
         self.accounting = accounting        # None: [accounting] enabled = false
+        self.tenants = tenants              # rate limits, enforced budgets ([tenants], [budgets])
+        self.config_path = config_path      # what `applianced reload` re-reads; None: defaults
         self.fingerprint = f"applianced-{__version__}-{setup.engine}"
         self.started_at = time.time()
         self.recovery: dict = {}            # what start-up found and decided (`recover`)
@@ -155,23 +160,31 @@ class Service:
         self.record(comp.record())
 
     def rejected(self, endpoint: str, tenant: str, request_id: str, arrival: float,
-                 reason: str) -> None:
-        """The record of a request refused at admission (overloaded) before it was
-        parsed: no tokens, no worker, status "rejected" (demand the planner counts)."""
+                 message: str, reason: str = "overloaded") -> None:
+        """The record of a request refused at admission before it was parsed (overloaded,
+        rate-limited, over budget): no tokens, no worker, status "rejected", the reason
+        in `finish_reason`. It costs nothing; the ledger counts it for its tenant."""
         self.record(RequestRecord(
             request_id=request_id, tenant=tenant, model=self.model_name, endpoint=endpoint,
             prompt_tokens=0, output_tokens=0, cached_tokens=0, arrival=arrival,
             first_token=None, finish=time.time(), prefill_worker=None, decode_worker=None,
-            status="rejected", finish_reason=None, error=reason, simulated=self.simulated))
+            status="rejected", finish_reason=reason, error=message, simulated=self.simulated))
 
     def record(self, rec: RequestRecord) -> None:
         """A finished request (served, failed, aborted or rejected) to everything that
         counts it: /metrics, the planner's trends, telemetry's latency window, the sink."""
         tenant_label = rec.tenant if rec.tenant in self._tenants else "other"
         self.metrics.request(rec, tenant_label)
+        policy = False
         if rec.status == "rejected":
-            self.metrics.rejected()
-        if self.planner is not None:
+            reason = rec.finish_reason or "overloaded"
+            self.metrics.tenant_rejected(tenant_label, reason)
+            if reason == "overloaded":
+                self.metrics.rejected()
+                self.tenants.count_rejected(rec.tenant, reason)
+            else:   # a limit refused it, not capacity: not demand for the planner to size for
+                policy = True
+        if self.planner is not None and not policy:
             self.planner.observe(rec)
         try:
             self.telemetry.observe_request(rec)
@@ -181,6 +194,30 @@ class Service:
             self.sink.request(rec)
         except Exception:   # a broken sink must not break serving
             log.exception("request sink failed")
+
+    # ---- reload -----------------------------------------------------------------------
+    def reload(self) -> dict:
+        """`applianced reload` / SIGHUP: re-read [tenants] and [budgets] from the config
+        file, validated first. A bad file raises ConfigError (one line) and changes
+        nothing; other sections need a restart and are not applied."""
+        from appliance import config as config_mod
+        if self.config_path is None:
+            raise config_mod.ConfigError(
+                "no config file to reload (the daemon started with the defaults; start it "
+                "with --config FILE)")
+        new = config_mod.load(self.config_path)
+        self.tenants.apply(new.tenants, new.budgets)
+        if self.accounting is not None:
+            self.accounting.set_budgets(new.budgets)
+        self.tenants.reloads += 1
+        self.tenants.reloaded_at = time.time()
+        log.info("reloaded [tenants] and [budgets] from %s: %d tenant table(s), %d enforced "
+                 "budget(s)", self.config_path, len(new.tenants),
+                 sum(m != "alert" for m in new.budgets.enforce.values()))
+        return {"reloaded": str(self.config_path), "tenants": sorted(new.tenants),
+                "budgets": {"period": new.budgets.period, "enforce": dict(new.budgets.enforce)},
+                "reloads": self.tenants.reloads,
+                "note": "only [tenants] and [budgets] are applied; other sections need a restart"}
 
     # ---- status -----------------------------------------------------------------------
     def status(self) -> dict:

@@ -16,7 +16,8 @@ from appliance.tui.widgets import Field
 from appliance.tui.screens.fetching import FetchingScreen
 
 SORT_LABELS = {"gpu_seconds": "GPU-s", "cost_usage": "$ usage", "cost_allocation": "$ alloc",
-               "kwh": "kWh", "kg_co2e": "kgCO2e", "budget_used": "budget", "tenant": "tenant"}
+               "kwh": "kWh", "kg_co2e": "kgCO2e", "budget_used": "budget", "rejected": "refused",
+               "tenant": "tenant"}
 
 
 def money(x: float | None) -> str:
@@ -29,7 +30,8 @@ def tenant_table(rows: list[TenantView], sort_key: str, descending: bool,
     table = Table(box=None, pad_edge=False, expand=True, header_style="bold")
     heads = [("tenant", "left"), ("gpu_seconds", "right"), ("split", "right"),
              ("share", "right"), ("cost_usage", "right"), ("cost_allocation", "right"),
-             ("kwh", "right"), ("kg_co2e", "right"), ("budget_used", "right")]
+             ("kwh", "right"), ("kg_co2e", "right"), ("budget_used", "right"),
+             ("rejected", "right")]
     for key, justify in heads:
         label = SORT_LABELS.get(key, {"split": "P/D", "share": "share"}.get(key, key))
         if key == "tenant" and group != "tenant":
@@ -49,7 +51,8 @@ def tenant_table(rows: list[TenantView], sort_key: str, descending: bool,
             budget += "*"
         table.add_row(r.tenant, fmt_num(r.gpu_seconds), split, fmt_pct(r.share),
                       money(r.cost_usage), money(r.cost_allocation),
-                      fmt_num(r.kwh, digits=3), fmt_num(r.kg_co2e, digits=3), budget)
+                      fmt_num(r.kwh, digits=3), fmt_num(r.kg_co2e, digits=3), budget,
+                      NA if r.rejected is None else str(r.rejected))
     return table
 
 

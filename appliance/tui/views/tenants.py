@@ -32,10 +32,19 @@ class TenantView:
     requests: int | None
     simulated: bool
     measured: bool
+    # requests refused (overloaded, rate limits, budgets) in the period: they cost nothing
+    rejected: int | None = None
 
 
 TENANT_SORTS = ("gpu_seconds", "cost_usage", "cost_allocation", "kwh", "kg_co2e",
-                "budget_used", "tenant")
+                "budget_used", "rejected", "tenant")
+
+
+def _rejected_map(usage: dict) -> dict[str, int]:
+    """tenant -> refused requests, from the usage report's `rejected` (tenant -> reason
+    -> count) when the daemon gives it."""
+    return {str(t): sum(int(n) for n in as_dict(reasons).values() if num(n) is not None)
+            for t, reasons in as_dict(usage.get("rejected")).items()}
 
 
 def _add(a: float | None, b: Any) -> float | None:
@@ -101,6 +110,12 @@ def tenants_from_usage(usage: dict, group: str = "tenant") -> list[TenantView]:
         if bu is not None:
             a["budget"] = bu if a["budget"] is None else max(a["budget"], bu)
     budgets = _budget_map(usage) if group == "tenant" else {}
+    refused = _rejected_map(usage) if group == "tenant" else {}
+    if "rejected" in usage and group == "tenant":
+        for tenant in refused:      # refused only: no usage row, still a line
+            acc.setdefault(tenant, {"gpu": None, "prefill": 0.0, "decode": 0.0, "cu": None,
+                                    "ca": None, "j": None, "g": None, "req": None,
+                                    "sim": False, "measured": True, "budget": None})
     total = sum(a["gpu"] or 0.0 for a in acc.values())
     out = []
     for tenant, a in acc.items():
@@ -113,7 +128,9 @@ def tenants_from_usage(usage: dict, group: str = "tenant") -> list[TenantView]:
             kg_co2e=None if a["g"] is None else a["g"] / 1000,
             share=gpu / total if total > 0 else None, budget_used=budget,
             requests=None if a["req"] is None else int(a["req"]),
-            simulated=a["sim"], measured=a["measured"]))
+            simulated=a["sim"], measured=a["measured"],
+            rejected=refused.get(tenant, 0) if "rejected" in usage and group == "tenant"
+            else None))
     return sort_tenants(out, "gpu_seconds", descending=True)
 
 
@@ -138,7 +155,8 @@ def merge_tenants(per_appliance: Iterable[list[TenantView]]) -> list[TenantView]
         for r in rows:
             a = acc.setdefault(r.tenant, {"gpu": 0.0, "p": 0.0, "d": 0.0, "cu": None, "ca": None,
                                           "kwh": None, "co2": None, "req": None, "sim": False,
-                                          "measured": True, "budget": None})
+                                          "measured": True, "budget": None, "rej": None})
+            a["rej"] = _add(a["rej"], r.rejected)
             a["gpu"] += r.gpu_seconds
             a["p"] += r.prefill_gpu_seconds
             a["d"] += r.decode_gpu_seconds
@@ -155,4 +173,5 @@ def merge_tenants(per_appliance: Iterable[list[TenantView]]) -> list[TenantView]
         cost_usage=a["cu"], cost_allocation=a["ca"], kwh=a["kwh"], kg_co2e=a["co2"],
         share=a["gpu"] / total if total > 0 else None, budget_used=a["budget"],
         requests=None if a["req"] is None else int(a["req"]), simulated=a["sim"],
-        measured=a["measured"]) for t, a in acc.items()], "gpu_seconds")
+        measured=a["measured"], rejected=None if a["rej"] is None else int(a["rej"]))
+        for t, a in acc.items()], "gpu_seconds")
