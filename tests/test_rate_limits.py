@@ -367,3 +367,27 @@ def test_tenants_json_lists_configured_tenants_without_traffic():
     assert rows["beta"]["budget"]["enforce"] == "reject"
     assert rows["beta"]["budget"]["tracked"] is False
     json.dumps(rows)
+
+
+def test_tui_tenants_screen_shows_refusals_from_the_usage_report():
+    from rich.console import Console
+
+    from appliance.tui.screens.tenants import tenant_table
+    from appliance.tui.views.tenants import tenants_from_usage
+    usage = {"rows": [{"tenant": "batch", "phase": "prefill", "gpu_seconds": 50.0},
+                      {"tenant": "search", "phase": "decode", "gpu_seconds": 5.0}],
+             "rejected": {"batch": {"rate_limit_requests": 3, "budget_exceeded": 1},
+                          "ghost": {"overloaded": 2}}}
+    rows = {r.tenant: r for r in tenants_from_usage(usage)}
+    assert (rows["batch"].rejected, rows["search"].rejected, rows["ghost"].rejected) == (4, 0, 2)
+    console = Console(width=80, record=True)
+    console.print(tenant_table(list(rows.values()), "gpu_seconds", True))
+    lines = console.export_text().splitlines()
+    assert lines[0].split()[-1] == "refused"
+    assert next(ln for ln in lines if ln.startswith("batch")).split()[-1] == "4"
+    # an older daemon without `rejected`: no column, n/a nowhere invented
+    old = tenants_from_usage({"rows": usage["rows"]})
+    assert all(r.rejected is None for r in old)
+    console = Console(width=80, record=True)
+    console.print(tenant_table(old, "gpu_seconds", True))
+    assert "refused" not in console.export_text()

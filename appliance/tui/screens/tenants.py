@@ -30,8 +30,11 @@ def tenant_table(rows: list[TenantView], sort_key: str, descending: bool,
     table = Table(box=None, pad_edge=False, expand=True, header_style="bold")
     heads = [("tenant", "left"), ("gpu_seconds", "right"), ("split", "right"),
              ("share", "right"), ("cost_usage", "right"), ("cost_allocation", "right"),
-             ("kwh", "right"), ("kg_co2e", "right"), ("budget_used", "right"),
-             ("rejected", "right")]
+             ("kwh", "right"), ("kg_co2e", "right"), ("budget_used", "right")]
+    # refused requests (rate limits, budgets, overload): a column once there are any
+    refused = any(r.rejected for r in rows)
+    if refused:
+        heads.append(("rejected", "right"))
     for key, justify in heads:
         label = SORT_LABELS.get(key, {"split": "P/D", "share": "share"}.get(key, key))
         if key == "tenant" and group != "tenant":
@@ -49,10 +52,12 @@ def tenant_table(rows: list[TenantView], sort_key: str, descending: bool,
             budget += "!"
         elif r.budget_used is not None and r.budget_used >= 0.8:
             budget += "*"
-        table.add_row(r.tenant, fmt_num(r.gpu_seconds), split, fmt_pct(r.share),
-                      money(r.cost_usage), money(r.cost_allocation),
-                      fmt_num(r.kwh, digits=3), fmt_num(r.kg_co2e, digits=3), budget,
-                      NA if r.rejected is None else str(r.rejected))
+        cells = [r.tenant, fmt_num(r.gpu_seconds), split, fmt_pct(r.share),
+                 money(r.cost_usage), money(r.cost_allocation),
+                 fmt_num(r.kwh, digits=3), fmt_num(r.kg_co2e, digits=3), budget]
+        if refused:
+            cells.append(NA if r.rejected is None else str(r.rejected))
+        table.add_row(*cells)
     return table
 
 
