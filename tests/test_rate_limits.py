@@ -213,6 +213,10 @@ def test_limit_answers_429_with_openai_headers_and_spares_other_tenants(limited)
     assert "alpha" in body["error"]["message"]
     assert h["retry-after"] == "1" and 0 < int(h["retry-after-ms"]) <= 1000
     assert h["x-ratelimit-remaining-requests"] == "0"
+    # refused before the body is read: a body that is not even JSON gets the 429
+    code, _, body = d.post("/v1/chat/completions", raw=b"{not json",
+                           headers={"Authorization": f"Bearer {KEY_A}"})
+    assert code == 429 and body["error"]["code"] == "rate_limit_exceeded"
     # beta has no table and no default: never limited, even now
     code, headers, body = _chat(d, KEY_B)
     assert code == 200, body
@@ -245,6 +249,20 @@ def test_official_client_backs_off_on_429_and_succeeds(limited):
                                             messages=[{"role": "user", "content": "hi"}])
     assert exc.value.code == "rate_limit_exceeded"
     assert exc.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_streamed_responses_carry_the_headers(limited):
+    for _ in range(40):     # alpha may be out of request tokens: wait for one
+        code, headers, body = limited.post("/v1/chat/completions", {
+            "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, "stream": True}, headers={"Authorization": f"Bearer {KEY_A}"})
+        if code != 429:
+            break
+        time.sleep(0.5)
+    h = {k.lower(): v for k, v in headers.items()}
+    assert code == 200 and h["content-type"].startswith("text/event-stream")
+    assert h["x-ratelimit-limit-requests"] == "60" and h["x-ratelimit-limit-tokens"] == "3000"
+    assert body.endswith(b"data: [DONE]\n\n")
 
 
 def test_tokens_per_minute_refuses_a_request_too_large(limited):

@@ -131,6 +131,7 @@ class AccountingLink:
         self._requests: list[RequestRecord] = []
         self._status: dict = {}
         self._budgets: list[dict] = []
+        self._budgets_of: dict[str, list[dict]] = {}   # by tenant: admission looks one up
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._exited = asyncio.Event()
@@ -289,6 +290,10 @@ class AccountingLink:
                 fut.set_result(None)
         self._status = report.status
         self._budgets = report.budgets
+        by_tenant: dict[str, list[dict]] = {}
+        for b in report.budgets:
+            by_tenant.setdefault(b["tenant"], []).append(b)
+        self._budgets_of = by_tenant
         for tenant, usage in report.tenants.items():
             self.metrics.add(tenant, usage)
         for b in report.budgets:
@@ -369,7 +374,9 @@ class AccountingLink:
         return s
 
     def budget_report(self, tenant: str | None = None) -> list[dict]:
-        return [b for b in self._budgets if tenant is None or b["tenant"] == tenant]
+        if tenant is not None:      # per request (enforced budgets): one look-up
+            return self._budgets_of.get(tenant, [])
+        return list(self._budgets)
 
     def set_budgets(self, cfg: BudgetsConfig) -> None:
         """A reload: the accounting process counts against the new limits from now on

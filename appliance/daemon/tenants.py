@@ -34,6 +34,12 @@ ADVERB = {"day": "daily", "week": "weekly", "month": "monthly"}
 REASONS = ("overloaded", "rate_limit_requests", "rate_limit_tokens", "budget_exceeded")
 
 
+_REQUEST_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
+                    "x-ratelimit-reset-requests")
+_TOKEN_HEADERS = ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
+                  "x-ratelimit-reset-tokens")
+
+
 def duration(seconds: float) -> str:
     """OpenAI's reset format (Go's time.Duration): "20ms", "1s", "1.5s", "6m0s", "1h2m3s"."""
     if seconds <= 0:
@@ -52,13 +58,14 @@ def duration(seconds: float) -> str:
 class TokenBucket:
     """Up to `capacity` tokens, refilled at `capacity / 60` per second."""
 
-    __slots__ = ("capacity", "rate", "level", "t")
+    __slots__ = ("capacity", "rate", "level", "t", "limit_text")
 
     def __init__(self, per_minute: float, now: float):
         self.capacity = per_minute
         self.rate = per_minute / 60.0
         self.level = per_minute         # a new bucket starts full
         self.t = now
+        self.limit_text = f"{per_minute:g}"     # x-ratelimit-limit-*, on every response
 
     def _refill(self, now: float) -> None:
         if now > self.t:
@@ -94,6 +101,7 @@ class TokenBucket:
         used = self.capacity - self.level
         self.capacity, self.rate = per_minute, per_minute / 60.0
         self.level = per_minute - used
+        self.limit_text = f"{per_minute:g}"
 
 
 @dataclass
@@ -127,12 +135,13 @@ class TenantState:
 class TenantPolicy:
     """The `[tenants]` and `[budgets] enforce` of the config, applied per request.
 
-    `budgets` is a callable giving the accounting process's latest budget report
+    `budget_report(tenant=None)` gives the accounting process's latest budget report
     (`AccountingLink.budget_report`): a list of {tenant, budget, period, period_start,
-    limit, used}. `clock` is the time (a seam: tests move it across a period's end)."""
+    limit, used}, the tenant's only when one is named (admission asks per request, so
+    that is a look-up). `clock` is the time (a seam: tests move it across a period's end)."""
 
     def __init__(self, tenants: dict[str, TenantConfig], budgets: BudgetsConfig,
-                 budget_report: Callable[[], list[dict]] | None = None,
+                 budget_report: Callable[..., list[dict]] | None = None,
                  clock: Callable[[], float] = time.time):
         self.clock = clock
         self.budget_report = budget_report
@@ -141,6 +150,7 @@ class TenantPolicy:
         self.states: dict[str, TenantState] = {}
         self.reloads = 0
         self.reloaded_at: float | None = None
+        self._period: tuple[str, float, float] = ("", 0.0, 0.0)    # (period, start, end)
         self.apply(tenants, budgets)
 
     # ---- configuration -----------------------------------------------------------------
@@ -186,16 +196,22 @@ class TenantPolicy:
         if self.budget_report is None:
             return None
         now = self.clock() if now is None else now
-        for b in self.budget_report():
-            if b.get("tenant") != tenant or not b.get("limit"):
+        for b in self.budget_report(tenant):
+            if b.get("tenant") != tenant or not b.get("limit") or b["used"] < b["limit"]:
                 continue
-            if b["used"] < b["limit"]:
-                continue
-            period = b.get("period", self.budgets.period)
-            if period_start(period, now) > b.get("period_start", 0.0):
+            if self._period_start(b.get("period", self.budgets.period), now) \
+                    > b.get("period_start", 0.0):
                 continue        # that period is over
             return b
         return None
+
+    def _period_start(self, period: str, now: float) -> float:
+        """`period_start`, computed once per period rather than per request."""
+        name, start, end = self._period
+        if name != period or not start <= now < end:
+            start, end = period_start(period, now), next_period_start(period, now)
+            self._period = (period, start, end)
+        return start
 
     def priority(self, tenant: str) -> tuple[int, bool]:
         """(priority class, deprioritized by a spent budget) for a new request."""
@@ -298,12 +314,13 @@ class TenantPolicy:
         now = self.clock() if now is None else now
         st = self.state(tenant)
         out = {}
-        for kind, bucket in (("requests", st.requests), ("tokens", st.tokens)):
+        for names, bucket in ((_REQUEST_HEADERS, st.requests), (_TOKEN_HEADERS, st.tokens)):
             if bucket is None:
                 continue
-            out[f"x-ratelimit-limit-{kind}"] = f"{bucket.capacity:g}"
-            out[f"x-ratelimit-remaining-{kind}"] = str(bucket.remaining(now))
-            out[f"x-ratelimit-reset-{kind}"] = duration(bucket.reset_s(now))
+            bucket._refill(now)
+            out[names[0]] = bucket.limit_text
+            out[names[1]] = str(max(0, int(bucket.level)))
+            out[names[2]] = duration((bucket.capacity - bucket.level) / bucket.rate)
         return out
 
     # ---- the tenants view --------------------------------------------------------------
