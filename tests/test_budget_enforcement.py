@@ -204,5 +204,17 @@ def test_daemon_enforces_tiny_budgets(tiny_model, tmp_path):
         _, _, metrics = http("GET", d.url + "/metrics")
         assert re.search(r'applianced_tenant_rejected_total\{(?=[^}]*tenant="alpha")'
                          r'(?=[^}]*reason="budget_exceeded")[^}]*\} 1\.0', metrics.decode())
+        # a reload raises alpha's limit: the accounting process takes it, keeps the usage,
+        # and alpha is served again
+        used = _tenant(d, "alpha")["budget"]["budgets"][0]["used"]
+        (tmp_path / "config.toml").write_text(CONFIG.replace("alpha = 1e-9", "alpha = 1000.0"))
+        code, _, body = d.post("/admin/v1/reload", {})
+        assert code == 200, body
+        deadline = time.monotonic() + 20
+        while _tenant(d, "alpha")["budget"]["spent"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        b = _tenant(d, "alpha")["budget"]["budgets"][0]
+        assert b["limit"] == 1000.0 and b["used"] >= used > 0
+        alpha.chat.completions.create(model="tiny-llama", max_tokens=4, messages=msg)
     finally:
         d.stop(signal.SIGKILL)

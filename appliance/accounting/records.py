@@ -30,7 +30,8 @@ class RequestRecord:
     prefill_worker: str | None
     decode_worker: str | None
     status: str                     # "ok" | "error" | "aborted" | "rejected"
-    finish_reason: str | None
+    finish_reason: str | None       # rejected: why (overloaded, rate_limit_requests,
+                                    # rate_limit_tokens, budget_exceeded)
     error: str | None = None
     simulated: bool = False
     # n > 1: the choices ran as engine requests `request_id`, `request_id.1`, … (their
