@@ -1,7 +1,8 @@
 """What the per-tenant limits cost the event loop per request (issue 27 §2-3): the
 checks a generation goes through with every limit on (budget, requests bucket, priority,
 tokens reservation, response headers, settle at finish), against a policy with no
-limits. In-process, no daemon: this is the added work on the loop, per request. ~5 s.
+limits. In-process, no daemon: this is the added work on the loop, per request;
+the best of 5 passes. ~5 s.
 
     .venv/bin/python bench/bench_tenant_limits.py
 """
@@ -29,11 +30,15 @@ def one_request(policy: TenantPolicy, tenant: str) -> None:
     policy.finished(tenant, res, 550)
 
 
-def run(policy: TenantPolicy, tenants: list[str]) -> float:
-    t0 = time.perf_counter()
-    for i in range(N):
-        one_request(policy, tenants[i % len(tenants)])
-    return (time.perf_counter() - t0) / N * 1e6
+def run(policy: TenantPolicy, tenants: list[str], repeats: int = 5) -> float:
+    """The best of `repeats` passes (a shared machine adds noise, never removes it)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(N // repeats):
+            one_request(policy, tenants[i % len(tenants)])
+        best = min(best, (time.perf_counter() - t0) / (N // repeats) * 1e6)
+    return best
 
 
 def main() -> None:

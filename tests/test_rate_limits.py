@@ -97,6 +97,8 @@ def test_tokens_reserved_at_admission_and_settled_at_finish():
     row = policy.view()[0]
     assert row["rate"] == {"requests_per_minute": 1, "tokens_per_minute": 40}
     assert row["inflight"] == 0
+    clock.t += 62.0         # the last minute no longer holds it
+    assert policy.view()[0]["rate"] == {"requests_per_minute": 0, "tokens_per_minute": 0}
 
 
 def test_reload_keeps_what_was_used():

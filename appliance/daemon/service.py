@@ -206,11 +206,11 @@ class Service:
                 "no config file to reload (the daemon started with the defaults; start it "
                 "with --config FILE)")
         new = config_mod.load(self.config_path)
-        self.tenants.apply(new.tenants, new.budgets)
+        # the live config too: what reads cfg.tenants (fair queuing's weights) sees it
+        self.cfg.tenants, self.cfg.budgets = new.tenants, new.budgets
+        self.tenants.reload(new.tenants, new.budgets)
         if self.accounting is not None:
             self.accounting.set_budgets(new.budgets)
-        self.tenants.reloads += 1
-        self.tenants.reloaded_at = time.time()
         log.info("reloaded [tenants] and [budgets] from %s: %d tenant table(s), %d enforced "
                  "budget(s)", self.config_path, len(new.tenants),
                  sum(m != "alert" for m in new.budgets.enforce.values()))

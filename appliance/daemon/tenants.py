@@ -128,7 +128,8 @@ class TenantState:
     requests: TokenBucket | None = None
     tokens: TokenBucket | None = None
     inflight: int = 0
-    recent: deque = field(default_factory=deque)     # (finish time, tokens) of the last minute
+    # [second, requests, tokens] finished per second over the last minute (61 at most)
+    recent: deque = field(default_factory=deque)
     rejected: dict[str, int] = field(default_factory=dict)
 
 
@@ -166,6 +167,11 @@ class TenantPolicy:
         now = self.clock()
         for name, st in self.states.items():
             self._fit(st, self.config(name), now)
+
+    def reload(self, tenants: dict[str, TenantConfig], budgets: BudgetsConfig) -> None:
+        self.apply(tenants, budgets)
+        self.reloads += 1
+        self.reloaded_at = self.clock()
 
     def _fit(self, st: TenantState, tc: TenantConfig, now: float) -> None:
         for attr, per_minute in (("requests", tc.requests_per_minute),
@@ -274,7 +280,12 @@ class TenantPolicy:
         st.inflight = max(0, st.inflight - 1)
         if reservation is not None and st.tokens is not None:
             st.tokens.give(reservation.tokens - used_tokens, now)
-        st.recent.append((now, used_tokens))
+        second = int(now)
+        if st.recent and st.recent[-1][0] == second:
+            st.recent[-1][1] += 1
+            st.recent[-1][2] += used_tokens
+        else:
+            st.recent.append([second, 1, used_tokens])
         self._trim(st, now)
 
     def finished_unstarted(self, tenant: str, reservation: Reservation | None) -> None:
@@ -284,7 +295,7 @@ class TenantPolicy:
             st.tokens.give(reservation.tokens, self.clock())
 
     def _trim(self, st: TenantState, now: float) -> None:
-        while st.recent and st.recent[0][0] < now - RATE_WINDOW_S:
+        while st.recent and st.recent[0][0] <= now - RATE_WINDOW_S - 1:
             st.recent.popleft()
 
     def _refuse(self, tenant: str, refusal: Refusal) -> Refusal:
@@ -351,8 +362,8 @@ class TenantPolicy:
                            "tokens_per_minute": tc.tokens_per_minute},
                 "remaining": {"requests": st.requests.remaining(now) if st.requests else None,
                               "tokens": st.tokens.remaining(now) if st.tokens else None},
-                "rate": {"requests_per_minute": len(st.recent),
-                         "tokens_per_minute": sum(t for _, t in st.recent)},
+                "rate": {"requests_per_minute": sum(r[1] for r in st.recent),
+                         "tokens_per_minute": sum(r[2] for r in st.recent)},
                 "inflight": st.inflight,
                 "queue_depth": depth,
                 "rejected": dict(st.rejected),
