@@ -70,11 +70,16 @@ def test_deprioritizing_budget_lowers_the_priority_class_until_the_period_ends()
     policy = _policy({"beta": "deprioritize"}, clock, {"beta": TenantConfig(priority=2)})
     assert policy.admit("beta") is None         # served, not refused
     assert policy.priority("beta") == (LOWEST_PRIORITY, True)
+    # what the request takes to the scheduler (GenerationRequest.priority), whatever it asked
+    assert policy.request_priority("beta", None) == LOWEST_PRIORITY
+    assert policy.request_priority("beta", -5) == LOWEST_PRIORITY
+    assert policy.request_priority("gamma", 3) == 3     # not deprioritizing: as asked
     row = next(r for r in policy.view() if r["tenant"] == "beta")
     assert row["effective_priority"] == LOWEST_PRIORITY and row["deprioritized"]
     assert row["priority"] == 2
     clock.t = next_period_start("day", now) + 1.0
     assert policy.priority("beta") == (2, False)
+    assert policy.request_priority("beta", None) is None   # the tenant's class again
 
 
 def test_alerting_budget_never_stops_anyone():

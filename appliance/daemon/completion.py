@@ -209,10 +209,6 @@ class Completion:
         self.choices = [Choice(self, i) for i in range(req.n)]
         self.status = "error"
         self.error: str | None = None
-        # Priority class, lower served first (as vLLM's `priority`): the tenant's
-        # [tenants.NAME] priority, or the lowest class while a deprioritizing budget is
-        # spent. Set at admission; the fair-queuing scheduler reads it.
-        self.priority = 0
 
     @property
     def object_id(self) -> str:

@@ -58,6 +58,7 @@ class GenerationRequest:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     tools: ToolRequest | None = None    # chat: the tools offered, and tool_choice
+    priority: int | None = None         # vLLM's: lower is served first; None: the tenant's
 
     def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = (),
                  choice: int = 0) -> SamplingParams:

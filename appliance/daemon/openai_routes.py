@@ -111,7 +111,8 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
         svc.state.preparing -= 1
     comp = Completion(svc, req, tenant, rid, arrival)
     comp.prompt, comp.max_tokens = prompt, max_tokens
-    comp.priority, _ = policy.priority(tenant)
+    # a spent deprioritizing budget: the lowest class (fair queuing orders by it)
+    req.priority = policy.request_priority(tenant, req.priority)
     n = len(comp.choices)   # each choice is a generation of its own on the workers
     # Tokens per minute need the count: prompt + the output the request may make.
     asked = len(prompt) + n * (req.max_tokens or 0)

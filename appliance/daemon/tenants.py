@@ -226,6 +226,13 @@ class TenantPolicy:
             return LOWEST_PRIORITY, True
         return base, False
 
+    def request_priority(self, tenant: str, asked: int | None) -> int | None:
+        """The `priority` a request goes to the scheduler with: what it asked (None: its
+        tenant's class), or the lowest class while its deprioritizing budget is spent."""
+        if self.enforce_mode(tenant) == "deprioritize" and self.spent(tenant) is not None:
+            return LOWEST_PRIORITY
+        return asked
+
     # ---- admission ---------------------------------------------------------------------
     def admit(self, tenant: str) -> Refusal | None:
         """Before the body is read: a rejecting budget that is spent, then the request
