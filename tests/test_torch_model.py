@@ -491,7 +491,12 @@ def test_linear_packed_for_the_cpu_and_plain_elsewhere(monkeypatch):
 
     half = Linear(w.to(torch.float64))
     assert half.packed is None and half.weight.dtype == torch.float64
-    monkeypatch.setattr(llama_model, "_ONEDNN_OK", False)
+    bf = Linear(w.to(torch.bfloat16))           # bf16 is packed too, where oneDNN takes it
+    assert (bf.packed is not None) == llama_model._onednn_ok(torch.bfloat16)
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    torch.testing.assert_close(bf(xb), torch.nn.functional.linear(xb, wb), rtol=1e-2, atol=2e-2)
+    monkeypatch.setattr(llama_model, "_ONEDNN_OK",
+                        {torch.float32: False, torch.bfloat16: False})
     plain = Linear(w, b)
     assert plain.packed is None and plain.dense() is w
     assert torch.equal(plain(x), torch.nn.functional.linear(x, w, b))
