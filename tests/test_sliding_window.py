@@ -7,6 +7,7 @@ so a window of 10 leaves whole blocks behind it."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -127,16 +128,24 @@ def _close(a, b):
 # --------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "bounded"])
+@pytest.mark.parametrize("backend", ["sdpa", "bounded", "flashinfer"])
 def test_prompts_longer_than_the_window_then_decode(windowed, backend, monkeypatch):
     """Three prompts (shorter than, at, and well past the window) prefilled together,
     then decoded greedily in groups small enough to split them, each step's logits
-    equal to transformers' on the whole sequence; the greedy tokens equal generate's."""
+    equal to transformers' on the whole sequence; the greedy tokens equal generate's.
+    With FlashInfer (tests/fake_flashinfer.py) the full layers go through its kernels
+    (with the model's score scale) and the windowed ones through the bounded path."""
     path, ref = windowed
     model = load_model(path)
     assert model.shape.max_context == 256          # not capped at the window
     if backend == "bounded":   # a budget that makes the bounded path chunk keys and rows
         model.set_attention("bounded", budget=24_000)
+    if backend == "flashinfer":
+        import fake_flashinfer
+        module = fake_flashinfer.module()
+        fake_flashinfer.calls.clear()
+        monkeypatch.setitem(sys.modules, "flashinfer", module)
+        model.set_attention("flashinfer", flashinfer_module=module)
     monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 4 * 2 * BLOCK * 2 * 16 * 4)
     kv = allocate_kv_pool(model.shape, num_blocks=64, block_size=BLOCK)
     pager = Pager(64, seed=1)
@@ -154,6 +163,10 @@ def test_prompts_longer_than_the_window_then_decode(windowed, backend, monkeypat
         for i, s in enumerate(seqs):
             _close(logits[i], ref_logits(ref, s))
     ref.generation_config.eos_token_id = None      # greedy for all 8 tokens, as above
+    if backend == "flashinfer":
+        runs = [name for name, _ in fake_flashinfer.calls if name.endswith(".run")]
+        full_layers = sum(model.shape.window(i) is None for i in range(model.shape.num_layers))
+        assert len(runs) == 9 * full_layers         # 9 steps, only the unwindowed layers
     for p, s in zip(prompts, seqs):
         with torch.no_grad():
             want = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
