@@ -276,3 +276,72 @@ def test_simulator_spec_reads_gemma3(tmp_path):
     per_layer = 2 * 2 * 16 * spec.kv_bytes
     assert spec.kv_bytes_for_context(100) == 3 * 100 * per_layer
     assert spec.kv_bytes_for_context(4096) == (2 * 512 + 4096) * per_layer
+
+
+# --------------------------------------------------------------------------- freeing blocks
+
+
+def _engine(path, num_blocks: int, chunk: int = 0):
+    import json
+
+    from appliance.engines.kv_pool import kv_pool_bytes_per_block
+    from appliance.engines.loader import servable_shape
+    from appliance.engines.torch_engine import build_torch_engine
+    from appliance.worker.spec import WorkerSpec
+
+    shape = servable_shape(json.loads((path / "config.json").read_text()))
+    per_block = kv_pool_bytes_per_block(shape, BLOCK, torch.float32)
+    spec = WorkerSpec(worker="agg0", role="agg", engine="torch", devices=["cpu"],
+                      device_kind="cpu", model_dir=str(path), block_size=BLOCK,
+                      kv_cache_bytes=num_blocks * per_block, max_batch_tokens=512,
+                      max_seqs=8, prefill_chunk_tokens=chunk)
+    eng = build_torch_engine(spec, path)
+    eng.eos_token_ids = ()
+    return eng
+
+
+def test_blocks_behind_every_window_are_freed_only_when_every_layer_slides(windowed):
+    """An engine decoding 24 tokens after a 30-token prompt (chunked by 8): with every
+    layer windowed (Mistral) the blocks behind the window go back to the pool as it
+    decodes, the sequence never holding more than the window's blocks plus two; with a
+    full-attention layer (Qwen2 here, Gemma 3) none does. Either way the greedy tokens are
+    transformers', every block comes back at the end, and a second request with the same
+    prompt is served from the prefix cache (freed blocks keep their hashes) with the same
+    tokens."""
+    from appliance.engines.messages import Prefill, RequestFailed, SamplingParams, Tokens
+
+    path, ref = windowed
+    eng = _engine(path, num_blocks=48, chunk=8)
+    all_slide = eng.model.shape.all_layers_slide
+    assert (eng.kv_window == W) == all_slide and (eng.kv_window is None) != all_slide
+    (prompt,) = _prompts([30], seed=11)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+
+    def run(rid):
+        out, cached, held = [], None, []
+        assert eng.add(Prefill(rid, prompt, params, handoff=False)) == []
+        while eng.has_work():
+            for ev in eng.step():
+                assert not isinstance(ev, RequestFailed), ev
+                if isinstance(ev, Tokens) and ev.request_id == rid:
+                    out += ev.tokens
+                    cached = ev.cached_tokens if cached is None else cached
+            seq = eng._seqs.get(rid)
+            if seq is not None and seq.num_output:
+                held.append((sum(b >= 0 for b in seq.block_table), len(seq.block_table)))
+        return out, cached, held
+
+    out, _, held = run("a")
+    assert out == want
+    assert held[-1][1] == -(-(len(prompt) + 22) // BLOCK)   # the table covers the context
+    if all_slide:
+        assert max(h for h, _ in held[5:]) <= -(-W // BLOCK) + 2 < held[-1][1]
+    else:
+        assert all(h == n for h, n in held)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    out2, cached2, _ = run("b")
+    assert out2 == want and cached2 >= 6 * BLOCK
