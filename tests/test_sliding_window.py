@@ -345,3 +345,39 @@ def test_blocks_behind_every_window_are_freed_only_when_every_layer_slides(windo
     assert eng.blocks.num_free == eng.blocks.num_blocks
     out2, cached2, _ = run("b")
     assert out2 == want and cached2 >= 6 * BLOCK
+
+
+def test_gemma_numerics_both_config_spellings_and_refusals():
+    from appliance.engines.loader import servable_shape
+    from appliance.engines.models.gemma3 import GemmaNumerics
+    from appliance.models.shape import ModelLoadError
+
+    # transformers 4.x (google/gemma-3-1b-it's config.json): flat rope keys
+    v4 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+          "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+          "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+          "head_dim": 256, "query_pre_attn_scalar": 256, "rope_theta": 1000000,
+          "rope_local_base_freq": 10000, "rope_scaling": None, "sliding_window": 512,
+          "sliding_window_pattern": 6, "final_logit_softcapping": None,
+          "max_position_embeddings": 32768}
+    n = GemmaNumerics.from_hf_config(v4)
+    assert n == GemmaNumerics(256.0, 10000.0, 1.0, None)
+    s = servable_shape(v4)
+    assert (s.rope_theta, s.sliding_window, s.window(5), s.window(4)) == (1e6, 512, None, 512)
+    # transformers 5: rope_parameters per layer type; the 4B's linear x8 on global layers
+    v5 = {**v4, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}},
+        "final_logit_softcapping": 30.0}
+    del v5["rope_theta"], v5["rope_local_base_freq"]
+    assert GemmaNumerics.from_hf_config(v5) == GemmaNumerics(256.0, 5000.0, 8.0, 30.0)
+    assert servable_shape(v5).rope_theta == 1e6
+    for bad, why in ((dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+                     (dict(use_bidirectional_attention=True), "bidirectional"),
+                     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "'yarn'")):
+        with pytest.raises(ModelLoadError, match=why):
+            servable_shape({**v4, **bad})
+    # The multimodal checkpoints are refused with the supported list.
+    with pytest.raises(ModelLoadError, match="Gemma3ForConditionalGeneration.*Gemma3ForCausalLM"):
+        servable_shape({"architectures": ["Gemma3ForConditionalGeneration"],
+                        "model_type": "gemma3", "text_config": v4})
