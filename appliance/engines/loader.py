@@ -1,7 +1,8 @@
-"""Loading an HF Llama/Mistral/Qwen2 safetensors checkpoint into a `LlamaModel`.
+"""Loading an HF Llama/Mistral/Qwen2/Gemma 3 safetensors checkpoint into a `LlamaModel`
+(Gemma 3: its subclass `models.gemma3.Gemma3Model`).
 
-Supported checkpoints: HF ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
-in safetensors (single file or sharded index). config.json is read by the one shape reader
+Supported checkpoints: HF ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Gemma3ForCausalLM`` (text only) in safetensors (single file or sharded index). config.json is read by the one shape reader
 (`appliance.models.shape`), which knows more families than this engine runs;
 `servable_shape` refuses the rest with a one-line reason.
 """
@@ -19,7 +20,8 @@ from appliance.models.shape import LlamaShape, ModelLoadError, architecture_of
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "load_model", "servable_shape"]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Gemma3ForCausalLM")
 
 
 def servable_shape(cfg: dict[str, Any]) -> LlamaShape:
@@ -31,6 +33,12 @@ def servable_shape(cfg: dict[str, Any]) -> LlamaShape:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     shape = LlamaShape.from_hf_config(cfg)
+    if shape.family == "gemma3_text":
+        from appliance.engines.models.gemma3 import GemmaNumerics
+        GemmaNumerics.from_hf_config(cfg)       # refuses what the Gemma 3 model cannot run
+        if shape.head_dim % 2:
+            raise ModelLoadError(f"head_dim {shape.head_dim} must be even for RoPE")
+        return shape
     if shape.hidden_act != "silu":
         raise ModelLoadError(f"unsupported hidden_act {shape.hidden_act!r} for {arch}; only 'silu'")
     if shape.mlp_bias:
@@ -92,9 +100,10 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> LlamaModel:
-    """Load an HF Llama/Mistral/Qwen2 safetensors checkpoint; raises ModelLoadError."""
+    """Load an HF Llama/Mistral/Qwen2/Gemma 3 safetensors checkpoint; raises ModelLoadError."""
     model_dir = Path(model_dir)
-    shape = servable_shape(_read_config(model_dir))
+    cfg = _read_config(model_dir)
+    shape = servable_shape(cfg)
     raw = _load_tensors(model_dir)
     D, I = shape.hidden_size, shape.intermediate_size
 
@@ -108,6 +117,11 @@ def load_model(
             )
         return t.to(device=device, dtype=dtype)
 
+    if shape.family == "gemma3_text":
+        from appliance.engines.models import gemma3
+        model = gemma3.build(shape, cfg, get)
+        raw.clear()
+        return model
     embed = get("model.embed_tokens.weight", (shape.vocab_size, D))
     if shape.tie_word_embeddings:
         lm_head = Linear(embed)
