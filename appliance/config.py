@@ -59,6 +59,7 @@ class EngineConfig:
     reserve_ratio: float = 1.0        # share of max_tokens reserved at admission (1 = never preempt)
     handoff_timeout_s: float = 30.0   # free handed-off KV nobody picked up after this
     prefill_chunk_tokens: int = 0     # >0: prefill in chunks of this many tokens, decodes between
+    fair_queuing: bool = True         # tenants share prefill steps by [tenants] weight, not arrival order
     conditional_disagg_tokens: int = 0  # >0: prompts shorter than this skip the prefill worker
     tool_parser: str = ""             # "" = from the chat template; hermes | llama3_json | mistral | none
 
@@ -156,6 +157,16 @@ class BudgetsConfig:
 
 
 @dataclass
+class TenantConfig:
+    # One microservice's share of the box (docs/operations/tenants.md).
+    weight: float = 1.0               # fair-queuing weight: capacity shared in proportion
+    priority: int = 0                 # default priority class; lower is served first (as vLLM's `priority`)
+    max_concurrent: int = 0           # requests in flight at once; 0 = unlimited
+    requests_per_minute: float = 0.0  # token bucket; 0 = unlimited
+    tokens_per_minute: float = 0.0    # prompt + max output reserved at admission, settled at finish; 0 = unlimited
+
+
+@dataclass
 class PlannerConfig:
     # The SLOs the capacity planner sizes the prefill and decode pools for.
     ttft_slo_s: float = 2.0           # time to first token (mean, Kingman G/G/1 per worker)
@@ -204,6 +215,7 @@ class Config:
     site: SiteConfig = field(default_factory=SiteConfig)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
     budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     tui: TuiConfig = field(default_factory=TuiConfig)
@@ -267,6 +279,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config: auth.metrics_access must be open, loopback or admin, "
                           f"got {cfg.auth.metrics_access!r}")
     _validate_accounting(cfg)
+    _validate_tenants(cfg)
     for url in cfg.tui.urls:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"config: tui.urls: {url!r} is not an http:// or https:// URL")
@@ -379,6 +392,28 @@ def _number_table(key: str, table: dict, positive: bool = True) -> None:
             raise ConfigError(f"config: {key}.{name} must be {'positive' if positive else '0 or more'}, "
                               f"got {value}")
         table[name] = float(value)
+
+
+def _validate_tenants(cfg: Config) -> None:
+    """`[tenants.NAME]` tables -> TenantConfig, each key checked (`[tenants.default]`
+    is what a tenant not named gets)."""
+    tenants = {}
+    for name, table in cfg.tenants.items():
+        if isinstance(table, TenantConfig):
+            tenant = table
+        elif not isinstance(table, dict):
+            raise ConfigError(f"config: tenants.{name} must be a table, e.g. [tenants.{name}]")
+        else:
+            tenant = TenantConfig()
+            _fill(tenant, table, f"tenants.{name}.")
+        if not tenant.weight > 0:
+            raise ConfigError(f"config: tenants.{name}.weight must be positive, got {tenant.weight}")
+        for key in ("max_concurrent", "requests_per_minute", "tokens_per_minute"):
+            if getattr(tenant, key) < 0:
+                raise ConfigError(f"config: tenants.{name}.{key} must be 0 (unlimited) or more, "
+                                  f"got {getattr(tenant, key)}")
+        tenants[name] = tenant
+    cfg.tenants = tenants
 
 
 def _validate_accounting(cfg: Config) -> None:

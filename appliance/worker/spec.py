@@ -29,6 +29,7 @@ class WorkerSpec:
     handoff_timeout_s: float = 30.0
     reserve_ratio: float = 1.0
     prefill_chunk_tokens: int = 0   # > 0: prompts are prefilled in chunks of this many tokens
+    fair_queuing: bool = True       # tenants' prompts share prefill steps by weight
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

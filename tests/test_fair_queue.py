@@ -1,0 +1,245 @@
+"""The fair queue itself (`engines.fair_queue`), the engine scheduler's fair prefill
+steps, and the router's per-tenant concurrency gate (`daemon.fairness`)."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from appliance.config import ConfigError, TenantConfig, parse
+from appliance.daemon.fairness import TenantGate
+from appliance.engines.block_manager import BlockManager
+from appliance.engines.fair_queue import FairQueue, VirtualClock, chunk_for_step_time
+from appliance.engines.messages import SamplingParams
+from appliance.engines.roofline import DeviceShape, StepTimeModel
+from appliance.engines.scheduler import Batch, Scheduler
+from appliance.engines.sequence import Role, Sequence
+from appliance.models.specs import lookup_model_spec
+from appliance.partitions.catalogue import H100_SXM
+
+BS = 4
+_tok = itertools.count(1000)
+
+
+# ---- the queue ------------------------------------------------------------------------
+
+def test_one_tenant_is_first_in_first_out():
+    q: FairQueue[str] = FairQueue()
+    for i in range(5):
+        q.push(f"r{i}", "a")
+    assert [q.pop() for _ in range(5)] == [f"r{i}" for i in range(5)]
+    with pytest.raises(IndexError):
+        q.pop()
+
+
+def test_service_is_shared_by_weight_not_by_arrival():
+    """A floods 30 requests before B's 10 arrive; B has weight 2. Charging one per pop,
+    B gets two of every three turns while both wait, whatever the arrival order."""
+    q: FairQueue[str] = FairQueue()
+    for i in range(30):
+        q.push(f"a{i}", "a", weight=1.0)
+    for i in range(10):
+        q.push(f"b{i}", "b", weight=2.0)
+    served = []
+    for _ in range(15):
+        item = q.pop()
+        served.append(item[0])
+        q.charge(item[0], 1.0)
+    assert served.count("b") == 10 and served.count("a") == 5
+    assert served[0] == "b"          # the newcomer starts at the clock, not behind A's queue
+    assert q.peek() == "a5" and len(q) == 25
+
+
+def test_an_idle_tenant_banks_no_credit():
+    """B served alone for a long while, then A arrives: A starts at the clock, so it
+    alternates with B instead of getting B's whole history as a head start."""
+    q: FairQueue[str] = FairQueue()
+    for i in range(100):
+        q.push(f"b{i}", "b")
+    for _ in range(50):
+        q.pop()
+        q.charge("b", 1.0)
+    for i in range(10):
+        q.push(f"a{i}", "a")
+    served = []
+    for _ in range(10):
+        item = q.pop()
+        served.append(item[0])
+        q.charge(item[0], 1.0)
+    assert served.count("a") in (5, 6)           # it joins at the clock: one turn's lead at most
+
+
+def test_priority_classes_come_first_and_remove_works():
+    q: FairQueue[str] = FairQueue()
+    q.push("low", "a", priority=5)
+    q.push("x", "b", priority=0)
+    q.push("urgent", "a", priority=-1)
+    q.remove("x")
+    assert [q.pop(), q.pop()] == ["urgent", "low"] and not q
+    with pytest.raises(ValueError):
+        q.remove("x")
+
+
+def test_virtual_clock_charges_cost_over_weight():
+    clock = VirtualClock()
+    clock.join("a")
+    clock.charge("a", 4.0, 100)
+    assert clock.time("a") == 25.0
+    clock.join("b")                      # b starts at the clock: a's last start, 0
+    assert clock.time("b") == 0.0
+
+
+def test_the_chunk_is_the_one_whose_step_takes_the_target_time():
+    """70B fp8 on one H100 by the roofline: ~50 ms steps at a few hundred tokens, well
+    below the 8,192-token budget; a step of the chosen chunk is <= 50 ms, one block
+    more is over."""
+    timing = StepTimeModel(DeviceShape.from_gpu(H100_SXM, 1.0), 1,
+                           lookup_model_spec("llama-3.1-70b-fp8"))
+    step = lambda n: timing.prefill_s([n], [0])        # noqa: E731
+    chunk = chunk_for_step_time(step, 0.05, align=16, lo=16, hi=8192)
+    assert 16 < chunk < 8192 and chunk % 16 == 0
+    assert step(chunk) <= 0.05 < step(chunk + 16)
+    assert chunk_for_step_time(lambda n: 1e-6 * n, 0.05, hi=8192) == 8192     # all fits
+    assert chunk_for_step_time(lambda n: 1.0, 0.05, lo=16) == 16              # nothing does
+
+
+# ---- the engine scheduler ----------------------------------------------------------------
+
+def sq(rid: str, n: int, tenant: str, weight: float = 1.0, priority: int = 0,
+       start: int = 0) -> Sequence:
+    return Sequence(rid, list(range(start, start + n)), SamplingParams(max_tokens=4), Role.FULL,
+                    tenant=tenant, weight=weight, priority=priority)
+
+
+def run(sched: Scheduler, batch: Batch) -> None:
+    for i, s in enumerate(batch.seqs):
+        if i < batch.num_prefill and s.step_tokens < s.uncached:
+            s.num_cached += s.step_tokens
+        else:
+            s.num_cached = len(s.tokens)
+            s.tokens.append(next(_tok))
+        sched.blocks.commit(s)
+
+
+def shape(batch: Batch) -> list[tuple[str, int]]:
+    return [(s.request_id, s.step_tokens) for s in batch.seqs[:batch.num_prefill]]
+
+
+def test_a_short_prompt_goes_into_the_next_step_ahead_of_a_flood():
+    """Unchunked, budget 64: the flood's 40-token prompts queue first. Alone, the
+    flood runs whole prompts; once the polite tenant's 4-token prompt waits, the step
+    shrinks to the fair chunk (16), the polite prompt goes into the very next step and
+    the flood's prompt under way is chunked around it."""
+    sched = Scheduler(BlockManager(256, BS, 0.0), 64, 32, fair_chunk_tokens=16)
+    for i in range(6):
+        sched.add(sq(f"f{i}", 40, "flood", start=100 * i))
+    first = sched.schedule()
+    assert shape(first) == [("f0", 40)]                 # one tenant: as before
+    run(sched, first)
+    sched.add(sq("p0", 4, "polite", start=5000))
+    second = sched.schedule()
+    assert ("p0", 4) in shape(second)
+    assert sum(n for _, n in shape(second)) <= 16       # behind at most one chunk
+    run(sched, second)
+    assert next(s for s in second.seqs if s.request_id == "p0").num_output == 1
+    # The polite tenant gone, the flood's steps are whole again (its chunk finishes first).
+    steps = []
+    while sched.waiting or sched.prefilling:
+        b = sched.schedule()
+        steps.append(shape(b))
+        run(sched, b)
+    assert all(sum(n for _, n in s) <= 64 for s in steps)
+    assert steps[-1][-1] == ("f5", 40)
+
+
+def test_contending_tenants_share_prefill_tokens_by_weight():
+    """Two tenants with long queues, weights 3 and 1: over many steps the prompt tokens
+    prefilled go 3:1 (within a chunk), though B's prompts all arrived first."""
+    sched = Scheduler(BlockManager(4096, BS, 0.0), 64, 256, fair_chunk_tokens=32)
+    for i in range(40):
+        sched.add(sq(f"b{i}", 24, "b", weight=1.0, start=1000 * i))
+    for i in range(40):
+        sched.add(sq(f"a{i}", 24, "a", weight=3.0, start=100000 + 1000 * i))
+    served = {"a": 0, "b": 0}
+    for _ in range(30):
+        b = sched.schedule()
+        assert sum(n for _, n in shape(b)) <= 32
+        for s, n in zip(b.seqs, (n for _, n in shape(b))):
+            served[s.tenant] += n
+        run(sched, b)
+    assert served["a"] / served["b"] == pytest.approx(3.0, rel=0.1)
+
+
+def test_a_better_priority_class_goes_first_and_the_tenant_count_is_kept():
+    sched = Scheduler(BlockManager(256, BS, 0.0), 64, 32, fair_chunk_tokens=64)
+    late = sq("late", 8, "a", priority=1, start=100)
+    urgent = sq("urgent", 8, "b", priority=-1, start=200)
+    sched.add(late)
+    sched.add(urgent)
+    b = sched.schedule()
+    assert [s.request_id for s in b.seqs] == ["urgent", "late"]
+    run(sched, b)
+    for s in (late, urgent):
+        sched.remove(s)
+        sched.blocks.free(s)
+    assert not sched._classes and not sched.clock.vt
+
+
+def test_fair_queuing_off_keeps_arrival_order():
+    sched = Scheduler(BlockManager(256, BS, 0.0), 16, 32, fair_chunk_tokens=8, fair=False)
+    for i in range(3):
+        sched.add(sq(f"f{i}", 16, "flood", start=100 * i))
+    sched.add(sq("p", 4, "polite", start=5000))
+    order = []
+    while sched.waiting:
+        b = sched.schedule()
+        order += shape(b)
+        run(sched, b)
+    assert order == [("f0", 16), ("f1", 16), ("f2", 16), ("p", 4)]
+
+
+# ---- the router's gate -----------------------------------------------------------------
+
+def test_tenant_config_parses_and_refuses_bad_values():
+    cfg = parse('[tenants.search]\nweight = 3\nmax_concurrent = 2\n[tenants.default]\npriority = 1\n')
+    assert cfg.tenants == {"search": TenantConfig(weight=3.0, max_concurrent=2),
+                           "default": TenantConfig(priority=1)}
+    with pytest.raises(ConfigError, match="tenants.x.weight must be positive"):
+        parse("[tenants.x]\nweight = 0\n")
+    with pytest.raises(ConfigError, match="unknown key tenants.x.wieght"):
+        parse("[tenants.x]\nwieght = 2\n")
+
+
+def test_the_gate_holds_requests_over_max_concurrent_and_lets_the_best_class_go_first():
+    async def scenario():
+        gate = TenantGate({"a": TenantConfig(max_concurrent=1, priority=0)})
+        first = gate.share("a")
+        await gate.acquire(first)
+        order = []
+
+        async def req(name, priority):
+            share = gate.share("a", priority)
+            await gate.acquire(share)
+            order.append(name)
+            await asyncio.sleep(0)
+            gate.release("a")
+
+        tasks = [asyncio.create_task(req("batchy", 5)), asyncio.create_task(req("normal", None))]
+        gone = asyncio.create_task(req("gone", 2))
+        await asyncio.sleep(0.01)
+        assert gate.depth("a") == 3 and order == []           # waiting, not refused
+        gone.cancel()
+        await asyncio.sleep(0.01)
+        assert gate.depth("a") == 2
+        gate.release("a")
+        await asyncio.gather(*tasks)
+        assert order == ["normal", "batchy"]
+        assert gate.inflight == {} and gate.depth("a") == 0
+        # A request may lower its standing, not raise it above its tenant's class.
+        assert gate.share("a", -5).priority == 0 and gate.share("a", 3).priority == 3
+        # Unnamed tenants: [tenants.default] if any, else unlimited with weight 1.
+        assert gate.share("other").max_concurrent == 0
+        assert TenantGate({"default": TenantConfig(max_concurrent=3)}).share("x").max_concurrent == 3
+        assert TenantGate({}).share("x").weight == 1.0
+    asyncio.run(scenario())
