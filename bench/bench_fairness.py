@@ -57,48 +57,92 @@ async def polite_round(client, n: int, max_tokens: int) -> list[float]:
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-async def polite(client, rounds: int, n: int, max_tokens: int, pause: float) -> list[float]:
+async def polite(client, rounds: int, n: int, max_tokens: int, pause: float,
+                 seconds: float = 0.0) -> list[float]:
+    """At least `rounds` rounds, and rounds for at least `seconds`."""
     out: list[float] = []
-    for _ in range(rounds):
+    end = time.monotonic() + seconds
+    done = 0
+    while done < rounds or time.monotonic() < end:
         out += await polite_round(client, n, max_tokens)
+        done += 1
         await asyncio.sleep(pause)
     return out
 
 
 class Flood:
-    """FLOOD concurrent long prompts, each sent again as soon as it finishes."""
+    """FLOOD concurrent long prompts, each sent again as soon as it finishes, from a
+    process of its own (building and parsing its requests must not delay the polite
+    tenant's client, whose times are the measurement). Each prompt differs from the
+    others in its first tokens, so the prefix cache saves the flood nothing."""
 
-    def __init__(self, client, concurrency: int, tokens: int, max_tokens: int, vocab: int):
-        self.client, self.concurrency = client, concurrency
-        self.tokens, self.max_tokens, self.vocab = tokens, max_tokens, vocab
-        self.done: list[tuple[float, int]] = []          # (finish time, prompt tokens)
+    def __init__(self, url: str, concurrency: int, tokens: int, max_tokens: int):
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self.results = ctx.Queue()
+        self.stop_event = ctx.Event()
+        self.proc = ctx.Process(target=_flood_process, daemon=True, args=(
+            url, concurrency, tokens, max_tokens, self.results, self.stop_event))
+        self.done: list[tuple[float, int]] = []          # (time.monotonic() at finish, tokens)
         self.errors = 0
-        self._stop = False
-
-    async def _loop(self, i: int) -> None:
-        rng = random.Random(i)
-        while not self._stop:
-            prompt = [rng.randrange(10, self.vocab) for _ in range(self.tokens)]
-            try:
-                r = await self.client.completions.create(model=MODEL, prompt=prompt,
-                                                         max_tokens=self.max_tokens)
-                self.done.append((time.perf_counter(), r.usage.prompt_tokens))
-            except Exception:        # counted, and the flood goes on
-                self.errors += 1
-                await asyncio.sleep(0.5)
 
     def start(self) -> None:
-        self.tasks = [asyncio.create_task(self._loop(i)) for i in range(self.concurrency)]
+        self.proc.start()
 
-    async def stop(self) -> None:
-        self._stop = True
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+    def _drain(self) -> None:
+        import queue
+        while True:
+            try:
+                item = self.results.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                self.errors += 1
+            else:
+                self.done.append(item)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self._drain()
 
     def rate(self, t0: float, t1: float) -> float:
-        """Prompt tokens per second completed in [t0, t1]."""
+        """Prompt tokens per second completed in [t0, t1] (time.monotonic())."""
+        self._drain()
         return sum(n for t, n in self.done if t0 <= t <= t1) / max(1e-9, t1 - t0)
+
+
+def _flood_process(url, concurrency, tokens, max_tokens, results, stop_event) -> None:
+    import openai
+    rng = random.Random(0)
+    base = [rng.randrange(10, FLOOD_VOCAB) for _ in range(tokens)]
+    counter = iter(range(10 ** 9))
+
+    async def loop(client) -> None:
+        while not stop_event.is_set():
+            n = next(counter)
+            prompt = [10 + n % 997, 10 + n // 997 % 997, 10 + n // 994009 % 997] + base[3:]
+            try:
+                r = await client.completions.create(model=MODEL, prompt=prompt,
+                                                    max_tokens=max_tokens)
+                results.put((time.monotonic(), r.usage.prompt_tokens))
+            except Exception:        # counted, and the flood goes on
+                results.put(None)
+                await asyncio.sleep(0.5)
+
+    async def main() -> None:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=FLOOD_KEY, max_retries=0,
+                                    timeout=600)
+        tasks = [asyncio.create_task(loop(client)) for _ in range(concurrency)]
+        while not stop_event.is_set():
+            await asyncio.sleep(0.1)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
 
 
 # Token ids the flood draws from: inside any served tokenizer's vocabulary.
@@ -109,18 +153,25 @@ async def run_mode(url: str, args) -> dict:
     import openai
     mk = lambda key: openai.AsyncOpenAI(base_url=url + "/v1", api_key=key,   # noqa: E731
                                         max_retries=0, timeout=600)
-    pc, fc = mk(POLITE_KEY), mk(FLOOD_KEY)
+    pc = mk(POLITE_KEY)
     await polite(pc, 2, args.polite, args.polite_tokens, 0.05)        # warm-up
     alone = await polite(pc, args.rounds, args.polite, args.polite_tokens, args.pause)
-    flood = Flood(fc, args.flood, args.flood_tokens, args.flood_max_tokens, FLOOD_VOCAB)
+    flood = Flood(url, args.flood, args.flood_tokens, args.flood_max_tokens)
     flood.start()
+    deadline = time.monotonic() + 300         # its process starts, then its prompts queue
+    while not flood.done and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        flood._drain()
     await asyncio.sleep(args.warmup)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     await asyncio.sleep(args.flood_seconds)
-    t1 = time.perf_counter()
-    busy = await polite(pc, args.rounds, args.polite, args.polite_tokens, args.pause)
-    t2 = time.perf_counter()
-    await flood.stop()
+    t1 = time.monotonic()
+    busy = await polite(pc, args.rounds, args.polite, args.polite_tokens, args.pause,
+                        args.flood_seconds)
+    t2 = time.monotonic()
+    flood.stop()
+    print(f"flood: {len(flood.done)} done, {flood.errors} failed; window {t0:.1f}-{t1:.1f}-{t2:.1f}, "
+          f"finishes {[round(t, 1) for t, _ in flood.done]}", file=sys.stderr)
     return {"ttft_alone_p50_ms": 1e3 * pct(alone, 0.5), "ttft_alone_p90_ms": 1e3 * pct(alone, 0.9),
             "ttft_flood_p50_ms": 1e3 * pct(busy, 0.5), "ttft_flood_p90_ms": 1e3 * pct(busy, 0.9),
             "ttft_ratio_p50": pct(busy, 0.5) / pct(alone, 0.5),
@@ -140,7 +191,8 @@ def main() -> int:
     ap.add_argument("--flood-max-tokens", type=int, default=16)
     ap.add_argument("--warmup", type=float, default=5.0, help="flood seconds before measuring")
     ap.add_argument("--flood-seconds", type=float, default=20.0,
-                    help="seconds of flood alone (its throughput) before the polite rounds")
+                    help="seconds of flood alone (its throughput), then at least as long "
+                         "with the polite rounds beside it")
     ap.add_argument("--modes", default="off,on", help="fair queuing off,on")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -13,7 +13,7 @@ from appliance.engines.block_manager import BlockManager
 from appliance.engines.fair_queue import FairQueue, VirtualClock, chunk_for_step_time
 from appliance.engines.messages import SamplingParams
 from appliance.engines.roofline import DeviceShape, StepTimeModel
-from appliance.engines.scheduler import Batch, Scheduler
+from appliance.engines.scheduler import SHARED_WINDOW_S, Batch, Scheduler
 from appliance.engines.sequence import Role, Sequence
 from appliance.models.specs import lookup_model_spec
 from appliance.partitions.catalogue import H100_SXM
@@ -143,14 +143,20 @@ def test_a_short_prompt_goes_into_the_next_step_ahead_of_a_flood():
     assert sum(n for _, n in shape(second)) <= 16       # behind at most one chunk
     run(sched, second)
     assert next(s for s in second.seqs if s.request_id == "p0").num_output == 1
-    # The polite tenant gone, the flood's steps are whole again (its chunk finishes first).
+    # The polite tenant gone, the box still counts as shared for SHARED_WINDOW_S of
+    # arrivals: steps stay one chunk, so its next prompt waits behind one chunk at most.
     steps = []
     while sched.waiting or sched.prefilling:
         b = sched.schedule()
         steps.append(shape(b))
         run(sched, b)
-    assert all(sum(n for _, n in s) <= 64 for s in steps)
-    assert steps[-1][-1] == ("f5", 40)
+    assert all(sum(n for _, n in s) <= 16 for s in steps) and steps[-1][-1][0] == "f5"
+    assert sched.shared
+    # Flood prompts arriving a window later: one tenant again, whole prompts per step.
+    later = sq("f6", 40, "flood", start=9000)
+    later.arrival = SHARED_WINDOW_S + 1
+    sched.add(later)
+    assert not sched.shared and shape(sched.schedule()) == [("f6", 40)]
 
 
 def test_contending_tenants_share_prefill_tokens_by_weight():

@@ -23,7 +23,9 @@ tenant or priority class, which of them join the next prefill step is decided by
 best priority class first), not by arrival order, and the step's prompt budget shrinks
 to `fair_chunk_tokens` with long prompts split into chunks: a short prompt arriving
 behind a flood of long ones waits for at most one chunk, and gets into the very next
-step. Within a step the budget is granted a quantum at a time, so one tenant's long
+step. The steps stay that short while more than one tenant has sent requests within
+`SHARED_WINDOW_S` (by the requests' arrival times), so a prompt arriving just after a
+long one started waits for that one chunk, not for the whole long prompt. Within a step the budget is granted a quantum at a time, so one tenant's long
 prompt cannot take the whole step while another's short one waits. One tenant (the
 common case) costs one length check per step: arrival order, exactly as before.
 """
@@ -35,6 +37,10 @@ from dataclasses import dataclass
 from appliance.engines.block_manager import BlockManager
 from appliance.engines.fair_queue import VirtualClock
 from appliance.engines.sequence import Role, Sequence, Status
+
+# How long after a second tenant's last request the box still counts as shared (steps
+# of one fair chunk) rather than one tenant's (whole prompts, up to the token budget).
+SHARED_WINDOW_S = 10.0
 
 
 @dataclass(slots=True)
@@ -63,11 +69,28 @@ class Scheduler:
         # Sequences in the schedule per (priority, tenant): more than one key is the only
         # case where fairness has anything to decide.
         self._classes: dict[tuple[int, str], int] = {}
+        # Tenant -> its latest request's arrival, for the tenants that sent one within
+        # SHARED_WINDOW_S of the newest: while there are two, the box is shared.
+        self._seen: dict[str, float] = {}
 
     def add(self, seq: Sequence) -> None:
         key = (seq.priority, seq.tenant)
         self._classes[key] = self._classes.get(key, 0) + 1
         self.waiting.append(seq)
+        seen = self._seen
+        if seen.get(seq.tenant, -1.0) < seq.arrival:
+            seen[seq.tenant] = seq.arrival
+        if len(seen) > 1:
+            cut = seq.arrival - SHARED_WINDOW_S
+            for tenant in [t for t, at in seen.items() if at < cut]:
+                del seen[tenant]
+
+    @property
+    def shared(self) -> bool:
+        """More than one tenant sent requests lately: prefill steps stay one fair chunk
+        long, so the next tenant to arrive waits behind at most one chunk, not behind a
+        whole long prompt that started just before it."""
+        return self.fair and len(self._seen) > 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
@@ -119,8 +142,11 @@ class Scheduler:
             queues = self._prompt_queues()
             if len(queues) > 1:
                 return self._admit_fair(queues)
-        chunked = self.chunk_tokens > 0
-        budget = self.chunk_tokens if chunked else self.max_batch_tokens
+        if self.shared:
+            chunked, budget = True, self.fair_budget()
+        else:
+            chunked = self.chunk_tokens > 0
+            budget = self.chunk_tokens if chunked else self.max_batch_tokens
         seqs: list[Sequence] = []
         tokens = 0
         for seq in self.prefilling:        # prompts already under way go on first
