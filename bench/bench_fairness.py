@@ -170,8 +170,6 @@ async def run_mode(url: str, args) -> dict:
                         args.flood_seconds)
     t2 = time.monotonic()
     flood.stop()
-    print(f"flood: {len(flood.done)} done, {flood.errors} failed; window {t0:.1f}-{t1:.1f}-{t2:.1f}, "
-          f"finishes {[round(t, 1) for t, _ in flood.done]}", file=sys.stderr)
     return {"ttft_alone_p50_ms": 1e3 * pct(alone, 0.5), "ttft_alone_p90_ms": 1e3 * pct(alone, 0.9),
             "ttft_flood_p50_ms": 1e3 * pct(busy, 0.5), "ttft_flood_p90_ms": 1e3 * pct(busy, 0.9),
             "ttft_ratio_p50": pct(busy, 0.5) / pct(alone, 0.5),
