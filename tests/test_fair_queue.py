@@ -249,3 +249,82 @@ def test_the_gate_holds_requests_over_max_concurrent_and_lets_the_best_class_go_
         assert TenantGate({"default": TenantConfig(max_concurrent=3)}).share("x").max_concurrent == 3
         assert TenantGate({}).share("x").weight == 1.0
     asyncio.run(scenario())
+
+
+class _FakeAggWorker:
+    """The router's view of one aggregated worker (fake at the process boundary only):
+    records what is sent and answers each Prefill with one finishing token."""
+
+    def __init__(self):
+        from appliance.daemon.workers import Channel
+        self._channel = Channel
+        self.id, self.role, self.ready = "agg0", "agg", True
+        self.pending_prefill_tokens = self.inflight = 0
+        self.channels, self.sent = {}, []
+
+    def open(self, rid):
+        self.channels[rid] = self._channel()
+        self.inflight += 1
+        return self.channels[rid]
+
+    def close(self, rid):
+        if self.channels.pop(rid, None) is not None:
+            self.inflight -= 1
+
+    def send(self, msg):
+        from appliance.engines.messages import Prefill, Tokens
+        self.sent.append(msg)
+        if isinstance(msg, Prefill):
+            self.channels[msg.request_id].put(Tokens(msg.request_id, [7], "stop"))
+
+
+def test_the_router_sends_the_tenants_share_with_the_request_and_the_engine_keeps_it():
+    import pickle
+    from types import SimpleNamespace
+    from appliance.daemon.router import Router, Trace
+    from appliance.engines.messages import Prefill
+    worker = _FakeAggWorker()
+    pool = SimpleNamespace(workers={"agg0": worker})
+    router = Router(pool, "agg", 0, {"search": TenantConfig(weight=3.0, priority=1)})
+
+    async def ask(tenant, priority):
+        out = []
+        async for tokens, reason, _ in router.generate(Trace("r-" + tenant, 0.0), [1, 2, 3],
+                                                       SamplingParams(max_tokens=2),
+                                                       tenant, priority):
+            out += tokens
+        return out
+
+    assert asyncio.run(ask("search", 4)) == [7]
+    asyncio.run(ask("other", None))
+    first, second = worker.sent
+    assert (first.tenant, first.weight, first.priority) == ("search", 3.0, 4)
+    assert (second.tenant, second.weight, second.priority) == ("other", 1.0, 0)
+    assert router.gate.inflight == {}
+    # Across the process boundary and into the engine's sequence.
+    wire = pickle.loads(pickle.dumps(first))
+    assert isinstance(wire, Prefill) and (wire.tenant, wire.weight, wire.priority) == ("search", 3.0, 4)
+    from appliance.engines.sim import SimEngine
+    timing = StepTimeModel(DeviceShape.from_gpu(H100_SXM, 1.0), 1,
+                           lookup_model_spec("llama-3.1-70b-fp8"))
+    eng = SimEngine(timing=timing, vocab_ids=list(range(100, 200)), speed=1e6, worker="w",
+                    devices=("sim0",), num_blocks=4096, block_size=16, max_batch_tokens=8192,
+                    max_seqs=64, max_context=8192)
+    assert eng.add(wire) == []
+    seq = eng.scheduler.waiting[0]
+    assert (seq.tenant, seq.weight, seq.priority) == ("search", 3.0, 4)
+    # The simulator's fair chunk: the ~50 ms step of this device and model.
+    assert eng.scheduler.fair_chunk_tokens == chunk_for_step_time(
+        lambda n: timing.prefill_s([n], [0]), align=16, lo=16, hi=8192)
+
+
+def test_a_request_priority_is_parsed_and_bad_values_are_a_400():
+    from appliance.daemon.api_error import ApiError
+    from appliance.daemon.openai_protocol import parse_body
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "priority": 3}'
+    assert parse_body(body, "chat").priority == 3
+    assert parse_body(body.replace(b', "priority": 3', b""), "chat").priority is None
+    for bad in (b'"high"', b"1.5", str(1 << 40).encode()):
+        with pytest.raises(ApiError) as err:
+            parse_body(body.replace(b"3}", bad + b"}"), "chat")
+        assert err.value.status == 400 and "priority" in str(err.value.message)

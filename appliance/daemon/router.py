@@ -13,6 +13,7 @@ is chosen, so a worker is picked when the request can actually go.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -144,27 +145,23 @@ class Router:
         share = self.gate.share(tenant, priority)
         await self.gate.acquire(share)
         try:
-            async for item in self._route(trace, prompt, params, share):
-                yield item
+            # (No generator of its own for the choice of path: every token passes
+            # through each layer, and this one is on every request's path.)
+            if self.mode == "agg":
+                worker = self._least_queued(self.agg, "aggregated")
+                trace.prefill_worker = trace.decode_worker = worker.id
+                gen = self._run_local(trace, worker, prompt, params, share)
+            elif self.conditional_tokens and len(prompt) < self.conditional_tokens:
+                worker = self._most_free(self.decode)
+                trace.prefill_worker = trace.decode_worker = worker.id
+                gen = self._run_local(trace, worker, prompt, params, share)
+            else:
+                gen = self._run_disagg(trace, prompt, params, share)
+            async with contextlib.aclosing(gen):
+                async for item in gen:
+                    yield item
         finally:
             self.gate.release(share.tenant)
-
-    async def _route(self, trace: Trace, prompt: list[int], params: SamplingParams,
-                     share: Share) -> AsyncIterator[Step]:
-        if self.mode == "agg":
-            worker = self._least_queued(self.agg, "aggregated")
-            trace.prefill_worker = trace.decode_worker = worker.id
-            async for item in self._run_local(trace, worker, prompt, params, share):
-                yield item
-            return
-        if self.conditional_tokens and len(prompt) < self.conditional_tokens:
-            worker = self._most_free(self.decode)
-            trace.prefill_worker = trace.decode_worker = worker.id
-            async for item in self._run_local(trace, worker, prompt, params, share):
-                yield item
-            return
-        async for item in self._run_disagg(trace, prompt, params, share):
-            yield item
 
     async def _run_local(self, trace: Trace, worker: WorkerLink, prompt: list[int],
                          params: SamplingParams, share: Share = NO_SHARE):
