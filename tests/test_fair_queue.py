@@ -328,3 +328,29 @@ def test_a_request_priority_is_parsed_and_bad_values_are_a_400():
         with pytest.raises(ApiError) as err:
             parse_body(body.replace(b"3}", bad + b"}"), "chat")
         assert err.value.status == 400 and "priority" in str(err.value.message)
+
+
+def test_a_torch_worker_takes_its_fair_chunk_from_the_measured_profile(tiny_model, tmp_path):
+    """`applianced profile` measured this model on the CPU: each torch worker's chunk is
+    the ~50 ms step of that profile; without a profile, 0 (the engine's own default)."""
+    from appliance.config import Config
+    from appliance.daemon.setup import measured_profiles, worker_specs
+    from appliance.models.specs import spec_from_hf_config
+    from appliance.partitions import discover, plan_partition
+    from appliance.planner.profiles import Profile, save_profile
+    inv = discover("cpu")
+    plan = plan_partition(inv)
+    cfg = Config()
+    assert all(s.fair_chunk_tokens == 0 for s in worker_specs(
+        cfg, inv, plan, "torch", tiny_model,
+        profiles=measured_profiles(cfg, inv, plan, "torch", tiny_model, tmp_path)))
+    name = spec_from_hf_config(tiny_model / "config.json").name
+    save_profile(Profile(model=name, device="cpu", tp=1, source="measured", created=1.0,
+                         prefill=[[t, 0.002 + t / 10000] for t in (16, 64, 256, 1024, 4096)],
+                         decode=[[1, 100, 0.01], [1, 1000, 0.02], [4, 100, 0.03],
+                                 [4, 1000, 0.05]], kv_capacity_tokens=1000), tmp_path)
+    profiles = measured_profiles(cfg, inv, plan, "torch", tiny_model, tmp_path)
+    specs = worker_specs(cfg, inv, plan, "torch", tiny_model, profiles=profiles)
+    # 2 ms + 0.1 ms a token: 480 tokens take 50 ms.
+    assert {s.fair_chunk_tokens for s in specs} == {480}
+    assert measured_profiles(cfg, inv, plan, "sim", tiny_model, tmp_path) == {}

@@ -25,9 +25,10 @@ to `fair_chunk_tokens` with long prompts split into chunks: a short prompt arriv
 behind a flood of long ones waits for at most one chunk, and gets into the very next
 step. The steps stay that short while more than one tenant has sent requests within
 `SHARED_WINDOW_S` (by the requests' arrival times), so a prompt arriving just after a
-long one started waits for that one chunk, not for the whole long prompt. Within a step the budget is granted a quantum at a time, so one tenant's long
-prompt cannot take the whole step while another's short one waits. One tenant (the
-common case) costs one length check per step: arrival order, exactly as before.
+long one started waits for that one chunk, not for the whole long prompt. Within a
+step the budget is granted a quantum at a time, so one tenant's long prompt cannot take
+the whole step while another's short one waits. One tenant (the common case) costs two
+length checks per step: arrival order and whole prompts, exactly as before.
 """
 from __future__ import annotations
 
