@@ -12,8 +12,8 @@ beside it, against the share the polite tenant's own work leaves it.
 Times are simulated GPU time (the simulator's roofline), served by the real daemon
 over HTTP; at --speed 1 the simulated box runs in real time.
 
-    .venv/bin/python bench/bench_fairness.py                      # real time, ~2 x 1.5 min
-    .venv/bin/python bench/bench_fairness.py --speed 4 --rounds 10 --flood-seconds 6
+    .venv/bin/python bench/bench_fairness.py        # real time; off ~5 min (a round waits ~100 s), on ~2 min
+    .venv/bin/python bench/bench_fairness.py --speed 4 --rounds 6 --warmup 3 --flood-seconds 8
 """
 from __future__ import annotations
 
@@ -58,12 +58,14 @@ async def polite_round(client, n: int, max_tokens: int) -> list[float]:
 
 
 async def polite(client, rounds: int, n: int, max_tokens: int, pause: float,
-                 seconds: float = 0.0) -> list[float]:
-    """At least `rounds` rounds, and rounds for at least `seconds`."""
+                 seconds: float = 0.0, limit: float = float("inf")) -> list[float]:
+    """`rounds` rounds and rounds for at least `seconds`, but no round started after
+    `limit` seconds (without fair queuing one round waits for the whole flood)."""
     out: list[float] = []
-    end = time.monotonic() + seconds
+    t0 = time.monotonic()
     done = 0
-    while done < rounds or time.monotonic() < end:
+    while (done < rounds or time.monotonic() < t0 + seconds) and (
+            done == 0 or time.monotonic() < t0 + limit):
         out += await polite_round(client, n, max_tokens)
         done += 1
         await asyncio.sleep(pause)
@@ -167,7 +169,7 @@ async def run_mode(url: str, args) -> dict:
     await asyncio.sleep(args.flood_seconds)
     t1 = time.monotonic()
     busy = await polite(pc, args.rounds, args.polite, args.polite_tokens, args.pause,
-                        args.flood_seconds)
+                        args.flood_seconds, args.limit)
     t2 = time.monotonic()
     flood.stop()
     return {"ttft_alone_p50_ms": 1e3 * pct(alone, 0.5), "ttft_alone_p90_ms": 1e3 * pct(alone, 0.9),
@@ -191,6 +193,8 @@ def main() -> int:
     ap.add_argument("--flood-seconds", type=float, default=20.0,
                     help="seconds of flood alone (its throughput), then at least as long "
                          "with the polite rounds beside it")
+    ap.add_argument("--limit", type=float, default=120.0,
+                    help="start no polite round under the flood after this many seconds")
     ap.add_argument("--modes", default="off,on", help="fair queuing off,on")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
