@@ -33,6 +33,7 @@ NO_SHARE = Share("", 1.0, 0, 0)  # the daemon's own requests (a worker's warm-up
 class TenantGate:
     def __init__(self, tenants: dict[str, TenantConfig] | None = None):
         self.tenants: dict[str, TenantConfig] = dict(tenants or {})
+        self._shares: dict[tuple[str, int | None], Share] = {}   # made once per tenant
         self.inflight: dict[str, int] = {}
         self._waiting: dict[str, list] = {}          # tenant -> heap of (priority, n, future)
         self._order = itertools.count()
@@ -41,6 +42,7 @@ class TenantGate:
         """New shares for requests from now on (a reload); ones in flight keep theirs.
         A raised `max_concurrent` lets waiting requests go at once."""
         self.tenants = dict(tenants)
+        self._shares.clear()
         for tenant in list(self._waiting):
             self._wake(tenant)
 
@@ -50,6 +52,14 @@ class TenantGate:
     def share(self, tenant: str, priority: int | None = None) -> Share:
         """The request's share. A request's own `priority` may only lower its standing
         below its tenant's class, never raise it above: the classes are the operator's."""
+        share = self._shares.get((tenant, priority))
+        if share is None:
+            share = self._shares[(tenant, priority)] = self._share(tenant, priority)
+            if len(self._shares) > 10_000:       # (priorities are the clients' to pick)
+                self._shares.clear()
+        return share
+
+    def _share(self, tenant: str, priority: int | None) -> Share:
         cfg = self._config(tenant)
         if cfg is None:
             return Share(tenant, 1.0, priority if priority is not None and priority > 0 else 0, 0)
