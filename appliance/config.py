@@ -59,6 +59,7 @@ class EngineConfig:
     reserve_ratio: float = 1.0        # share of max_tokens reserved at admission (1 = never preempt)
     handoff_timeout_s: float = 30.0   # free handed-off KV nobody picked up after this
     prefill_chunk_tokens: int = 0     # >0: prefill in chunks of this many tokens, decodes between
+    fair_queuing: bool = True         # tenants share prefill steps by [tenants] weight, not arrival order
     conditional_disagg_tokens: int = 0  # >0: prompts shorter than this skip the prefill worker
     tool_parser: str = ""             # "" = from the chat template; hermes | llama3_json | mistral | none
     dtype: str = "auto"               # torch weights and KV: auto | float32 | bfloat16 | float16
@@ -219,12 +220,11 @@ class Config:
     site: SiteConfig = field(default_factory=SiteConfig)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
     budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     tui: TuiConfig = field(default_factory=TuiConfig)
     workflows: WorkflowsConfig = field(default_factory=WorkflowsConfig)
-    # [tenants.NAME] tables; [tenants.default] applies to a tenant not named.
-    tenants: dict[str, TenantConfig] = field(default_factory=dict)
     state_dir: str = ""
 
 

@@ -226,7 +226,7 @@ def test_limit_answers_429_with_openai_headers_and_spares_other_tenants(limited)
     row = _tenant(d, "alpha")
     assert row["rejected"].get("rate_limit_requests", 0) >= 1
     assert row["limits"] == {"requests_per_minute": 60.0, "tokens_per_minute": 3000.0}
-    assert row["priority"] == 1 and row["queue_depth"] is None
+    assert row["priority"] == 1 and row["queue_depth"] == 0   # no max_concurrent: none wait
     assert row["rate"]["requests_per_minute"] >= 60
 
 

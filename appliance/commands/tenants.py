@@ -45,7 +45,7 @@ def render_tenants(data: dict) -> str:
     lines.append("rates: the last minute, used/limit; conc: in flight/max_concurrent; "
                  "prio ! = lowered by a spent budget")
     if data.get("queue_depth_note"):
-        lines.append(f"queue: {data['queue_depth_note']}")
+        lines.append(data["queue_depth_note"])
     if not data.get("budgets_tracked"):
         lines.append("budgets: not tracked ([accounting] enabled = false)")
     return "\n".join(lines)

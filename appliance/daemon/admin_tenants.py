@@ -17,9 +17,9 @@ from appliance.daemon.responses import SERVICE, json_response
 if TYPE_CHECKING:
     from appliance.daemon.service import Service
 
-# Fair queuing (issue 27 §1) keeps per-tenant queues; until it is in, requests wait in
-# the engines' own first-come queues and no per-tenant depth exists to show.
-QUEUE_NOTE = "n/a: requests are served first come, first served until fair queuing is in"
+# The router's gate is the only per-tenant queue the daemon holds; prompts waiting in a
+# worker's fair queue are ordered there, but counted per worker, not per tenant.
+QUEUE_NOTE = "queue: requests waiting at the router for a max_concurrent slot"
 
 
 async def tenants(request: web.Request):
@@ -27,7 +27,7 @@ async def tenants(request: web.Request):
     svc: Service = request.app[SERVICE]
     policy = svc.tenants
     return json_response({
-        "tenants": policy.view(),
+        "tenants": policy.view(svc.router.gate.depth),
         "budget_period": policy.budgets.period,
         "budgets_tracked": svc.accounting is not None,
         "queue_depth_note": QUEUE_NOTE,

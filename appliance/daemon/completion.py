@@ -142,7 +142,8 @@ class Choice:
         # max_tokens 0 (echo only): the engine still runs the prompt, for its logprobs,
         # and the one token it samples is dropped.
         params = req.sampling(max(1, comp.max_tokens), choice=self.index)
-        gen = comp.svc.router.generate(self.trace, comp.prompt, params)
+        gen = comp.svc.router.generate(self.trace, comp.prompt, params, comp.tenant,
+                                       req.priority)
         pending: list = []
         echoing = req.echo
         try:

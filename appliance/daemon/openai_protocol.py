@@ -175,6 +175,15 @@ def _stop_token_ids(body: dict) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
+def _priority(body: dict) -> int | None:
+    """vLLM's scheduling class (lower first). A request may lower its standing below its
+    tenant's class, not raise it (`daemon.fairness`)."""
+    value = _int(body, "priority")
+    if value is not None and not -(1 << 31) <= value < 1 << 31:
+        raise bad("'priority' must fit in 32 bits", "priority")
+    return value
+
+
 def _seed(body: dict) -> int | None:
     seed = _int(body, "seed")
     if seed is not None and not -(1 << 63) <= seed < 1 << 64:
@@ -327,7 +336,8 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0), stop_token_ids=_stop_token_ids(body),
         skip_special_tokens=_flag(body, "skip_special_tokens", True),
-        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
+        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
+        priority=_priority(body))
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise bad(f"'min_tokens' ({req.min_tokens}) must not exceed max_tokens "
                   f"({req.max_tokens})", "min_tokens")

@@ -5,9 +5,15 @@ the same one): the prefill worker with the fewest queued prompt tokens, the deco
 worker with the most free KV. The router applies it to the ready workers and owns the handoff bookkeeping:
 the source worker's blocks are released as soon as the decode worker reports its
 copy, or when the request ends any other way.
+
+Each request carries its tenant's share (`daemon.fairness`): the weight and priority
+class go to the workers with the request (their schedulers share prefill steps by
+them), and a tenant at its `max_concurrent` waits at the gate here before any worker
+is chosen, so a worker is picked when the request can actually go.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -16,6 +22,8 @@ from appliance.engines.messages import (
     Abort, Decode, KvImported, Prefill, PrefillDone, Release, RequestFailed, SamplingParams,
     TokenLogprob, Tokens,
 )
+from appliance.config import TenantConfig
+from appliance.daemon.fairness import NO_SHARE, Share, TenantGate
 from appliance.daemon.workers import Channel, WorkerGone, WorkerLink, WorkerPool
 from appliance.routing import Rotation, least_queued, most_free
 
@@ -70,8 +78,10 @@ def _free_blocks(w: WorkerLink) -> int:
 
 
 class Router:
-    def __init__(self, pool: WorkerPool, mode: str, conditional_tokens: int = 0):
+    def __init__(self, pool: WorkerPool, mode: str, conditional_tokens: int = 0,
+                 tenants: dict[str, TenantConfig] | None = None):
         self.pool = pool
+        self.gate = TenantGate(tenants)
         self.mode = mode
         self.conditional_tokens = conditional_tokens
         self.routed: set[str] = set(pool.workers)
@@ -124,37 +134,45 @@ class Router:
             raise NoWorker("no decode worker holds this request's model any more")
         return self._most_free(same)
 
-    async def generate(self, trace: Trace, prompt: list[int],
-                       params: SamplingParams) -> AsyncIterator[Step]:
+    async def generate(self, trace: Trace, prompt: list[int], params: SamplingParams,
+                       tenant: str = "", priority: int | None = None) -> AsyncIterator[Step]:
         """Yield (new tokens, finish reason or None, their logprobs or None) until the
-        request finishes.
+        request finishes. `tenant` and the request's `priority` (None: the tenant's
+        class) decide its share (`daemon.fairness`).
 
         Closing the generator early (client gone, stop string) aborts the request on
         whichever worker holds it and releases any handed-off KV."""
-        if self.mode == "agg":
-            worker = self._least_queued(self.agg, "aggregated")
-            trace.prefill_worker = trace.decode_worker = worker.id
-            async for item in self._run_local(trace, worker, prompt, params):
-                yield item
-            return
-        if self.conditional_tokens and len(prompt) < self.conditional_tokens:
-            worker = self._most_free(self.decode)
-            trace.prefill_worker = trace.decode_worker = worker.id
-            async for item in self._run_local(trace, worker, prompt, params):
-                yield item
-            return
-        async for item in self._run_disagg(trace, prompt, params):
-            yield item
+        share = self.gate.share(tenant, priority)
+        await self.gate.acquire(share)
+        try:
+            # (No generator of its own for the choice of path: every token passes
+            # through each layer, and this one is on every request's path.)
+            if self.mode == "agg":
+                worker = self._least_queued(self.agg, "aggregated")
+                trace.prefill_worker = trace.decode_worker = worker.id
+                gen = self._run_local(trace, worker, prompt, params, share)
+            elif self.conditional_tokens and len(prompt) < self.conditional_tokens:
+                worker = self._most_free(self.decode)
+                trace.prefill_worker = trace.decode_worker = worker.id
+                gen = self._run_local(trace, worker, prompt, params, share)
+            else:
+                gen = self._run_disagg(trace, prompt, params, share)
+            async with contextlib.aclosing(gen):
+                async for item in gen:
+                    yield item
+        finally:
+            self.gate.release(share.tenant)
 
     async def _run_local(self, trace: Trace, worker: WorkerLink, prompt: list[int],
-                         params: SamplingParams):
+                         params: SamplingParams, share: Share = NO_SHARE):
         rid = trace.request_id
         queue = worker.open(rid)
         worker.pending_prefill_tokens += len(prompt)
         counted = True
         done = False
         try:
-            worker.send(Prefill(rid, prompt, params, handoff=False))
+            worker.send(Prefill(rid, prompt, params, False, share.tenant, share.weight,
+                                share.priority))
             while True:
                 ev = await _next(queue)
                 if isinstance(ev, Tokens):
@@ -178,7 +196,8 @@ class Router:
                 worker.send(Abort(rid))
             worker.close(rid)
 
-    async def _run_disagg(self, trace: Trace, prompt: list[int], params: SamplingParams):
+    async def _run_disagg(self, trace: Trace, prompt: list[int], params: SamplingParams,
+                          share: Share):
         rid = trace.request_id
         pw = self._least_queued(self.prefill, "prefill")
         trace.prefill_worker = pw.id
@@ -186,7 +205,8 @@ class Router:
         pw.pending_prefill_tokens += len(prompt)
         prefilled = False
         try:
-            pw.send(Prefill(rid, prompt, params, handoff=True))
+            pw.send(Prefill(rid, prompt, params, True, share.tenant, share.weight,
+                            share.priority))
             ev = await queue.get()
             if not isinstance(ev, PrefillDone):
                 self._raise(ev)
@@ -216,7 +236,8 @@ class Router:
             dqueue = dw.open(rid)
             pending = len(ev.handle.block_ids) + 1
             dw.pending_kv_blocks += pending
-            dw.send(Decode(rid, prompt, ev.first_token, params, ev.handle))
+            dw.send(Decode(rid, prompt, ev.first_token, params, ev.handle, share.tenant,
+                           share.weight, share.priority))
             while True:
                 dev = await _next(dqueue)
                 if isinstance(dev, Tokens):

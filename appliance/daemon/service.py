@@ -209,6 +209,7 @@ class Service:
         # the live config too: what reads cfg.tenants (fair queuing's weights) sees it
         self.cfg.tenants, self.cfg.budgets = new.tenants, new.budgets
         self.tenants.reload(new.tenants, new.budgets)
+        self.router.gate.set_tenants(new.tenants)     # weights, classes, max_concurrent
         if self.accounting is not None:
             self.accounting.set_budgets(new.budgets)
         log.info("reloaded [tenants] and [budgets] from %s: %d tenant table(s), %d enforced "

@@ -140,7 +140,9 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None, persisted: dict | No
         raise StartupError(str(exc)) from None
     budgets = (token_budgets(cfg, inv, plan, engine, model_dir, state_dir / "profiles", max_context)
                if e.max_batch_tokens == 0 else {})
-    specs = worker_specs(cfg, inv, plan, engine, model_dir, budgets=budgets)
+    specs = worker_specs(cfg, inv, plan, engine, model_dir, budgets=budgets,
+                         profiles=measured_profiles(cfg, inv, plan, engine, model_dir,
+                                                    state_dir / "profiles"))
     check_cpu_memory(specs, model_dir, psutil.virtual_memory().available)
     from appliance.planner.tuning import batch_tokens_json
     applied = batch_tokens_json(e.max_batch_tokens, {s.worker: (s.role, s.max_batch_tokens)
@@ -187,7 +189,31 @@ def specs_for_plan(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str
         except (ValueError, OSError) as exc:
             raise StartupError(str(exc)) from None
         budgets = token_budgets(cfg, inv, plan, engine, model_dir, profile_dir, max_context)
-    return worker_specs(cfg, inv, plan, engine, model_dir, budgets=budgets)
+    return worker_specs(cfg, inv, plan, engine, model_dir, budgets=budgets,
+                        profiles=measured_profiles(cfg, inv, plan, engine, model_dir, profile_dir))
+
+
+def measured_profiles(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
+                      model_dir: Path, profile_dir: Path | None) -> dict:
+    """Worker name -> the measured profile of its device for this model (`applianced
+    profile`), for the torch engine's fair chunk. The simulator times its own steps and
+    TensorRT-LLM schedules on its own, so only torch workers look."""
+    if engine != "torch" or profile_dir is None or cfg.engine.prefill_chunk_tokens:
+        return {}
+    from appliance.models.specs import spec_from_hf_config
+    from appliance.planner.profiles import load_profile
+    try:
+        model = spec_from_hf_config(model_dir / "config.json", name=cfg.engine.model_name or None)
+    except (ValueError, OSError, KeyError):
+        return {}
+    devices = {d.id: d for d in inv.devices}
+    out = {}
+    for slot in plan.workers():
+        spec = devices[slot.devices[0]].spec
+        profile = load_profile(profile_dir, model.name, spec.name if spec else "cpu", plan.tp)
+        if profile is not None and profile.source == "measured":
+            out[slot.worker] = profile
+    return out
 
 
 # What a torch CPU worker holds besides its weights and KV pool: the interpreter, torch,
@@ -241,10 +267,13 @@ def cpu_core_sets(workers: int, threads: int, cores: list[int]) -> list[list[int
 
 def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
                  model_dir: Path, cores: list[int] | None = None,
-                 budgets: dict | None = None) -> list[WorkerSpec]:
+                 budgets: dict | None = None, profiles: dict | None = None) -> list[WorkerSpec]:
     """One WorkerSpec per slot of the plan; CPU workers get their own cores
     (`cpu_core_sets` over `cores`, by default the ones this process may use). `budgets`:
-    the prefill token budget per worker when `engine.max_batch_tokens` is 0 (auto)."""
+    the prefill token budget per worker when `engine.max_batch_tokens` is 0 (auto).
+    `profiles`: measured profiles per worker, whose ~50 ms prefill step is the worker's
+    fair chunk (`engines.fair_queue`)."""
+    from appliance.engines.fair_queue import chunk_for_step_time
     from appliance.planner.tuning import DEFAULT_MAX_BATCH_TOKENS
     e = cfg.engine
     devices = {d.id: d for d in inv.devices}
@@ -268,7 +297,13 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
                               else DEFAULT_MAX_BATCH_TOKENS), max_seqs=e.max_seqs,
             kv_cache_bytes=e.kv_cache_bytes, gpu_mem_fraction=e.gpu_mem_fraction,
             handoff_timeout_s=e.handoff_timeout_s, reserve_ratio=e.reserve_ratio,
-            prefill_chunk_tokens=e.prefill_chunk_tokens, dtype=e.dtype))
+            prefill_chunk_tokens=e.prefill_chunk_tokens, dtype=e.dtype, fair_queuing=e.fair_queuing))
+        profile = (profiles or {}).get(slot.worker)
+        if profile is not None:
+            last = specs[-1]
+            last.fair_chunk_tokens = chunk_for_step_time(
+                profile.prefill_s, align=last.block_size, lo=last.block_size,
+                hi=max(last.block_size, last.max_batch_tokens))
     for spec in specs:
         # KV flows between the phases: a worker must see the other phase's GPUs.
         spec.peer_uuids = [u for other in specs if other.role != spec.role

@@ -71,11 +71,14 @@ class BatchEngine:
     def __init__(self, worker: str, devices: tuple[str, ...], num_blocks: int, block_size: int,
                  max_batch_tokens: int, max_seqs: int, max_context: int,
                  eos_token_ids: tuple[int, ...] = (), handoff_timeout_s: float = 30.0,
-                 reserve_ratio: float = 1.0, prefill_chunk_tokens: int = 0):
+                 reserve_ratio: float = 1.0, prefill_chunk_tokens: int = 0,
+                 fair_queuing: bool = True, fair_chunk_tokens: int = 0):
         self.worker = worker
         self.devices = devices
         self.blocks = BlockManager(num_blocks, block_size, reserve_ratio)
-        self.scheduler = Scheduler(self.blocks, max_batch_tokens, max_seqs, prefill_chunk_tokens)
+        self.scheduler = Scheduler(self.blocks, max_batch_tokens, max_seqs, prefill_chunk_tokens,
+                                   fair_chunk_tokens or self.default_fair_chunk(max_batch_tokens),
+                                   fair_queuing)
         # A sequence may not outgrow the pool: past it, it could never be re-admitted
         # after preemption (and its reservation could never be admitted at all).
         self.max_context = min(max_context, num_blocks * block_size)
@@ -90,6 +93,12 @@ class BatchEngine:
         self.prefix_hit_tokens = 0
 
     # ---- backend hooks ----------------------------------------------------
+    def default_fair_chunk(self, max_batch_tokens: int) -> int:
+        """The prompt chunk while tenants contend, when `prefill_chunk_tokens` is unset:
+        engines with a step-time model choose the chunk whose step takes ~50 ms
+        (`fair_queue.FAIR_STEP_S`); this fallback is an eighth of the prompt budget."""
+        return max(self.blocks.block_size, max_batch_tokens // 8)
+
     def layout(self) -> str:
         raise NotImplementedError
 
@@ -153,10 +162,11 @@ class BatchEngine:
                 return [RequestFailed(rid, f"KV layout mismatch: source {msg.handle.layout}, "
                                            f"this worker {self.layout()}", "kv_layout_mismatch")]
             seq = Sequence(rid, msg.prompt, msg.params, Role.DECODE, msg.handle,
-                           msg.first_token, time.time())
+                           msg.first_token, time.time(), msg.tenant, msg.weight, msg.priority)
         else:
             seq = Sequence(rid, msg.prompt, msg.params,
-                           Role.PREFILL if msg.handoff else Role.FULL, arrival=time.time())
+                           Role.PREFILL if msg.handoff else Role.FULL, arrival=time.time(),
+                           tenant=msg.tenant, weight=msg.weight, priority=msg.priority)
         if (msg.params.logprobs is not None or msg.params.prompt_logprobs is not None) \
                 and not self.logprobs:
             return [RequestFailed(rid, f"logprobs are not available from the {self.name} engine",

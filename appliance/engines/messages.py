@@ -105,6 +105,11 @@ class Prefill:
     prompt: list[int]
     params: SamplingParams
     handoff: bool
+    # Whose request, for the engine's fair queue: an opaque name, its share of the box
+    # (weight) and its priority class (lower first). The engine knows nothing else of it.
+    tenant: str = ""
+    weight: float = 1.0
+    priority: int = 0
 
 
 @on_the_wire
@@ -117,6 +122,9 @@ class Decode:
     first_token: int
     params: SamplingParams
     handle: KvHandle
+    tenant: str = ""            # as Prefill's
+    weight: float = 1.0
+    priority: int = 0
 
 
 @on_the_wire

@@ -16,6 +16,19 @@ of a sequence a step computes.
 
 When a decode step cannot get a block, the newest running sequence is preempted
 and recomputed later (its generated tokens stay, so no output is lost).
+
+Fair queuing: while the prompts waiting (or part-prefilled) belong to more than one
+tenant or priority class, which of them join the next prefill step is decided by
+`engines.fair_queue`'s virtual clock (prompt tokens served / the tenant's weight; the
+best priority class first), not by arrival order, and the step's prompt budget shrinks
+to `fair_chunk_tokens` with long prompts split into chunks: a short prompt arriving
+behind a flood of long ones waits for at most one chunk, and gets into the very next
+step. The steps stay that short while more than one tenant has sent requests within
+`SHARED_WINDOW_S` (by the requests' arrival times), so a prompt arriving just after a
+long one started waits for that one chunk, not for the whole long prompt. Within a
+step the budget is granted a quantum at a time, so one tenant's long prompt cannot take
+the whole step while another's short one waits. One tenant (the common case) costs two
+length checks per step: arrival order and whole prompts, exactly as before.
 """
 from __future__ import annotations
 
@@ -23,7 +36,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from appliance.engines.block_manager import BlockManager
+from appliance.engines.fair_queue import VirtualClock
 from appliance.engines.sequence import Role, Sequence, Status
+
+# How long after a second tenant's last request the box still counts as shared (steps
+# of one fair chunk) rather than one tenant's (whole prompts, up to the token budget).
+SHARED_WINDOW_S = 10.0
 
 
 @dataclass(slots=True)
@@ -35,18 +53,45 @@ class Batch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_seqs: int,
-                 chunk_tokens: int = 0):
+                 chunk_tokens: int = 0, fair_chunk_tokens: int = 0, fair: bool = True):
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
         self.chunk_tokens = chunk_tokens
+        # The prompt budget of a step while tenants contend (0: no chunking for fairness,
+        # only the reordering); `chunk_tokens`, when set, takes its place.
+        self.fair_chunk_tokens = fair_chunk_tokens
+        self.fair = fair          # False: arrival order whatever the tenants (as before)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []   # admitted, prompt partly computed (chunked)
         self.preemptions = 0
+        self.clock = VirtualClock()
+        # Sequences in the schedule per (priority, tenant): more than one key is the only
+        # case where fairness has anything to decide.
+        self._classes: dict[tuple[int, str], int] = {}
+        # Tenant -> its latest request's arrival, for the tenants that sent one within
+        # SHARED_WINDOW_S of the newest: while there are two, the box is shared.
+        self._seen: dict[str, float] = {}
 
     def add(self, seq: Sequence) -> None:
+        key = (seq.priority, seq.tenant)
+        self._classes[key] = self._classes.get(key, 0) + 1
         self.waiting.append(seq)
+        seen = self._seen
+        if seen.get(seq.tenant, -1.0) < seq.arrival:
+            seen[seq.tenant] = seq.arrival
+        if len(seen) > 1:
+            cut = seq.arrival - SHARED_WINDOW_S
+            for tenant in [t for t, at in seen.items() if at < cut]:
+                del seen[tenant]
+
+    @property
+    def shared(self) -> bool:
+        """More than one tenant sent requests lately: prefill steps stay one fair chunk
+        long, so the next tenant to arrive waits behind at most one chunk, not behind a
+        whole long prompt that started just before it."""
+        return self.fair and len(self._seen) > 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
@@ -94,8 +139,15 @@ class Scheduler:
         return Batch("kv_import", seqs) if seqs else None
 
     def _admit_prefills(self) -> Batch | None:
-        chunked = self.chunk_tokens > 0
-        budget = self.chunk_tokens if chunked else self.max_batch_tokens
+        if len(self._classes) > 1 and self.fair:
+            queues = self._prompt_queues()
+            if len(queues) > 1:
+                return self._admit_fair(queues)
+        if self.shared:
+            chunked, budget = True, self.fair_budget()
+        else:
+            chunked = self.chunk_tokens > 0
+            budget = self.chunk_tokens if chunked else self.max_batch_tokens
         seqs: list[Sequence] = []
         tokens = 0
         for seq in self.prefilling:        # prompts already under way go on first
@@ -121,6 +173,9 @@ class Scheduler:
             tokens += seq.step_tokens
             seqs.append(seq)
             room -= 1
+        return self._started(seqs)
+
+    def _started(self, seqs: list[Sequence]) -> Batch | None:
         if not seqs:
             return None
         for seq in seqs:
@@ -133,6 +188,62 @@ class Scheduler:
             else:
                 (self.running if done else self.prefilling).append(seq)
         return Batch("prefill", seqs, len(seqs))
+
+    def _prompt_queues(self) -> dict[tuple[int, str], deque[Sequence]]:
+        """The prompts that could go next, per (priority, tenant), in each one's order:
+        part-prefilled ones first, then the waiting ones as they queue (a preempted
+        sequence is at the front)."""
+        queues: dict[tuple[int, str], deque[Sequence]] = {}
+        for seq in self.prefilling:
+            queues.setdefault((seq.priority, seq.tenant), deque()).append(seq)
+        for seq in self.waiting:
+            if seq.handle is None:
+                queues.setdefault((seq.priority, seq.tenant), deque()).append(seq)
+        return queues
+
+    def fair_budget(self) -> int:
+        """The prompt tokens of one step while tenants contend."""
+        return self.chunk_tokens or self.fair_chunk_tokens or self.max_batch_tokens
+
+    def _admit_fair(self, queues: dict[tuple[int, str], deque[Sequence]]) -> Batch | None:
+        """A prefill step for contending tenants: the best priority class first, within
+        it the tenant least served for its weight, a quantum at a time, until the fair
+        budget is spent. A prompt that does not fit whole is chunked."""
+        budget = self.fair_budget()
+        quantum = max(self.blocks.block_size, budget // 4)
+        clock = self.clock
+        for _, tenant in queues:
+            clock.join(tenant)
+        room = self.max_seqs - len(self.running) - len(self.prefilling)
+        seqs: list[Sequence] = []
+        granted: dict[int, int] = {}       # id(seq) -> tokens this step
+        tokens = 0
+        while queues and tokens < budget:
+            key = min(queues, key=lambda k: (k[0], clock.time(k[1]), len(queues[k])))
+            queue = queues[key]
+            seq = queue[0]
+            if id(seq) not in granted and seq not in self.prefilling:
+                if room <= 0 or not self.blocks.can_admit(seq):
+                    del queues[key]        # its turn passes; the others may still fit
+                    continue
+                self.waiting.remove(seq)
+                self.blocks.allocate(seq)
+                room -= 1
+            if id(seq) not in granted:
+                granted[id(seq)] = 0
+                seqs.append(seq)
+            left = seq.uncached - granted[id(seq)]
+            grant = min(left, budget - tokens, quantum)
+            granted[id(seq)] += grant
+            tokens += grant
+            clock.charge(seq.tenant, seq.weight, grant)
+            if grant == left:
+                queue.popleft()
+                if not queue:
+                    del queues[key]
+        for seq in seqs:
+            seq.step_tokens = granted[id(seq)]
+        return self._started(seqs)
 
     def _decode(self) -> Batch:
         batch: list[Sequence] = []
@@ -177,6 +288,15 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take seq out of the schedule; its blocks are the caller's business."""
+        if seq.status is not Status.FINISHED:
+            key = (seq.priority, seq.tenant)
+            left = self._classes.get(key, 0) - 1
+            if left > 0:
+                self._classes[key] = left
+            else:
+                self._classes.pop(key, None)
+                if not self._classes:
+                    self.clock.forget(())
         if seq in self.prefilling:
             self.prefilling.remove(seq)
         elif seq.status is Status.RUNNING:

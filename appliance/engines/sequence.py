@@ -24,12 +24,13 @@ class Sequence:
         "request_id", "tokens", "num_prompt", "params", "role", "status",
         "block_table", "num_cached", "handle", "sampler", "reserved_blocks",
         "prefix_hit", "arrival", "hashed_blocks", "chain_hash", "step_tokens", "logprob",
-        "prompt_lps", "released_blocks",
+        "prompt_lps", "released_blocks", "tenant", "weight", "priority",
     )
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
                  role: Role, handle: KvHandle | None = None, first_token: int | None = None,
-                 arrival: float = 0.0):
+                 arrival: float = 0.0, tenant: str = "", weight: float = 1.0,
+                 priority: int = 0):
         self.request_id = request_id
         self.tokens = list(prompt)
         self.num_prompt = len(prompt)
@@ -48,6 +49,11 @@ class Sequence:
         self.chain_hash = 0          # hash chain value after those blocks
         self.step_tokens = 0         # prompt tokens the current prefill step computes
         self.logprob: Any = None     # the last sampled token's TokenLogprob, if asked for
+        # Whose it is, for fair queuing (`engines.fair_queue`): an opaque name, its weight,
+        # its priority class (lower first).
+        self.tenant = tenant
+        self.weight = weight
+        self.priority = priority
         # Prompt logprobs gathered chunk by chunk until the first token goes out with them.
         self.prompt_lps: list | None = None
         if params.prompt_logprobs is not None and first_token is None:

@@ -11,6 +11,7 @@ import time
 import zlib
 
 from appliance.engines.base import BatchEngine, KvLayoutError
+from appliance.engines.fair_queue import chunk_for_step_time
 from appliance.engines.grammar import GrammarBook
 from appliance.engines.messages import Decode, Prefill, RequestFailed
 from appliance.engines.roofline import StepTimeModel
@@ -33,8 +34,8 @@ class SimEngine(BatchEngine):
 
     def __init__(self, *, timing: StepTimeModel, vocab_ids: list[int], speed: float = 1.0,
                  grammar: GrammarBook | None = None, **kwargs):
+        self.timing = timing        # (before the scheduler is built: it sizes the fair chunk)
         super().__init__(**kwargs)
-        self.timing = timing
         self.vocab_ids = vocab_ids
         self.grammar = grammar
         # What a guided pick may take: the regular ids and the end-of-sequence ones.
@@ -46,6 +47,13 @@ class SimEngine(BatchEngine):
 
     def layout(self) -> str:
         return self._layout
+
+    def default_fair_chunk(self, max_batch_tokens: int) -> int:
+        """The chunk whose step the roofline times at ~50 ms on this device (simulated
+        time: the same whatever `speed`)."""
+        return chunk_for_step_time(lambda n: self.timing.prefill_s([n], [0]),
+                                   align=self.blocks.block_size, lo=self.blocks.block_size,
+                                   hi=max(self.blocks.block_size, max_batch_tokens))
 
     def add(self, msg: Prefill | Decode) -> list:
         try:

@@ -483,6 +483,7 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         max_seqs=spec.max_seqs, max_context=model.shape.max_context,
         eos_token_ids=read_eos_ids(model_dir), handoff_timeout_s=spec.handoff_timeout_s,
         reserve_ratio=spec.reserve_ratio, prefill_chunk_tokens=spec.prefill_chunk_tokens,
+        fair_queuing=spec.fair_queuing, fair_chunk_tokens=spec.fair_chunk_tokens,
         grammar=GrammarBook(model_dir, model.shape.vocab_size, read_eos_ids(model_dir)))
     engine.memory_plan = plan
     return engine

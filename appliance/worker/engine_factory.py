@@ -62,4 +62,5 @@ def _build_sim(spec: WorkerSpec, model_dir: Path):
         block_size=spec.block_size, max_batch_tokens=spec.max_batch_tokens,
         max_seqs=spec.max_seqs, max_context=model.max_context,
         eos_token_ids=read_eos_ids(model_dir), handoff_timeout_s=spec.handoff_timeout_s,
-        reserve_ratio=spec.reserve_ratio, prefill_chunk_tokens=spec.prefill_chunk_tokens)
+        reserve_ratio=spec.reserve_ratio, prefill_chunk_tokens=spec.prefill_chunk_tokens,
+        fair_queuing=spec.fair_queuing, fair_chunk_tokens=spec.fair_chunk_tokens)

@@ -30,6 +30,8 @@ class WorkerSpec:
     reserve_ratio: float = 1.0
     prefill_chunk_tokens: int = 0   # > 0: prompts are prefilled in chunks of this many tokens
     dtype: str = "auto"             # torch engine: auto | float32 | bfloat16 | float16
+    fair_queuing: bool = True       # tenants' prompts share prefill steps by weight
+    fair_chunk_tokens: int = 0      # prompt chunk while tenants share; 0 = the engine's choice
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
