@@ -1,7 +1,9 @@
-"""Loading an HF Llama/Mistral/Qwen2 safetensors checkpoint into a `LlamaModel`.
+"""Loading an HF safetensors checkpoint into a `LlamaModel` (the decoder every family runs).
 
-Supported checkpoints: HF ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
-in safetensors (single file or sharded index). config.json is read by the one shape reader
+Supported checkpoints: HF ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM`` in safetensors
+(single file or sharded index); each family's module builds its layers
+(`LAYER_LOADERS`). config.json is read by the one shape reader
 (`appliance.models.shape`), which knows more families than this engine runs;
 `servable_shape` refuses the rest with a one-line reason.
 """
@@ -10,16 +12,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from appliance.engines.models.llama import Linear, LlamaModel, _Layer
+from appliance.engines.models import llama, mixtral, qwen3, qwen3_moe
+from appliance.engines.models.llama import DecoderLayer, Get, Linear, LlamaModel
 from appliance.models.shape import LlamaShape, ModelLoadError, architecture_of
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "load_model", "servable_shape"]
+__all__ = ["LAYER_LOADERS", "SUPPORTED_ARCHITECTURES", "load_model", "servable_shape"]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# architecture -> how its checkpoint's layer i becomes a DecoderLayer.
+LAYER_LOADERS: dict[str, Callable[[Get, LlamaShape, int], DecoderLayer]] = {
+    "LlamaForCausalLM": llama.load_layer,
+    "MistralForCausalLM": llama.load_layer,
+    "Qwen2ForCausalLM": llama.load_layer,
+    "Qwen3ForCausalLM": qwen3.load_layer,
+    "Qwen3MoeForCausalLM": qwen3_moe.load_layer,
+    "MixtralForCausalLM": mixtral.load_layer,
+}
+SUPPORTED_ARCHITECTURES = tuple(LAYER_LOADERS)
 
 
 def servable_shape(cfg: dict[str, Any]) -> LlamaShape:
@@ -92,11 +104,11 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> LlamaModel:
-    """Load an HF Llama/Mistral/Qwen2 safetensors checkpoint; raises ModelLoadError."""
+    """Load an HF safetensors checkpoint of a supported family; raises ModelLoadError."""
     model_dir = Path(model_dir)
     shape = servable_shape(_read_config(model_dir))
     raw = _load_tensors(model_dir)
-    D, I = shape.hidden_size, shape.intermediate_size
+    D = shape.hidden_size
 
     def get(name: str, expected: tuple[int, ...]) -> torch.Tensor:
         t = raw.pop(name, None)  # consumed once: freed as soon as it is packed or fused
@@ -113,31 +125,8 @@ def load_model(
         lm_head = Linear(embed)
     else:
         lm_head = Linear(get("lm_head.weight", (shape.vocab_size, D)))
-    layers: list[_Layer] = []
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        attn = p + "self_attn."
-        w_qkv = torch.cat([get(attn + "q_proj.weight", (shape.q_size, D)),
-                           get(attn + "k_proj.weight", (shape.kv_size, D)),
-                           get(attn + "v_proj.weight", (shape.kv_size, D))])
-        b_qkv = None
-        if shape.qkv_bias:
-            b_qkv = torch.cat([get(attn + "q_proj.bias", (shape.q_size,)),
-                               get(attn + "k_proj.bias", (shape.kv_size,)),
-                               get(attn + "v_proj.bias", (shape.kv_size,))])
-        w_gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (I, D)),
-                               get(p + "mlp.up_proj.weight", (I, D))])
-        layers.append(
-            _Layer(
-                attn_norm=get(p + "input_layernorm.weight", (D,)),
-                qkv=Linear(w_qkv, b_qkv),
-                o=Linear(get(attn + "o_proj.weight", (D, shape.q_size)),
-                         get(attn + "o_proj.bias", (D,)) if shape.o_bias else None),
-                mlp_norm=get(p + "post_attention_layernorm.weight", (D,)),
-                gate_up=Linear(w_gate_up),
-                down=Linear(get(p + "mlp.down_proj.weight", (D, I))),
-            )
-        )
+    load_layer = LAYER_LOADERS[shape.architecture]
+    layers = [load_layer(get, shape, i) for i in range(shape.num_layers)]
     norm = get("model.norm.weight", (D,))
     raw.clear()  # tensors the model does not use (e.g. rotary caches in old checkpoints)
     return LlamaModel(shape, embed, layers, norm, lm_head)

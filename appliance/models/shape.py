@@ -3,14 +3,14 @@
 Both the torch engine (which builds the model from it) and the simulator's `ModelSpec`
 (which counts parameters and KV bytes from it) read config.json here, so a checkpoint
 is never understood two ways. The reader accepts every Llama-shaped family either caller
-knows (q/k/v/o attention, gate/up/down MLP, two RMSNorms): llama, mistral, qwen2, qwen3
-and mixtral. What the torch engine can actually run is narrower; it says so when loading
+knows (q/k/v/o attention, gate/up/down MLP or a mixture of such experts, two RMSNorms):
+llama, mistral, qwen2, qwen3, qwen3_moe and mixtral. What the torch engine can actually run is narrower; it says so when loading
 (`appliance.engines.loader.servable_shape`).
 
 Defaults where config.json is silent are transformers' own: `head_dim` = hidden/heads
 (Qwen3Config: 128), `num_key_value_heads` = heads, `max_position_embeddings` 2048,
-`rms_norm_eps` 1e-6, `rope_theta` 10000, untied embeddings, and Mistral's 4,096-token
-sliding window.
+`rms_norm_eps` 1e-6, `rope_theta` 10000, untied embeddings, Mistral's 4,096-token
+sliding window, and Qwen3-MoE's `norm_topk_prob` false, `decoder_sparse_step` 1.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
 _FAMILY_BY_ARCH = {arch: family for family, arch in ARCHITECTURES.items()}
@@ -66,9 +67,14 @@ class LlamaShape:
     family: str = "llama"  # config.json's model_type (one of ARCHITECTURES)
     hidden_act: str = "silu"
     mlp_bias: bool = False
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
-    num_experts: int = 0  # routed MLP experts (Mixtral); 0 = dense
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Qwen3-MoE)
+    num_experts: int = 0  # routed MLP experts (Mixtral, Qwen3-MoE); 0 = dense
     experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # each expert's (Qwen3-MoE: moe_intermediate_size)
+    norm_topk_prob: bool = False  # the kept top-k router weights renormalized to sum 1
+    # Layers of an MoE model whose MLP is dense (`intermediate_size`): Qwen3-MoE's
+    # mlp_only_layers and those decoder_sparse_step skips. () for dense models.
+    dense_mlp_layers: tuple[int, ...] = ()
     rope_type: str = "default"  # "default", "llama3", or one the engine refuses (yarn, ...)
     partial_rotary_factor: float = 1.0
 
@@ -78,6 +84,9 @@ class LlamaShape:
         if self.sliding_window:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.dense_mlp_layers
 
     @property
     def q_size(self) -> int:
@@ -119,19 +128,34 @@ class LlamaShape:
 
         if family == "qwen2":
             qkv_bias, o_bias = True, False
-        elif family in ("llama", "qwen3"):
+        elif family in ("llama", "qwen3", "qwen3_moe"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         else:  # Mistral and Mixtral attention has no biases
             qkv_bias = o_bias = False
-        experts = top_k = 0
+        layers = int(need("num_hidden_layers"))
+        experts = top_k = moe_inter = 0
+        norm_topk, dense_layers = False, ()
         if family == "mixtral":
             experts, top_k = int(need("num_local_experts")), int(need("num_experts_per_tok"))
+            norm_topk = True  # Mixtral always renormalizes its top-k
+        elif family == "qwen3_moe":
+            # Qwen's checkpoints write num_experts; transformers 5 saves num_local_experts.
+            key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+            experts, top_k = int(need(key)), int(need("num_experts_per_tok"))
+            moe_inter = int(need("moe_intermediate_size"))
+            norm_topk = bool(cfg.get("norm_topk_prob", False))
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+            dense_layers = tuple(i for i in range(layers)
+                                 if experts == 0 or i in only or (i + 1) % step)
+        if experts and not 0 < top_k <= experts:
+            raise ModelLoadError(f"num_experts_per_tok {top_k} must be in 1..{experts}")
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -148,9 +172,12 @@ class LlamaShape:
             family=family,
             hidden_act=str(cfg.get("hidden_act", "silu")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             num_experts=experts,
             experts_per_token=top_k,
+            moe_intermediate_size=moe_inter or (int(cfg["intermediate_size"]) if experts else 0),
+            norm_topk_prob=norm_topk,
+            dense_mlp_layers=dense_layers,
         )
 
 
@@ -163,13 +190,21 @@ def architecture_of(cfg: dict[str, Any]) -> str:
 def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
     """The attention window, as `transformers` applies it: a token sees itself and the
     W-1 before it. Mistral slides on every layer (MistralConfig defaults the window to
-    4,096 when config.json has no key; v0.2 and later write null). Qwen2 slides only with
-    ``use_sliding_window``, on the layers from ``max_window_layers`` on, or as
-    ``layer_types`` says. Llama never slides."""
+    4,096 when config.json has no key; v0.2 and later write null), Mixtral only where
+    config.json sets one. Qwen2 and Qwen3 slide only with ``use_sliding_window``, on the
+    layers from ``max_window_layers`` on, or as ``layer_types`` says; Qwen3-MoE then on
+    every layer. Llama never slides."""
     if arch == "MistralForCausalLM":
         window = cfg.get("sliding_window", 4096)
         return int(window) if window else None
-    if arch != "Qwen2ForCausalLM":
+    if arch == "MixtralForCausalLM":     # MixtralConfig: no window unless config.json sets one
+        window = cfg.get("sliding_window")
+        return int(window) if window else None
+    if arch == "Qwen3MoeForCausalLM":    # every layer slides with use_sliding_window
+        if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+            return int(cfg["sliding_window"])
+        return None
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return None
     if not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
         return None

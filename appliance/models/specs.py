@@ -60,7 +60,10 @@ def spec_from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | N
     the same `LlamaShape.from_hf_config` the torch engine loads a checkpoint with.
 
     Parameter counts are computed from shapes and match
-    `sum(p.numel() for p in model.parameters())` of the transformers model.
+    `sum(p.numel() for p in model.parameters())` of the transformers model. For a mixture
+    of experts (Mixtral, Qwen3-MoE) `params` counts every expert (what memory holds) and
+    `active_params` only the experts a token runs through (what a step computes and
+    reads per token; the roofline caps the read at all of them).
     """
     if isinstance(path_or_dict, dict):
         cfg = path_or_dict
@@ -83,22 +86,26 @@ def spec_from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | N
     if shape.qk_norm:
         attn += 2 * head_dim                        # q_norm, k_norm
 
-    expert = 3 * hidden * inter                     # gate, up, down
-    if shape.mlp_bias:
-        expert += 2 * inter + hidden
-    if shape.num_experts:
-        router = hidden * shape.num_experts
-        mlp = router + shape.num_experts * expert
-        active_mlp = router + shape.experts_per_token * expert
-    else:
-        mlp = active_mlp = expert
+    def swiglu(width: int) -> int:                  # gate, up, down
+        return 3 * hidden * width + ((2 * width + hidden) if shape.mlp_bias else 0)
+
+    dense = swiglu(inter)
+    # MoE layers: the router and every expert are held (memory), but a token runs
+    # through the router and only its experts_per_token experts (compute, bandwidth).
+    expert = swiglu(shape.moe_intermediate_size)
+    router = hidden * shape.num_experts
+    moe_layers = sum(shape.is_moe_layer(i) for i in range(shape.num_layers))
+    dense_layers = shape.num_layers - moe_layers
 
     norms = 2 * hidden
     embed = shape.vocab_size * hidden
     head = 0 if shape.tie_word_embeddings else shape.vocab_size * hidden
     outside = embed + head + hidden                 # + final norm
-    params = outside + shape.num_layers * (attn + mlp + norms)
-    active = outside + shape.num_layers * (attn + active_mlp + norms)
+    per_layer = attn + norms
+    params = (outside + shape.num_layers * per_layer + dense_layers * dense
+              + moe_layers * (router + shape.num_experts * expert))
+    active = (outside + shape.num_layers * per_layer + dense_layers * dense
+              + moe_layers * (router + shape.experts_per_token * expert))
 
     weight_bytes, kv_bytes = _bytes_per_element(cfg)
     return ModelSpec(
