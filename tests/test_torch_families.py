@@ -18,7 +18,7 @@ from appliance.engines.layers.linear import Linear
 from appliance.engines.layers.moe import Router, SparseMoE
 from appliance.engines.loader import SUPPORTED_ARCHITECTURES, load_model, servable_shape
 from appliance.engines.roofline import StepTimeModel, DeviceShape
-from appliance.models.shape import LlamaShape, ModelLoadError
+from appliance.models.shape import ARCHITECTURES, LlamaShape, ModelLoadError
 from appliance.models.specs import spec_from_hf_config
 
 torch.set_num_threads(1)
@@ -264,6 +264,8 @@ def test_unsupported_architecture_names_every_supported_one():
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"):
         assert arch in SUPPORTED_ARCHITECTURES and arch in line
+    # The simulator's reader (which the daemon runs first) knows exactly what the engine runs.
+    assert set(ARCHITECTURES.values()) == set(SUPPORTED_ARCHITECTURES)
 
 
 def test_moe_checkpoint_missing_an_expert_is_refused(family, tmp_path):
