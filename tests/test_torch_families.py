@@ -19,7 +19,7 @@ from appliance.engines.layers.moe import Router, SparseMoE
 from appliance.engines.loader import SUPPORTED_ARCHITECTURES, load_model, servable_shape
 from appliance.engines.roofline import StepTimeModel, DeviceShape
 from appliance.models.shape import ARCHITECTURES, LlamaShape, ModelLoadError
-from appliance.models.specs import spec_from_hf_config
+from appliance.models.specs import lookup_model_spec, spec_from_hf_config
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
@@ -327,6 +327,8 @@ def test_model_spec_from_a_checkpoint_directory(cfg, total, active, tmp_path):
     memory, active ones a step's compute and weight reads."""
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     spec = spec_from_hf_config(tmp_path)
+    assert lookup_model_spec(str(tmp_path)) == spec == lookup_model_spec(
+        str(tmp_path / "config.json"))
     assert spec.params == pytest.approx(total, rel=0.005)
     assert spec.active_params == pytest.approx(active, rel=0.005)
     shape = LlamaShape.from_hf_config(cfg)
@@ -364,3 +366,12 @@ def test_moe_spec_matches_the_loaded_engine_model(family):
     assert held == spec.params
     if model.shape.num_experts:
         assert spec.active_params < spec.params
+
+
+def test_model_spec_names_what_it_cannot_size(tmp_path):
+    with pytest.raises(ValueError, match="unknown model 'nope'.*checkpoint directory"):
+        lookup_model_spec("nope")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe",
+                                                      "hidden_size": 64}))
+    with pytest.raises(ValueError, match="cannot size .*lacks"):
+        lookup_model_spec(str(tmp_path))

@@ -219,8 +219,17 @@ MODEL_SPECS: dict[str, ModelSpec] = _catalogue()
 
 
 def lookup_model_spec(name: str) -> ModelSpec:
-    """The catalogue entry for name, case-insensitively."""
+    """The catalogue entry for name, case-insensitively; else, when `name` is a checkpoint
+    directory (or its config.json), the spec its config.json gives (`spec_from_hf_config`:
+    e.g. a Qwen3-MoE sized by its total and active parameters)."""
     spec = MODEL_SPECS.get(name.lower())
-    if spec is None:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODEL_SPECS))}")
-    return spec
+    if spec is not None:
+        return spec
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file() or (path.suffix == ".json" and path.is_file()):
+        try:
+            return spec_from_hf_config(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot size {name}: {e}") from None
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODEL_SPECS))}, "
+                     "or a checkpoint directory with a config.json")
