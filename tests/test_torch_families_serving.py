@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE and Mixtral checkpoints served by the real daemon in disaggregated mode
+"""Qwen3, Qwen3-MoE, Mixtral and gpt-oss checkpoints served by the real daemon in disaggregated mode
 (the prefill worker computes the prompt, hands its KV blocks to the decode worker, which
 decodes): greedy output through the OpenAI API is token for token `transformers`'
 `generate` on the same files.
@@ -33,6 +33,11 @@ FAMILIES = {
                        norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=4, num_experts_per_tok=2)),
+    # The served context is capped at the window (no per-layer windows yet): 256 holds
+    # every prompt here.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(intermediate_size=32, head_dim=16, num_local_experts=4,
+                     num_experts_per_tok=2, sliding_window=256)),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")

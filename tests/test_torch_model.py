@@ -395,7 +395,7 @@ def test_shape_parsing_variants():
     [
         (_hf(architectures=["GPT2LMHeadModel"]), "unsupported architecture 'GPT2LMHeadModel'"),
         (_hf(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
-        (_hf(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope scaling"),
+        (_hf(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "unsupported rope scaling"),
         (_hf(rope_scaling={"rope_type": "llama3", "factor": 4.0}), "lacks 'low_freq_factor'"),
         (_hf(num_key_value_heads=3), "not a multiple"),
         (_hf(hidden_size=None), "lacks 'hidden_size'"),

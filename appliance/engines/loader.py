@@ -1,7 +1,8 @@
 """Loading an HF safetensors checkpoint into a `LlamaModel` (the decoder every family runs).
 
 Supported checkpoints: HF ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM`` in safetensors
+``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``GptOssForCausalLM``
+(MXFP4 experts dequantized at load) in safetensors
 (single file or sharded index); each family's module builds its layers
 (`LAYER_LOADERS`). config.json is read by the one shape reader
 (`appliance.models.shape`), which knows more families than this engine runs;
@@ -16,9 +17,9 @@ from typing import Any, Callable
 
 import torch
 
-from appliance.engines.models import llama, mixtral, qwen3, qwen3_moe
+from appliance.engines.models import gpt_oss, llama, mixtral, qwen3, qwen3_moe
 from appliance.engines.models.llama import DecoderLayer, Get, Linear, LlamaModel
-from appliance.models.shape import LlamaShape, ModelLoadError, architecture_of
+from appliance.models.shape import LlamaShape, ModelLoadError, architecture_of, parse_yarn
 
 __all__ = ["LAYER_LOADERS", "SUPPORTED_ARCHITECTURES", "load_model", "servable_shape"]
 
@@ -30,6 +31,7 @@ LAYER_LOADERS: dict[str, Callable[[Get, LlamaShape, int], DecoderLayer]] = {
     "Qwen3ForCausalLM": qwen3.load_layer,
     "Qwen3MoeForCausalLM": qwen3_moe.load_layer,
     "MixtralForCausalLM": mixtral.load_layer,
+    "GptOssForCausalLM": gpt_oss.load_layer,
 }
 SUPPORTED_ARCHITECTURES = tuple(LAYER_LOADERS)
 
@@ -45,15 +47,17 @@ def servable_shape(cfg: dict[str, Any]) -> LlamaShape:
     shape = LlamaShape.from_hf_config(cfg)
     if shape.hidden_act != "silu":
         raise ModelLoadError(f"unsupported hidden_act {shape.hidden_act!r} for {arch}; only 'silu'")
-    if shape.mlp_bias:
+    if shape.mlp_bias and shape.family != "gpt_oss":
         raise ModelLoadError(f"unsupported mlp_bias=true for {arch}")
     if shape.head_dim % 2:
         raise ModelLoadError(f"head_dim {shape.head_dim} must be even for RoPE")
     if shape.partial_rotary_factor != 1.0:
         raise ModelLoadError("unsupported partial_rotary_factor != 1.0")
-    if shape.rope_type not in ("default", "llama3"):
-        raise ModelLoadError(
-            f"unsupported rope scaling type {shape.rope_type!r}; supported: default, llama3")
+    if shape.rope_type == "yarn" and shape.yarn is None:
+        parse_yarn(cfg)         # raises, naming what is missing
+    if shape.rope_type not in ("default", "llama3", "yarn"):
+        raise ModelLoadError(f"unsupported rope scaling type {shape.rope_type!r}; "
+                             "supported: default, llama3, yarn")
     return shape
 
 
@@ -99,6 +103,29 @@ def _load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+class _Tensors:
+    """A checkpoint's tensors, each handed out once (`Get`): checked against the shape the
+    model expects, converted to the model's device and dtype (unless `raw`: quantized
+    blocks are dequantized by the family first), and dropped from here, so it is freed as
+    soon as the model has packed or fused it."""
+
+    def __init__(self, raw: dict[str, torch.Tensor], model_dir: Path,
+                 device: str | torch.device, dtype: torch.dtype) -> None:
+        self.raw, self.model_dir, self.device, self.dtype = raw, model_dir, device, dtype
+
+    def has(self, name: str) -> bool:
+        return name in self.raw
+
+    def __call__(self, name: str, expected: tuple[int, ...], *, raw: bool = False) -> torch.Tensor:
+        t = self.raw.pop(name, None)
+        if t is None:
+            raise ModelLoadError(f"checkpoint {self.model_dir} lacks tensor {name!r}")
+        if tuple(t.shape) != expected:
+            raise ModelLoadError(f"tensor {name!r} in {self.model_dir} has shape "
+                                 f"{tuple(t.shape)}, expected {expected}")
+        return t if raw else t.to(device=self.device, dtype=self.dtype)
+
+
 def load_model(
     model_dir: Path | str,
     device: str | torch.device = "cpu",
@@ -110,15 +137,7 @@ def load_model(
     raw = _load_tensors(model_dir)
     D = shape.hidden_size
 
-    def get(name: str, expected: tuple[int, ...]) -> torch.Tensor:
-        t = raw.pop(name, None)  # consumed once: freed as soon as it is packed or fused
-        if t is None:
-            raise ModelLoadError(f"checkpoint {model_dir} lacks tensor {name!r}")
-        if tuple(t.shape) != expected:
-            raise ModelLoadError(
-                f"tensor {name!r} in {model_dir} has shape {tuple(t.shape)}, expected {expected}"
-            )
-        return t.to(device=device, dtype=dtype)
+    get = _Tensors(raw, model_dir, device, dtype)
 
     embed = get("model.embed_tokens.weight", (shape.vocab_size, D))
     if shape.tie_word_embeddings:

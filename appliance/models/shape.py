@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ARCHITECTURES", "LlamaShape", "ModelLoadError", "RopeScaling", "architecture_of"]
+__all__ = ["ARCHITECTURES", "LlamaShape", "ModelLoadError", "RopeScaling", "YarnScaling",
+           "architecture_of"]
 
 # model_type -> the transformers class config.json names in "architectures".
 ARCHITECTURES = {
@@ -28,6 +29,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 _FAMILY_BY_ARCH = {arch: family for family, arch in ARCHITECTURES.items()}
 
@@ -44,6 +46,22 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class YarnScaling:
+    """YaRN ("yarn") RoPE scaling, as gpt-oss uses it (`transformers`'
+    ``_compute_yarn_parameters``): frequencies blended between interpolated and
+    extrapolated by a ramp over the dimensions, cos and sin scaled by `attention_factor`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # None: derived from factor (and mscale)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +93,14 @@ class LlamaShape:
     # Layers of an MoE model whose MLP is dense (`intermediate_size`): Qwen3-MoE's
     # mlp_only_layers and those decoder_sparse_step skips. () for dense models.
     dense_mlp_layers: tuple[int, ...] = ()
+    yarn: YarnScaling | None = None  # set for rope_type "yarn"
+    # gpt-oss: a learned per-head logit each query's softmax also sums over (a "sink"
+    # that takes attention weight without a value), the router's bias, and the experts'
+    # clamped SwiGLU (gate clamped above, up within +-limit, gate * sigmoid(alpha * gate)).
+    attention_sinks: bool = False
+    router_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
     rope_type: str = "default"  # "default", "llama3", or one the engine refuses (yarn, ...)
     partial_rotary_factor: float = 1.0
 
@@ -125,11 +151,20 @@ class LlamaShape:
             )
         head_dim = int(cfg.get("head_dim") or (128 if family == "qwen3" else hidden // heads))
         rope_theta, rope_type, rope_scaling, partial = _parse_rope(cfg)
+        yarn = None
+        if rope_type == "yarn":
+            try:
+                yarn = parse_yarn(cfg)
+            except ModelLoadError:  # sized all the same; the engine refuses it
+                pass
+        gpt_oss = family == "gpt_oss"
 
         if family == "qwen2":
             qkv_bias, o_bias = True, False
         elif family in ("llama", "qwen3", "qwen3_moe"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        elif family == "gpt_oss":           # GptOssConfig: attention_bias defaults to true
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", True))
         else:  # Mistral and Mixtral attention has no biases
             qkv_bias = o_bias = False
         layers = int(need("num_hidden_layers"))
@@ -148,6 +183,8 @@ class LlamaShape:
             only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
             dense_layers = tuple(i for i in range(layers)
                                  if experts == 0 or i in only or (i + 1) % step)
+        elif family == "gpt_oss":
+            experts, top_k = int(need("num_local_experts")), int(need("num_experts_per_tok"))
         if experts and not 0 < top_k <= experts:
             raise ModelLoadError(f"num_experts_per_tok {top_k} must be in 1..{experts}")
         return cls(
@@ -171,13 +208,18 @@ class LlamaShape:
             sliding_window=_sliding_window(arch, cfg),
             family=family,
             hidden_act=str(cfg.get("hidden_act", "silu")),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=gpt_oss or bool(cfg.get("mlp_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             num_experts=experts,
             experts_per_token=top_k,
             moe_intermediate_size=moe_inter or (int(cfg["intermediate_size"]) if experts else 0),
             norm_topk_prob=norm_topk,
             dense_mlp_layers=dense_layers,
+            yarn=yarn,
+            attention_sinks=gpt_oss,
+            router_bias=gpt_oss,
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if gpt_oss else 0.0,
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)) if gpt_oss else 0.0,
         )
 
 
@@ -204,6 +246,11 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
         if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
             return int(cfg["sliding_window"])
         return None
+    if arch == "GptOssForCausalLM":      # alternating: sliding on layers 0, 2, 4, ...
+        types = cfg.get("layer_types")
+        slides = types is None or "sliding_attention" in types
+        window = cfg.get("sliding_window", 128)
+        return int(window) if window and slides else None
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return None
     if not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
@@ -239,3 +286,23 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, str, RopeScaling | None, fl
     except KeyError as e:
         raise ModelLoadError(f"llama3 rope scaling lacks {e.args[0]!r}") from None
     return theta, kind, scaling, partial
+
+
+def parse_yarn(cfg: dict[str, Any]) -> YarnScaling:
+    """The YaRN parameters of a config.json whose rope type is \"yarn\"."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+    def opt(key: str) -> float | None:
+        return None if params.get(key) is None else float(params[key])
+
+    try:
+        return YarnScaling(
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=opt("attention_factor"), mscale=opt("mscale"),
+            mscale_all_dim=opt("mscale_all_dim"))
+    except KeyError as e:
+        raise ModelLoadError(f"yarn rope scaling lacks {e.args[0]!r}") from None

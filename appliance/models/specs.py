@@ -85,6 +85,8 @@ def spec_from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | N
         attn += hidden
     if shape.qk_norm:
         attn += 2 * head_dim                        # q_norm, k_norm
+    if shape.attention_sinks:
+        attn += shape.num_heads                     # one sink logit per head (gpt-oss)
 
     def swiglu(width: int) -> int:                  # gate, up, down
         return 3 * hidden * width + ((2 * width + hidden) if shape.mlp_bias else 0)
@@ -93,7 +95,7 @@ def spec_from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | N
     # MoE layers: the router and every expert are held (memory), but a token runs
     # through the router and only its experts_per_token experts (compute, bandwidth).
     expert = swiglu(shape.moe_intermediate_size)
-    router = hidden * shape.num_experts
+    router = hidden * shape.num_experts + (shape.num_experts if shape.router_bias else 0)
     moe_layers = sum(shape.is_moe_layer(i) for i in range(shape.num_layers))
     dense_layers = shape.num_layers - moe_layers
 
@@ -108,6 +110,14 @@ def spec_from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | N
               + moe_layers * (router + shape.experts_per_token * expert))
 
     weight_bytes, kv_bytes = _bytes_per_element(cfg)
+    quant = cfg.get("quantization_config") or {}
+    if str(quant.get("quant_method", "")).lower() == "mxfp4" and moe_layers:
+        # gpt-oss: only the experts' matrices are MXFP4; everything else (attention,
+        # router, embeddings, the experts' biases) keeps the compute dtype.
+        compute, _ = _bytes_per_element({k: v for k, v in cfg.items()
+                                         if k != "quantization_config"})
+        fp4 = moe_layers * shape.num_experts * 3 * hidden * shape.moe_intermediate_size
+        weight_bytes = (fp4 * weight_bytes + (params - fp4) * compute) / params
     return ModelSpec(
         name=name or default_name,
         params=float(params),

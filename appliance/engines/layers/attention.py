@@ -165,6 +165,28 @@ def _plan(batch: AttnBatch, num_tokens: int, block_size: int, block_bytes: int,
     return _Plan(last, steps, groups, start)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
+          causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA (GQA), causal or under a boolean mask (True = attend). With `sinks` (gpt-oss:
+    a learned logit per head that each query's softmax also sums over, with no value):
+    one more key whose K and V are zero and whose score is the sink, through a float mask,
+    so the fused kernel still runs. q ``[B, H, n, hd]``, k and v ``[B, KVH, ctx, hd]``."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=True)
+    B, H, n, _ = q.shape
+    ctx = k.shape[-2]
+    if causal:
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+    bias = q.new_zeros(B, H, n, ctx + 1)
+    if mask is not None:
+        bias[..., :ctx].masked_fill_(~mask, float("-inf"))
+    bias[..., ctx] = sinks.to(q.dtype).view(1, H, 1)
+    zero = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+    return F.scaled_dot_product_attention(q, torch.cat((k, zero), -2), torch.cat((v, zero), -2),
+                                          attn_mask=bias, enable_gqa=True)
+
+
 class PagedAttention:
     """The attention of every layer of one model, over its paged KV pool. Holds what
     persists between steps: the backend choice and the decode gather buffer."""
@@ -187,6 +209,9 @@ class PagedAttention:
         bounded path's temporaries may take at once."""
         if backend not in attention_backends.BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}")
+        if self.shape.attention_sinks and backend != "sdpa":
+            raise ValueError(f"attention sinks (gpt-oss) run on the sdpa backend only, "
+                             f"not {backend!r}")
         self.backend = backend
         self.budget = int(budget)
         self._flashinfer = (attention_backends.FlashInferAttention(self.device, flashinfer_module)
@@ -205,22 +230,23 @@ class PagedAttention:
 
     def __call__(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 batch: AttnBatch, plan: _Plan) -> torch.Tensor:
+                 batch: AttnBatch, plan: _Plan, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Layer `li`'s attention output ``[T, q_size]``; this step's K/V are already in
-        the pool (`k_cache`, `v_cache`: the layer's slots, ``[slots, KVH, hd]``)."""
+        the pool (`k_cache`, `v_cache`: the layer's slots, ``[slots, KVH, hd]``).
+        `sinks`: per-head attention-sink logits (gpt-oss), sdpa backend only."""
         T, Tp = q.shape[0], plan.prefill_tokens
         if self._flashinfer is not None:
             return self._flashinfer.run(q, kv[0, li], kv[1, li]).reshape(T, self.shape.q_size)
         if self.backend == "bounded":
             return self._bounded_attention(q, k, v, k_cache, v_cache, batch, plan, kv.shape[3])
         if not plan.decode:
-            return self._prefill_attention(q, k, v, k_cache, v_cache, plan)
+            return self._prefill_attention(q, k, v, k_cache, v_cache, plan, sinks)
         if not plan.prefill:
-            return self._decode_attention(q, kv[:, li], plan)
+            return self._decode_attention(q, kv[:, li], plan, sinks)
         # mixed: prompt rows first, then one row per decoding sequence
         return torch.cat((
-            self._prefill_attention(q[:Tp], k[:Tp], v[:Tp], k_cache, v_cache, plan),
-            self._decode_attention(q[Tp:], kv[:, li], plan)))
+            self._prefill_attention(q[:Tp], k[:Tp], v[:Tp], k_cache, v_cache, plan, sinks),
+            self._decode_attention(q[Tp:], kv[:, li], plan, sinks)))
 
     def _prefill_attention(
         self,
@@ -230,6 +256,7 @@ class PagedAttention:
         k_cache: torch.Tensor,  # [slots, KVH, hd]
         v_cache: torch.Tensor,
         plan: _Plan,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         s = self.shape
         out = torch.empty(q.shape[0], s.q_size, device=q.device, dtype=q.dtype)
@@ -240,11 +267,11 @@ class PagedAttention:
             if ctx_slots is None:
                 ki = k[start:end].transpose(0, 1).unsqueeze(0)
                 vi = v[start:end].transpose(0, 1).unsqueeze(0)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+                oi = _sdpa(qi, ki, vi, causal=True, sinks=sinks)
             else:
                 ki = k_cache.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
                 vi = v_cache.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+                oi = _sdpa(qi, ki, vi, mask=mask, sinks=sinks)
             out[start:end] = oi[0].transpose(0, 1).reshape(end - start, s.q_size)
         return out
 
@@ -286,6 +313,7 @@ class PagedAttention:
         q: torch.Tensor,  # [B, H, hd]
         kv_layer: torch.Tensor,  # [2, blocks, block_size, KVH, hd]
         plan: _Plan,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         s = self.shape
         B, block_size = q.shape[0], kv_layer.shape[2]
@@ -299,12 +327,12 @@ class PagedAttention:
             kb = torch.index_select(blocks[0], 0, g.block_ids, out=buf[0, :used].view(-1, row))
             vb = torch.index_select(blocks[1], 0, g.block_ids, out=buf[1, :used].view(-1, row))
             per_seq = (n, g.blocks * block_size, s.num_kv_heads, s.head_dim)
-            o = F.scaled_dot_product_attention(
+            o = _sdpa(
                 q[g.first:g.end],
                 kb.view(per_seq)[:, : g.context].transpose(1, 2),  # [n, KVH, ctx, hd]
                 vb.view(per_seq)[:, : g.context].transpose(1, 2),
-                attn_mask=g.mask,
-                enable_gqa=True,
+                mask=g.mask,
+                sinks=sinks,
             )
             if out is None:
                 return o.reshape(B, s.q_size)

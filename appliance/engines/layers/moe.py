@@ -2,8 +2,9 @@
 
 Routing, as `transformers` does it for these families: softmax over the router's logits
 (in fp32), the k largest kept, and — Mixtral always, Qwen3-MoE when ``norm_topk_prob`` —
-the kept k renormalized to sum to 1. (Other families route differently, e.g. gpt-oss's
-top-k-then-softmax with biases; they need their own `Router`.)
+the kept k renormalized to sum to 1 (`Router`). gpt-oss instead takes the top k of the
+router's logits (it has a bias) and softmaxes those k (`TopKSoftmaxRouter`), and its
+experts have biases and a clamped SwiGLU (`clamped_swiglu`).
 
 The experts run grouped by expert, not by token: the step's (token, slot) pairs are
 sorted by the expert they chose, so each expert with work multiplies one contiguous
@@ -16,13 +17,27 @@ on the CPU they are packed for oneDNN like every other weight.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from appliance.engines.layers.linear import Linear
 
-__all__ = ["Router", "SparseMoE"]
+__all__ = ["Router", "SparseMoE", "TopKSoftmaxRouter", "clamped_swiglu", "swiglu"]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(limit: float, alpha: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """gpt-oss's expert activation: gate clamped above at `limit`, up to +-`limit`,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+    return act
 
 
 @dataclass(slots=True)
@@ -47,15 +62,31 @@ class Router:
         return weights, experts
 
 
+@dataclass(slots=True)
+class TopKSoftmaxRouter:
+    """gpt-oss: the top k of the router's logits, softmaxed over those k (in the
+    activations' dtype)."""
+
+    gate: Linear          # [num_experts, hidden], with a bias
+    top_k: int
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, experts = torch.topk(self.gate(x), self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), experts
+
+
 class SparseMoE:
     """``x [T, hidden] -> [T, hidden]``: each token's k experts' SwiGLU outputs, weighted."""
 
-    __slots__ = ("router", "gate_up", "down")
+    __slots__ = ("router", "gate_up", "down", "act")
 
-    def __init__(self, router: Router, gate_up: list[Linear], down: list[Linear]) -> None:
+    def __init__(self, router: Router | TopKSoftmaxRouter, gate_up: list[Linear],
+                 down: list[Linear],
+                 act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu) -> None:
         if len(gate_up) != len(down) or not gate_up:
             raise ValueError(f"{len(gate_up)} gate/up and {len(down)} down expert weights")
         self.router = router
+        self.act = act           # (gate, up) -> the input of down
         self.gate_up = gate_up   # per expert, [2 * intermediate, hidden] (gate rows first)
         self.down = down         # per expert, [hidden, intermediate]
 
@@ -78,7 +109,7 @@ class SparseMoE:
                 continue
             end = start + n
             gate, up = self.gate_up[e](xs[start:end]).chunk(2, dim=-1)
-            ys[start:end] = self.down[e](F.silu(gate) * up)
+            ys[start:end] = self.down[e](self.act(gate, up))
             start = end
         scaled = (ys * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, scaled)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,8 @@ def _rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
     dim = shape.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (shape.rope_theta**exponents)
+    if shape.yarn is not None:
+        return _yarn_inv_freq(shape, inv_freq)[0]
     rs = shape.rope_scaling
     if rs is None:
         return inv_freq
@@ -60,9 +62,50 @@ def _rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-Get = Callable[[str, tuple[int, ...]], torch.Tensor]
-"""How a family's loader asks for a checkpoint tensor: by name and expected shape (the
-loader checks the shape and converts it to the model's device and dtype)."""
+def _yarn_inv_freq(shape: LlamaShape, extrapolated: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss): (frequencies, the factor cos and sin are scaled by), as
+    `transformers`' ``_compute_yarn_parameters`` computes them."""
+    y, dim, base = shape.yarn, shape.head_dim, shape.rope_theta
+    assert y is not None
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = y.attention_factor
+    if factor is None:
+        factor = (mscale(y.factor, y.mscale) / mscale(y.factor, y.mscale_all_dim)
+                  if y.mscale and y.mscale_all_dim else mscale(y.factor))
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(base)))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp          # 1: extrapolate (high frequencies), 0: interpolate
+    inv_freq = extrapolated / y.factor * (1 - keep) + extrapolated * keep
+    return inv_freq, float(factor)
+
+
+def _rope_scale(shape: LlamaShape) -> float:
+    """What cos and sin are multiplied by (YaRN's attention factor; else 1)."""
+    return 1.0 if shape.yarn is None else _yarn_inv_freq(shape, torch.ones(1))[1]
+
+
+class Get(Protocol):
+    """How a family's loader asks for a checkpoint tensor: by name and expected shape (the
+    loader checks the shape and converts it to the model's device and dtype, unless
+    `raw`), each tensor once; `has` says whether the checkpoint holds one."""
+
+    def __call__(self, name: str, expected: tuple[int, ...], *,
+                 raw: bool = False) -> torch.Tensor: ...
+
+    def has(self, name: str) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -89,6 +132,7 @@ class DecoderLayer:
     mlp: Callable[[torch.Tensor], torch.Tensor]  # DenseMLP | layers.moe.SparseMoE
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # [heads] attention-sink logits (gpt-oss)
 
 
 def load_attention(get: Get, shape: LlamaShape, prefix: str) -> tuple[Linear, Linear]:
@@ -146,7 +190,8 @@ class LlamaModel(torch.nn.Module):
         freqs = pos[:, None] * _rope_inv_freq(shape)[None, :]
         # Full-width tables so RoPE is three ops per layer: with h = (x1, x2),
         # rotate(h) = h * (cos, cos) + (x2, x1) * (-sin, sin)  (HF's rotate-half convention).
-        cos, sin = freqs.cos(), freqs.sin()
+        scale = _rope_scale(shape)
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
         self.rope_cos = torch.cat((cos, cos), -1).to(embed.device, embed.dtype)
         self.rope_sin = torch.cat((-sin, sin), -1).to(embed.device, embed.dtype)
         self.attn = PagedAttention(shape, embed.device, embed.dtype)
@@ -219,7 +264,7 @@ class LlamaModel(torch.nn.Module):
             kv_layer.index_copy_(1, slot_mapping, qkv[:, H:].view(T, 2, KVH, hd).transpose(0, 1))
             k_cache, v_cache = kv_layer[0], kv_layer[1]
 
-            o = self.attn(li, q, k, v, kv, k_cache, v_cache, batch, plan)
+            o = self.attn(li, q, k, v, kv, k_cache, v_cache, batch, plan, layer.sinks)
             h = h + layer.o(o)
 
             x = F.rms_norm(h, (s.hidden_size,), layer.mlp_norm, eps)
