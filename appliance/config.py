@@ -61,6 +61,7 @@ class EngineConfig:
     prefill_chunk_tokens: int = 0     # >0: prefill in chunks of this many tokens, decodes between
     conditional_disagg_tokens: int = 0  # >0: prompts shorter than this skip the prefill worker
     tool_parser: str = ""             # "" = from the chat template; hermes | llama3_json | mistral | none
+    dtype: str = "auto"               # torch weights and KV: auto | float32 | bfloat16 | float16
 
 
 @dataclass
@@ -310,6 +311,9 @@ def validate(cfg: Config) -> Config:
     if cfg.engine.prefill_chunk_tokens < 0:
         raise ConfigError("config: engine.prefill_chunk_tokens must be 0 (off) or more, "
                           f"got {cfg.engine.prefill_chunk_tokens}")
+    if cfg.engine.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError("config: engine.dtype must be auto, float32, bfloat16 or float16, "
+                          f"got {cfg.engine.dtype!r}")
     if cfg.engine.cpu_threads < 0:
         raise ConfigError(f"config: engine.cpu_threads must be 0 (auto) or more, got {cfg.engine.cpu_threads}")
     if not 0.0 <= cfg.engine.reserve_ratio <= 1.0:

@@ -1,9 +1,10 @@
-"""Torch engine vs transformers `generate`, fp32, the same thread count on both sides (one by
-default, `--threads N`), on the generated models; and the KV handoff's bandwidth. Not a
-test: prints tables.
+"""Torch engine vs transformers `generate`, fp32 (or `--dtype bfloat16`), the same thread
+count on both sides (one by default, `--threads N`), on the generated models; and the KV
+handoff's bandwidth. Not a test: prints tables.
 
     .venv/bin/python bench/bench_torch_engine.py            # full run (~3-4 min on 2 cores)
     .venv/bin/python bench/bench_torch_engine.py --quick    # smoke run (~1 min)
+    .venv/bin/python bench/bench_torch_engine.py --dtype bfloat16   # both sides in bf16
 
 Decode tok/s: B requests of P prompt tokens, greedy, N new tokens each, EOS ignored.
   engine: decode tokens / wall time of the engine's decode iterations (IterationRecords).
@@ -54,6 +55,7 @@ from appliance.engines.loader import load_model  # noqa: E402
 from appliance.kv.handoff import allocate_pool, export_pool  # noqa: E402
 
 BS = 16
+DTYPE = torch.float32       # --dtype: weights and KV of both sides
 
 
 def engine(model, worker: str, num_blocks: int, max_seqs: int = 256,
@@ -116,8 +118,8 @@ def med(xs):
 def bench_model(model_dir: Path, preset: str, a) -> list[dict]:
     import transformers
 
-    model = load_model(model_dir)
-    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_model(model_dir, dtype=DTYPE)
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPE).eval()
     vocab = model.shape.vocab_size
     rows = []
     # Warm-up both paths (first-call allocations, kernel selection).
@@ -230,8 +232,8 @@ def bench_workload(model_dir: Path, preset: str, a) -> list[dict]:
     engine (at most B running) and through `generate` (batches of B)."""
     import transformers
 
-    model = load_model(model_dir)
-    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_model(model_dir, dtype=DTYPE)
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPE).eval()
     rows = []
     for batch in a.batches:
         reqs = trace_requests(max(a.min_requests, 2 * batch), a.prompt_scale, a.max_out,
@@ -267,7 +269,7 @@ SAMPLING = {
 def bench_sampling(model_dir: Path, preset: str, a) -> list[dict]:
     """The cost of the sampling controls: the same requests (B at once, 256-token prompts)
     with each setting; engine decode and prefill tok/s, median of the repetitions."""
-    model = load_model(model_dir)
+    model = load_model(model_dir, dtype=DTYPE)
     rows = []
     for batch in (1, 8):
         reqs = [(p, a.new) for p in prompts_for(batch, 256, 5, model.shape.vocab_size)]
@@ -370,7 +372,7 @@ def churned_block_ids(num_blocks: int, tokens: int, seed: int, importing: bool,
 
 
 def bench_handoff(model_dir: Path, preset: str, a) -> dict:
-    model = load_model(model_dir)
+    model = load_model(model_dir, dtype=DTYPE)
     s = model.shape
     tokens = 2048
     nblk = tokens // BS
@@ -431,8 +433,16 @@ def main() -> int:
                     help="comma list of: equal (same-shape batches), trace (trace-shaped "
                          "requests), handoff, sampling (the cost of the sampling controls; "
                          "not in the default run)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="weights and KV of the engine and of transformers (bf16 is native "
+                         "only on CPUs with AVX512-BF16/AMX; see engines/dtypes.py)")
     a = ap.parse_args()
+    global DTYPE
+    DTYPE = getattr(torch, a.dtype)
     parts = set(a.parts.split(","))
+    if DTYPE != torch.float32 and "handoff" in parts:
+        print("(the handoff part measures fp32 pools: left out with --dtype)")
+        parts.discard("handoff")
     a.batches = (1, 8, 32)
     a.prompt, a.new, a.reps = (32, 16, 1) if a.quick else (64, 48, 3)
     # (batch, prompt tokens): the three batch sizes at short context, and one long context
@@ -458,7 +468,7 @@ def main() -> int:
             if "sampling" in parts:
                 sampling += bench_sampling(d, preset, a)
 
-    print(f"\ntorch {torch.__version__}, threads={torch.get_num_threads()}, fp32, "
+    print(f"\ntorch {torch.__version__}, threads={torch.get_num_threads()}, {a.dtype}, "
           f"prompt={a.prompt} new={a.new} reps={a.reps} (median)")
     print("ratio = engine / HF generate at the same batch; vs HF b=1 = engine / HF serving "
           "the same requests one at a time (batch 1)")

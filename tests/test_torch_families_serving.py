@@ -33,11 +33,10 @@ FAMILIES = {
                        norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=4, num_experts_per_tok=2)),
-    # The served context is capped at the window (no per-layer windows yet): 256 holds
-    # every prompt here.
+    # Every other layer slides over 16 tokens: the prompts and outputs run past it.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(intermediate_size=32, head_dim=16, num_local_experts=4,
-                     num_experts_per_tok=2, sliding_window=256)),
+                     num_experts_per_tok=2, sliding_window=16)),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
@@ -116,20 +115,20 @@ def test_served_greedy_equals_transformers_through_the_kv_handoff(served):
 
 
 def test_unsupported_architecture_stops_serve_with_one_line(tiny_model, tmp_path):
-    gemma = tmp_path / "gemma"
-    shutil.copytree(tiny_model, gemma)
-    cfg = json.loads((gemma / "config.json").read_text())
-    cfg.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text")
-    (gemma / "config.json").write_text(json.dumps(cfg))
+    other = tmp_path / "deepseek"
+    shutil.copytree(tiny_model, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    (other / "config.json").write_text(json.dumps(cfg))
     out = subprocess.run(
-        [sys.executable, "-m", "appliance", "serve", "--model", str(gemma), "--engine", "torch",
+        [sys.executable, "-m", "appliance", "serve", "--model", str(other), "--engine", "torch",
          "--devices", "cpu", "--host", "127.0.0.1", "--port", str(free_port()),
          "--state-dir", str(tmp_path / "state")],
         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode != 0
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in lines[0], lines
-    assert "unsupported architecture 'Gemma3ForCausalLM'" in lines[0]
+    assert "unsupported architecture 'DeepseekV3ForCausalLM'" in lines[0]
     for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                  "MixtralForCausalLM"):
         assert arch in lines[0]

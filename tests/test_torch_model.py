@@ -302,9 +302,9 @@ def test_qwen2_bias_and_tied_embeddings(tmp_path):
         torch.testing.assert_close(logits[i], ref_l, rtol=RTOL, atol=ATOL)
 
 
-def test_mistral_sliding_window_caps_the_context(tmp_path):
-    # Mistral v0.1 slides a 4,096-token window on every layer. The engine attends over the
-    # full context, so it serves only as many tokens as the window: there both agree.
+def test_mistral_sliding_window_is_attended_past_the_window(tmp_path):
+    # Mistral v0.1 slides a 4,096-token window on every layer; the engine attends over the
+    # window (tests/test_sliding_window.py has the rest), and serves the whole context.
     W = 20
     cfg = transformers.MistralConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -312,16 +312,14 @@ def test_mistral_sliding_window_caps_the_context(tmp_path):
         sliding_window=W, attn_implementation="eager",
     )
     model, ref = _checkpoint(transformers.MistralForCausalLM, cfg, tmp_path, seed=3)
-    assert (model.shape.sliding_window, model.shape.max_context) == (W, W)
+    assert (model.shape.sliding_window, model.shape.max_context) == (W, 128)
     (seq,) = _prompts([W + 6], seed=5)
     kv = allocate_kv_pool(model.shape, 8, BLOCK)
-    logits = run_step(model, kv, Pager(8, seed=3), [[]], [0], [seq[:W]], is_prefill=True)
-    torch.testing.assert_close(logits[0], ref_last_logits(ref, seq[:W]), rtol=RTOL, atol=ATOL)
-    # Past the window transformers masks the oldest tokens: full attention (what the engine
-    # would compute, were the cap not there) gives other logits.
-    full = run_step(model, allocate_kv_pool(model.shape, 8, BLOCK), Pager(8), [[]], [0],
-                    [seq], is_prefill=True)
-    assert not torch.allclose(full[0], ref_last_logits(ref, seq), rtol=1e-2, atol=1e-2)
+    logits = run_step(model, kv, Pager(8, seed=3), [[]], [0], [seq], is_prefill=True)
+    torch.testing.assert_close(logits[0], ref_last_logits(ref, seq), rtol=RTOL, atol=ATOL)
+    # Past the window transformers masks the oldest tokens: full attention gives other logits.
+    full = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert not torch.allclose(logits[0], ref_last_logits(full, seq), rtol=1e-2, atol=1e-2)
 
 
 def test_sharded_checkpoint_loads(llama, tmp_path):
@@ -373,13 +371,14 @@ def test_shape_parsing_variants():
     s = LlamaShape.from_hf_config(_hf(architectures=["MistralForCausalLM"], sliding_window=4096))
     assert not s.qkv_bias and (s.sliding_window, s.max_context) == (4096, 2048)
     mistral = _hf(architectures=["MistralForCausalLM"], max_position_embeddings=32768)
-    assert LlamaShape.from_hf_config(mistral).max_context == 4096   # MistralConfig's default
-    assert LlamaShape.from_hf_config({**mistral, "sliding_window": None}).max_context == 32768
+    m = LlamaShape.from_hf_config(mistral)   # MistralConfig's default window, not a cap
+    assert (m.sliding_window, m.max_context, m.all_layers_slide) == (4096, 32768, True)
+    assert LlamaShape.from_hf_config({**mistral, "sliding_window": None}).layer_windows == ()
     qwen = _hf(architectures=["Qwen2ForCausalLM"], max_position_embeddings=32768,
                sliding_window=4096, num_hidden_layers=24, max_window_layers=21)
     assert LlamaShape.from_hf_config(qwen).sliding_window is None   # use_sliding_window off
     on = {**qwen, "use_sliding_window": True}
-    assert LlamaShape.from_hf_config(on).max_context == 4096        # layers 21-23 slide
+    assert LlamaShape.from_hf_config(on).layer_windows == (None,) * 21 + (4096,) * 3
     assert LlamaShape.from_hf_config({**on, "max_window_layers": 24}).sliding_window is None
     assert LlamaShape.from_hf_config(
         {**on, "layer_types": ["full_attention"] * 24}).sliding_window is None
@@ -492,7 +491,12 @@ def test_linear_packed_for_the_cpu_and_plain_elsewhere(monkeypatch):
 
     half = Linear(w.to(torch.float64))
     assert half.packed is None and half.weight.dtype == torch.float64
-    monkeypatch.setattr(linear_layer, "_ONEDNN_OK", False)
+    bf = Linear(w.to(torch.bfloat16))           # bf16 is packed too, where oneDNN takes it
+    assert (bf.packed is not None) == linear_layer._onednn_ok(torch.bfloat16)
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    torch.testing.assert_close(bf(xb), torch.nn.functional.linear(xb, wb), rtol=1e-2, atol=2e-2)
+    monkeypatch.setattr(linear_layer, "_ONEDNN_OK",
+                        {torch.float32: False, torch.bfloat16: False})
     plain = Linear(w, b)
     assert plain.packed is None and plain.dense() is w
     assert torch.equal(plain(x), torch.nn.functional.linear(x, w, b))

@@ -268,7 +268,7 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
                               else DEFAULT_MAX_BATCH_TOKENS), max_seqs=e.max_seqs,
             kv_cache_bytes=e.kv_cache_bytes, gpu_mem_fraction=e.gpu_mem_fraction,
             handoff_timeout_s=e.handoff_timeout_s, reserve_ratio=e.reserve_ratio,
-            prefill_chunk_tokens=e.prefill_chunk_tokens))
+            prefill_chunk_tokens=e.prefill_chunk_tokens, dtype=e.dtype))
     for spec in specs:
         # KV flows between the phases: a worker must see the other phase's GPUs.
         spec.peer_uuids = [u for other in specs if other.role != spec.role

@@ -1,8 +1,9 @@
-"""Loading an HF safetensors checkpoint into a `LlamaModel` (the decoder every family runs).
+"""Loading an HF safetensors checkpoint into a `LlamaModel` (the decoder every family runs;
+Gemma 3: its subclass `models.gemma3.Gemma3Model`).
 
 Supported checkpoints: HF ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``GptOssForCausalLM``
-(MXFP4 experts dequantized at load) in safetensors
+``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``GptOssForCausalLM``
+(MXFP4 experts dequantized at load) and ``Gemma3ForCausalLM`` (text only) in safetensors
 (single file or sharded index); each family's module builds its layers
 (`LAYER_LOADERS`). config.json is read by the one shape reader
 (`appliance.models.shape`), which knows more families than this engine runs;
@@ -33,7 +34,8 @@ LAYER_LOADERS: dict[str, Callable[[Get, LlamaShape, int], DecoderLayer]] = {
     "MixtralForCausalLM": mixtral.load_layer,
     "GptOssForCausalLM": gpt_oss.load_layer,
 }
-SUPPORTED_ARCHITECTURES = tuple(LAYER_LOADERS)
+# Gemma 3 builds its own model (`models.gemma3.build`).
+SUPPORTED_ARCHITECTURES = tuple(LAYER_LOADERS) + ("Gemma3ForCausalLM",)
 
 
 def servable_shape(cfg: dict[str, Any]) -> LlamaShape:
@@ -45,6 +47,12 @@ def servable_shape(cfg: dict[str, Any]) -> LlamaShape:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     shape = LlamaShape.from_hf_config(cfg)
+    if shape.family == "gemma3_text":
+        from appliance.engines.models.gemma3 import GemmaNumerics
+        GemmaNumerics.from_hf_config(cfg)       # refuses what the Gemma 3 model cannot run
+        if shape.head_dim % 2:
+            raise ModelLoadError(f"head_dim {shape.head_dim} must be even for RoPE")
+        return shape
     if shape.hidden_act != "silu":
         raise ModelLoadError(f"unsupported hidden_act {shape.hidden_act!r} for {arch}; only 'silu'")
     if shape.mlp_bias and shape.family != "gpt_oss":
@@ -133,12 +141,18 @@ def load_model(
 ) -> LlamaModel:
     """Load an HF safetensors checkpoint of a supported family; raises ModelLoadError."""
     model_dir = Path(model_dir)
-    shape = servable_shape(_read_config(model_dir))
+    cfg = _read_config(model_dir)
+    shape = servable_shape(cfg)
     raw = _load_tensors(model_dir)
     D = shape.hidden_size
 
     get = _Tensors(raw, model_dir, device, dtype)
 
+    if shape.family == "gemma3_text":
+        from appliance.engines.models import gemma3
+        model = gemma3.build(shape, cfg, get)
+        raw.clear()
+        return model
     embed = get("model.embed_tokens.weight", (shape.vocab_size, D))
     if shape.tie_word_embeddings:
         lm_head = Linear(embed)

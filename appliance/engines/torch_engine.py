@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from appliance.engines import cpu_heap
+from appliance.engines import cpu_heap, dtypes
 from appliance.engines.base import BatchEngine, KvLayoutError
 from appliance.engines.grammar import GrammarBook
 from appliance.engines.messages import Decode, Prefill, RequestFailed, SamplingParams
@@ -422,9 +422,10 @@ def profile_activation(model: LlamaModel, tokens: int, seqs: int, block_size: in
 def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     """The engine a WorkerSpec with engine="torch" names.
 
-    CPU: fp32, spec.cpu_threads torch threads (on the cores the worker is pinned to), pool
+    CPU: fp32 (`[engine] dtype` may ask for bf16 or fp16: used where the processor has
+    the instructions, else fp32 with one line on stderr; `engines.dtypes`), spec.cpu_threads torch threads (on the cores the worker is pinned to), pool
     sized from spec.kv_cache_bytes (in /dev/shm), SDPA attention.
-    GPU (NOT RUN ON HARDWARE): bf16 on cuda:0 (the worker's own first device; the daemon
+    GPU (NOT RUN ON HARDWARE): bf16 (or the configured dtype) on cuda:0 (the worker's own first device; the daemon
     lists its devices first in CUDA_VISIBLE_DEVICES); attention through FlashInfer's paged
     kernels when installed, else the bounded-memory path (layers.attention_backends); the pool sized
     after a profile run of a full batch (`profile_activation`, `kv_pool_budget`), reported
@@ -441,15 +442,18 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         if not torch.cuda.is_available():
             raise RuntimeError(f"worker {spec.worker} was given GPUs {spec.devices} but "
                                "torch sees no CUDA device")
-        device, dtype = torch.device("cuda", 0), torch.bfloat16
+        device = torch.device("cuda", 0)
     else:
-        device, dtype = torch.device("cpu"), torch.float32
+        device = torch.device("cpu")
         cpu_heap.keep_freed_memory()
         torch.set_num_threads(max(1, spec.cpu_threads))
         try:
             torch.set_num_interop_threads(1)
         except RuntimeError:        # already set (or parallel work already ran)
             pass
+    dtype, note = dtypes.resolve(spec.dtype, spec.device_kind)
+    if note:
+        print(f"applianced worker {spec.worker}: {note}", file=sys.stderr, flush=True)
     model = load_model(model_dir, device=device, dtype=dtype)
     backend = attention_backends.select_backend(device, os.environ.get(ATTENTION_ENV, "auto"))
     temp_bytes = int(os.environ.get(ATTENTION_BYTES_ENV, "0") or 0) or \

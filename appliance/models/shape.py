@@ -3,14 +3,19 @@
 Both the torch engine (which builds the model from it) and the simulator's `ModelSpec`
 (which counts parameters and KV bytes from it) read config.json here, so a checkpoint
 is never understood two ways. The reader accepts every Llama-shaped family either caller
-knows (q/k/v/o attention, gate/up/down MLP or a mixture of such experts, two RMSNorms):
-llama, mistral, qwen2, qwen3, qwen3_moe and mixtral. What the torch engine can actually run is narrower; it says so when loading
+knows (q/k/v/o attention, gate/up/down MLP or a mixture of such experts, RMSNorms):
+llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gpt_oss and gemma3_text (Gemma 3's own
+numerics, read from the same config.json, are `engines.models.gemma3`'s). What the torch
+engine can actually run is narrower; it says so when loading
 (`appliance.engines.loader.servable_shape`).
 
 Defaults where config.json is silent are transformers' own: `head_dim` = hidden/heads
-(Qwen3Config: 128), `num_key_value_heads` = heads, `max_position_embeddings` 2048,
-`rms_norm_eps` 1e-6, `rope_theta` 10000, untied embeddings, Mistral's 4,096-token
-sliding window, and Qwen3-MoE's `norm_topk_prob` false, `decoder_sparse_step` 1.
+(Qwen3Config: 128, Gemma3TextConfig: 256), `num_key_value_heads` = heads,
+`max_position_embeddings` 2048 (Gemma 3: 131,072), `rms_norm_eps` 1e-6, `rope_theta`
+10000 (Gemma 3's global layers: 1e6), untied embeddings (Gemma 3: tied), Mistral's
+4,096-token sliding window, Gemma 3's (4,096, five local layers to one global) and
+gpt-oss's (128, alternating), and Qwen3-MoE's `norm_topk_prob` false,
+`decoder_sparse_step` 1.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 _FAMILY_BY_ARCH = {arch: family for family, arch in ARCHITECTURES.items()}
 
@@ -82,6 +88,8 @@ class LlamaShape:
     qkv_bias: bool  # bias on q/k/v projections (Qwen2; Llama/Qwen3 attention_bias)
     o_bias: bool  # bias on the output projection (Llama/Qwen3 attention_bias only)
     sliding_window: int | None = None  # tokens a query sees (itself included), if limited
+    # Per layer: its window (as `sliding_window`) or None for full attention; () = none slides.
+    layer_windows: tuple[int | None, ...] = ()
     family: str = "llama"  # config.json's model_type (one of ARCHITECTURES)
     hidden_act: str = "silu"
     mlp_bias: bool = False
@@ -106,13 +114,22 @@ class LlamaShape:
 
     @property
     def max_context(self) -> int:
-        """The longest context this engine computes exactly as `transformers` does."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest context this engine computes exactly as `transformers` does (sliding
+        windows are attended as windows, so they do not shorten it)."""
         return self.max_position_embeddings
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i not in self.dense_mlp_layers
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window (a query sees itself and the W-1 tokens before
+        it), or None when it attends over the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def all_layers_slide(self) -> bool:
+        """Every layer is windowed: KV older than the widest window is never read again."""
+        return bool(self.layer_windows) and all(w is not None for w in self.layer_windows)
 
     @property
     def q_size(self) -> int:
@@ -149,8 +166,11 @@ class LlamaShape:
             raise ModelLoadError(
                 f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
             )
-        head_dim = int(cfg.get("head_dim") or (128 if family == "qwen3" else hidden // heads))
-        rope_theta, rope_type, rope_scaling, partial = _parse_rope(cfg)
+        gemma = family == "gemma3_text"
+        head_dim = int(cfg.get("head_dim") or (128 if family == "qwen3" else 256 if gemma
+                                                else hidden // heads))
+        rope_theta, rope_type, rope_scaling, partial = _parse_rope(
+            cfg, 1_000_000.0 if gemma else 10000.0)
         yarn = None
         if rope_type == "yarn":
             try:
@@ -161,7 +181,7 @@ class LlamaShape:
 
         if family == "qwen2":
             qkv_bias, o_bias = True, False
-        elif family in ("llama", "qwen3", "qwen3_moe"):
+        elif family in ("llama", "qwen3", "qwen3_moe", "gemma3_text"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         elif family == "gpt_oss":           # GptOssConfig: attention_bias defaults to true
             qkv_bias = o_bias = bool(cfg.get("attention_bias", True))
@@ -187,6 +207,8 @@ class LlamaShape:
             experts, top_k = int(need("num_local_experts")), int(need("num_experts_per_tok"))
         if experts and not 0 < top_k <= experts:
             raise ModelLoadError(f"num_experts_per_tok {top_k} must be in 1..{experts}")
+        windows = _layer_windows(arch, cfg, layers)
+        slid = [w for w in windows if w is not None]
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
@@ -196,20 +218,23 @@ class LlamaShape:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            max_position_embeddings=int(cfg.get("max_position_embeddings")
+                                        or (131072 if gemma else 2048)),
             rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rope_type=rope_type,
             partial_rotary_factor=partial,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            sliding_window=_sliding_window(arch, cfg),
+            sliding_window=max(slid) if slid else None,
+            layer_windows=windows if slid else (),
             family=family,
-            hidden_act=str(cfg.get("hidden_act", "silu")),
+            hidden_act=str(cfg.get("hidden_activation") or "gelu_pytorch_tanh") if gemma
+            else str(cfg.get("hidden_act", "silu")),
             mlp_bias=gpt_oss or bool(cfg.get("mlp_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
             num_experts=experts,
             experts_per_token=top_k,
             moe_intermediate_size=moe_inter or (int(cfg["intermediate_size"]) if experts else 0),
@@ -229,49 +254,58 @@ def architecture_of(cfg: dict[str, Any]) -> str:
     return archs[0] if archs else ARCHITECTURES.get(cfg.get("model_type") or "", "")
 
 
-def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
-    """The attention window, as `transformers` applies it: a token sees itself and the
-    W-1 before it. Mistral slides on every layer (MistralConfig defaults the window to
-    4,096 when config.json has no key; v0.2 and later write null), Mixtral only where
-    config.json sets one. Qwen2 and Qwen3 slide only with ``use_sliding_window``, on the
-    layers from ``max_window_layers`` on, or as ``layer_types`` says; Qwen3-MoE then on
-    every layer. Llama never slides."""
-    if arch == "MistralForCausalLM":
-        window = cfg.get("sliding_window", 4096)
-        return int(window) if window else None
-    if arch == "MixtralForCausalLM":     # MixtralConfig: no window unless config.json sets one
-        window = cfg.get("sliding_window")
-        return int(window) if window else None
-    if arch == "Qwen3MoeForCausalLM":    # every layer slides with use_sliding_window
-        if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-            return int(cfg["sliding_window"])
-        return None
-    if arch == "GptOssForCausalLM":      # alternating: sliding on layers 0, 2, 4, ...
-        types = cfg.get("layer_types")
-        slides = types is None or "sliding_attention" in types
-        window = cfg.get("sliding_window", 128)
-        return int(window) if window and slides else None
-    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        return None
-    if not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
-        return None
+def _layer_windows(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's attention window, as `transformers` applies it: a token sees itself and
+    the W-1 before it. Mistral slides on every layer (MistralConfig defaults the window to
+    4,096 when config.json has no key; v0.2 and later write null), as Mixtral does when it
+    names a window. Qwen2 and Qwen3 slide only with
+    ``use_sliding_window``, on the layers ``layer_types`` names, else on those from
+    ``max_window_layers`` on; Qwen3-MoE then on every layer. Gemma 3 slides on the layers
+    ``layer_types`` names, else on all but every ``sliding_window_pattern``-th (default 6:
+    five local, one global); gpt-oss on those ``layer_types`` names, else on every other
+    one from the first (a 128-token window by default). Llama never slides."""
+    full: tuple[int | None, ...] = (None,) * num_layers
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        window = cfg.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+        return (int(window),) * num_layers if window else full
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
+            return full
+        first = 0 if arch == "Qwen3MoeForCausalLM" else int(cfg.get("max_window_layers", 28))
+        slides = [i >= first for i in range(num_layers)]
+    elif arch == "Gemma3ForCausalLM":
+        if not cfg.get("sliding_window", 4096):
+            return full
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        slides = [bool((i + 1) % pattern) for i in range(num_layers)]
+    elif arch == "GptOssForCausalLM":
+        if not cfg.get("sliding_window", 128):
+            return full
+        slides = [i % 2 == 0 for i in range(num_layers)]
+    else:
+        return full
+    window = int(cfg.get("sliding_window") or (128 if arch == "GptOssForCausalLM" else 4096))
     types = cfg.get("layer_types")
     if types is not None:
-        slides = "sliding_attention" in types
-    else:
-        slides = int(cfg.get("max_window_layers", 28)) < int(cfg["num_hidden_layers"])
-    return int(cfg["sliding_window"]) if slides else None
+        if len(types) != num_layers:
+            raise ModelLoadError(f"layer_types lists {len(types)} layers, the model has "
+                                 f"{num_layers}")
+        slides = [t == "sliding_attention" for t in types]
+    return tuple(window if s else None for s in slides)
 
 
-def _parse_rope(cfg: dict[str, Any]) -> tuple[float, str, RopeScaling | None, float]:
+def _parse_rope(cfg: dict[str, Any], default_theta: float = 10000.0
+                ) -> tuple[float, str, RopeScaling | None, float]:
     """(theta, rope type, llama3 scaling, partial rotary factor). Other scaling types are named, not parsed: the
     simulator sizes such a model all the same, the torch engine refuses it."""
     # transformers 5 writes "rope_parameters" (with rope_theta inside); 4.x writes
     # "rope_theta" + "rope_scaling" (with "type" or "rope_type").
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # per layer type (Gemma 3): the global layers'
     if not isinstance(params, dict):
         raise ModelLoadError(f"rope parameters must be an object, got {params!r}")
-    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or default_theta)
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     kind = str(params.get("rope_type") or params.get("type") or "default")
     if kind != "llama3":

@@ -32,11 +32,21 @@ class ModelSpec:
     weight_bytes: float      # bytes per weight (bf16=2, fp8=1, mxfp4≈0.53)
     kv_bytes: float          # bytes per KV element
     max_context: int
+    sliding_window: int | None = None   # tokens a windowed layer attends over
+    sliding_layers: int = 0             # layers with that window (the rest attend fully)
 
     def kv_bytes_per_token(self) -> float:
         """K and V for one token across all layers. For models with sliding-window
-        layers (gpt-oss) this is the full-attention upper bound."""
+        layers (gpt-oss, Gemma 3) this is the full-attention upper bound."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes
+
+    def kv_bytes_for_context(self, tokens: int) -> float:
+        """K and V one sequence of `tokens` needs: windowed layers keep at most their
+        window. (The torch engine keeps every block while any layer attends fully, and
+        reads only the window's; this is what a windowed cache needs.)"""
+        per_layer = 2 * self.kv_heads * self.head_dim * self.kv_bytes
+        windowed = min(tokens, self.sliding_window or tokens) * self.sliding_layers
+        return (windowed + tokens * (self.layers - self.sliding_layers)) * per_layer
 
     def weight_total_bytes(self) -> float:
         return self.params * self.weight_bytes
@@ -99,7 +109,7 @@ def spec_from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | N
     moe_layers = sum(shape.is_moe_layer(i) for i in range(shape.num_layers))
     dense_layers = shape.num_layers - moe_layers
 
-    norms = 2 * hidden
+    norms = (4 if shape.family == "gemma3_text" else 2) * hidden   # Gemma: pre/post MLP too
     embed = shape.vocab_size * hidden
     head = 0 if shape.tie_word_embeddings else shape.vocab_size * hidden
     outside = embed + head + hidden                 # + final norm
@@ -131,6 +141,8 @@ def spec_from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | N
         weight_bytes=weight_bytes,
         kv_bytes=kv_bytes,
         max_context=shape.max_position_embeddings,
+        sliding_window=shape.sliding_window,
+        sliding_layers=sum(w is not None for w in shape.layer_windows),
     )
 
 

@@ -29,6 +29,7 @@ class WorkerSpec:
     handoff_timeout_s: float = 30.0
     reserve_ratio: float = 1.0
     prefill_chunk_tokens: int = 0   # > 0: prompts are prefilled in chunks of this many tokens
+    dtype: str = "auto"             # torch engine: auto | float32 | bfloat16 | float16
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

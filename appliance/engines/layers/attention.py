@@ -8,11 +8,19 @@ then calls the `PagedAttention` with its q, k, v. The backends:
 - ``sdpa`` (the CPU's): prompts one by one through SDPA (causal, or masked over the cached
   prefix), decoding sequences in groups gathered from the pool (`DECODE_GROUP_BYTES`);
 - ``bounded`` and ``flashinfer`` (the GPU's): see `attention_backends`.
+
+Sliding windows: a layer called with ``window=W`` attends as `transformers` does for
+Mistral, Qwen2 and Gemma 3 (a query at position p sees keys p-W+1 .. p, itself included).
+The blocks wholly before a sequence's window are not read: decode gathers only the blocks
+from the one holding position ctx-W on, and a prompt chunk after a cached prefix gathers
+only the positions its first row can see. The plan for a window is made once per step
+(on the first layer that asks for it) and shared by every layer with that window. The
+FlashInfer backend's layers with a window run on the bounded path (NOT RUN ON HARDWARE).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -64,7 +72,9 @@ DECODE_GROUP_BYTES = 4 << 20
 
 @dataclass(slots=True)
 class _DecodeGroup:
-    """Sequences ``first..end-1`` of a decode batch, attended together."""
+    """Sequences ``first..end-1`` of a decode batch, attended together. With a window,
+    each sequence's gathered blocks start at the one holding its first visible position
+    (`block_ids` lists the blocks from there) and the mask hides what precedes it."""
 
     first: int
     end: int
@@ -83,22 +93,36 @@ class _Plan:
     prefill: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
     decode: list[_DecodeGroup]    # over the decoding sequences only (first = 0)
     prefill_tokens: int = 0       # rows [0, prefill_tokens) belong to prompts
+    # The same step planned for a sliding window W (see `_window_plan`), made on first use.
+    windowed: dict[int, "_Plan"] = field(default_factory=dict)
+    block_size: int = 0
+    block_bytes: int = 0
 
 
 def _context_slots(
-    table: Sequence[int], n: int, block_size: int, device: torch.device
+    table: Sequence[int], n: int, block_size: int, device: torch.device, start: int = 0
 ) -> torch.Tensor:
+    """Flat pool slots of positions ``start .. n-1`` of a sequence."""
     blocks = torch.tensor(table[: (n + block_size - 1) // block_size], dtype=torch.long)
-    pos = torch.arange(n)
+    pos = torch.arange(start, n)
     return (blocks[pos // block_size] * block_size + pos % block_size).to(device)
 
 
 def _decode_groups(ctx_lens: list[int], tables: list[list[int]], block_size: int,
-                   block_bytes: int, device: torch.device) -> list[_DecodeGroup]:
+                   block_bytes: int, device: torch.device,
+                   window: int | None = None) -> list[_DecodeGroup]:
     """Consecutive sequences grouped so each group's gathered K and V of one layer
     (sequences x its longest block count x `block_bytes`) stay within DECODE_GROUP_BYTES;
     a sequence longer than that is a group of its own. On a GPU the whole batch is one
-    group: there one big kernel beats many small ones (NOT RUN ON HARDWARE)."""
+    group: there one big kernel beats many small ones (NOT RUN ON HARDWARE).
+
+    With a `window`, a sequence's blocks before the one holding position ctx-W are left
+    out (never gathered) and the positions before ctx-W in that first block are masked."""
+    skip = [max(0, c - window) // block_size if window else 0 for c in ctx_lens]
+    lows = [max(0, c - window) - k * block_size if window else 0
+            for c, k in zip(ctx_lens, skip)]
+    ctx_lens = [c - k * block_size for c, k in zip(ctx_lens, skip)]
+    tables = [t[k:] for t, k in zip(tables, skip)] if window else tables
     bound = DECODE_GROUP_BYTES if device.type == "cpu" else float("inf")
     groups: list[_DecodeGroup] = []
     first = 0
@@ -113,9 +137,11 @@ def _decode_groups(ctx_lens: list[int], tables: list[list[int]], block_size: int
         # Padding repeats the sequence's own first block: finite data, masked out.
         ids = [b for t in tables[first:end] for b in t[:blocks] + [t[0]] * (blocks - len(t))]
         context, mask = max(lens), None
-        if min(lens) != context:
-            pos = torch.arange(context)
-            mask = (pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(device)
+        lo = lows[first:end]
+        if min(lens) != context or any(lo):
+            pos = torch.arange(context)[None, :]
+            mask = (pos < torch.tensor(lens)[:, None]) & (pos >= torch.tensor(lo)[:, None])
+            mask = mask[:, None, None, :].to(device)
         groups.append(_DecodeGroup(first, end, torch.tensor(ids, device=device), blocks,
                                    context, mask))
         first = end
@@ -124,6 +150,46 @@ def _decode_groups(ctx_lens: list[int], tables: list[list[int]], block_size: int
 
 def _plan(batch: AttnBatch, num_tokens: int, block_size: int, block_bytes: int,
           device: torch.device) -> _Plan:
+    plan = _full_plan(batch, num_tokens, block_size, block_bytes, device)
+    plan.block_size, plan.block_bytes = block_size, block_bytes
+    return plan
+
+
+def _window_plan(plan: _Plan, batch: AttnBatch, window: int, device: torch.device) -> _Plan:
+    """`plan` (the step's full-attention plan) for layers with a sliding `window`: each
+    prompt chunk reads the positions from its first row's first visible key on (masked
+    so row p sees p-W+1 .. p), decode groups as `_decode_groups` makes them for a window."""
+    if window < 1:
+        raise ValueError(f"sliding window {window} must be at least 1")
+    found = plan.windowed.get(window)
+    if found is not None:
+        return found
+    steps: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+    bs = plan.block_size
+    for (start, end, _slots, _mask), c, t in zip(plan.prefill, batch.context_lens,
+                                                  batch.block_tables):
+        q = end - start
+        lo = max(0, c - q - window + 1)        # the first key row 0 (position c-q) sees
+        if c == q and q <= window:             # the window hides nothing: plain causal
+            steps.append((start, end, None, None))
+            continue
+        qpos = torch.arange(c - q, c, device=device)[:, None]
+        kpos = torch.arange(lo, c, device=device)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - window)
+        # A fresh prompt attends over this step's own K/V (slots None), from position 0.
+        slots = None if c == q else _context_slots(t, c, bs, device, start=lo)
+        steps.append((start, end, slots, mask))
+    P = len(plan.prefill)
+    groups = (_decode_groups(batch.context_lens[P:], batch.block_tables[P:], bs,
+                             plan.block_bytes, device, window) if plan.decode else [])
+    found = _Plan(plan.last_token_idx, steps, groups, plan.prefill_tokens,
+                  block_size=bs, block_bytes=plan.block_bytes)
+    plan.windowed[window] = found
+    return found
+
+
+def _full_plan(batch: AttnBatch, num_tokens: int, block_size: int, block_bytes: int,
+               device: torch.device) -> _Plan:
     q_lens, ctx_lens, tables = batch.seq_lens_q, batch.context_lens, batch.block_tables
     nseq = len(q_lens)
     if nseq == 0 or len(ctx_lens) != nseq or len(tables) != nseq:
@@ -166,14 +232,15 @@ def _plan(batch: AttnBatch, num_tokens: int, block_size: int, block_bytes: int,
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
-          causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
+          causal: bool = False, sinks: torch.Tensor | None = None,
+          scale: float | None = None) -> torch.Tensor:
     """SDPA (GQA), causal or under a boolean mask (True = attend). With `sinks` (gpt-oss:
     a learned logit per head that each query's softmax also sums over, with no value):
     one more key whose K and V are zero and whose score is the sink, through a float mask,
     so the fused kernel still runs. q ``[B, H, n, hd]``, k and v ``[B, KVH, ctx, hd]``."""
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                              enable_gqa=True)
+                                              enable_gqa=True, scale=scale)
     B, H, n, _ = q.shape
     ctx = k.shape[-2]
     if causal:
@@ -184,16 +251,36 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tens
     bias[..., ctx] = sinks.to(q.dtype).view(1, H, 1)
     zero = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
     return F.scaled_dot_product_attention(q, torch.cat((k, zero), -2), torch.cat((v, zero), -2),
-                                          attn_mask=bias, enable_gqa=True)
+                                          attn_mask=bias, enable_gqa=True, scale=scale)
+
+
+def _grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """One query row per sequence in bf16/fp16 on the CPU, as transformers' eager attention
+    computes it (scores and output as matmuls in the low dtype, softmax in fp32), each KV
+    head's query heads together. torch 2.13's CPU SDPA in bf16 is 5-10x slower than in
+    fp32 for a single query row (measured: 8 sequences x 512 tokens 10.5 ms vs 1.4 ms fp32;
+    these matmuls 0.7 ms). q: [n, H, 1, hd]; k, v: [n, KVH, ctx, hd]; mask [n, 1, 1, ctx]."""
+    n, H, _, hd = q.shape
+    KVH = k.shape[1]
+    scores = torch.matmul(q.reshape(n, KVH, H // KVH, hd), k.transpose(-1, -2)).float()
+    scores.mul_(hd**-0.5 if scale is None else scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, -1).to(q.dtype)
+    return torch.matmul(probs, v).reshape(n, H, 1, hd)
 
 
 class PagedAttention:
     """The attention of every layer of one model, over its paged KV pool. Holds what
     persists between steps: the backend choice and the decode gather buffer."""
 
-    def __init__(self, shape: LlamaShape, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, shape: LlamaShape, device: torch.device, dtype: torch.dtype,
+                 scale: float | None = None) -> None:
         self.shape = shape
         self.device = device
+        # Scores are q.k times this (None: 1/sqrt(head_dim); Gemma 3: query_pre_attn_scalar^-0.5).
+        self.scale = scale
         # Decode gathers K and V into this buffer, kept between steps and layers: a fresh
         # multi-MB tensor per layer would be newly mapped memory, page-faulted in each step.
         self._gather = torch.empty(2, 0, device=device, dtype=dtype)
@@ -225,20 +312,29 @@ class PagedAttention:
         plan = _plan(batch, num_tokens, block_size, block_bytes, kv.device)
         if self._flashinfer is not None:
             self._flashinfer.plan(batch.seq_lens_q, batch.context_lens, batch.block_tables,
-                                  block_size, s.num_heads, s.num_kv_heads, s.head_dim, kv.dtype)
+                                  block_size, s.num_heads, s.num_kv_heads, s.head_dim, kv.dtype,
+                                  sm_scale=self.scale)
         return plan
 
     def __call__(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 batch: AttnBatch, plan: _Plan, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 batch: AttnBatch, plan: _Plan, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Layer `li`'s attention output ``[T, q_size]``; this step's K/V are already in
         the pool (`k_cache`, `v_cache`: the layer's slots, ``[slots, KVH, hd]``).
-        `sinks`: per-head attention-sink logits (gpt-oss), sdpa backend only."""
+        `window`: the layer's sliding window (a query sees itself and the W-1 tokens
+        before it), None for full attention. `sinks`: per-head attention-sink logits
+        (gpt-oss), sdpa backend only."""
         T, Tp = q.shape[0], plan.prefill_tokens
-        if self._flashinfer is not None:
+        if window is not None and window >= max(batch.context_lens):
+            window = None                      # every key is inside the window
+        if self._flashinfer is not None and window is None:
             return self._flashinfer.run(q, kv[0, li], kv[1, li]).reshape(T, self.shape.q_size)
-        if self.backend == "bounded":
-            return self._bounded_attention(q, k, v, k_cache, v_cache, batch, plan, kv.shape[3])
+        if self.backend != "sdpa":             # bounded, or a windowed layer on FlashInfer
+            return self._bounded_attention(q, k, v, k_cache, v_cache, batch, plan, kv.shape[3],
+                                           window)
+        if window is not None:
+            plan = _window_plan(plan, batch, window, q.device)
         if not plan.decode:
             return self._prefill_attention(q, k, v, k_cache, v_cache, plan, sinks)
         if not plan.prefill:
@@ -264,19 +360,18 @@ class PagedAttention:
         # (materialized scores), 3-5x slower on long prompts than the fused kernel.
         for start, end, ctx_slots, mask in plan.prefill:
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
-            if ctx_slots is None:
+            if ctx_slots is None:   # this step's own K/V: causal, or a window's mask
                 ki = k[start:end].transpose(0, 1).unsqueeze(0)
                 vi = v[start:end].transpose(0, 1).unsqueeze(0)
-                oi = _sdpa(qi, ki, vi, causal=True, sinks=sinks)
             else:
                 ki = k_cache.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
                 vi = v_cache.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
-                oi = _sdpa(qi, ki, vi, mask=mask, sinks=sinks)
+            oi = _sdpa(qi, ki, vi, mask=mask, causal=mask is None, sinks=sinks, scale=self.scale)
             out[start:end] = oi[0].transpose(0, 1).reshape(end - start, s.q_size)
         return out
 
     def _bounded_attention(self, q, k, v, k_cache, v_cache, batch: AttnBatch, plan: _Plan,
-                           block_size: int) -> torch.Tensor:
+                           block_size: int, window: int | None = None) -> torch.Tensor:
         """The bounded-memory path (attention_backends): prompts one by one in chunks, decode
         rows in groups, every temporary within `attention_budget`. A prompt without a
         cached prefix goes to SDPA (causal, no mask) when even the math kernel's worst
@@ -286,26 +381,27 @@ class PagedAttention:
         out = q.new_empty(q.shape[0], s.num_heads, s.head_dim)
         for i, (start, end, ctx_slots, _mask) in enumerate(plan.prefill):
             n = end - start
-            if ctx_slots is None and (s.num_heads * n * n * 4
+            if ctx_slots is None and window is None and (s.num_heads * n * n * 4
                                       + 2 * s.num_heads * n * s.head_dim * q.element_size()
                                       <= budget):
                 qi = q[start:end].transpose(0, 1).unsqueeze(0)
                 ki = k[start:end].transpose(0, 1).unsqueeze(0)
                 vi = v[start:end].transpose(0, 1).unsqueeze(0)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True,
+                                                    scale=self.scale)
                 out[start:end] = oi[0].transpose(0, 1)
                 continue
             if ctx_slots is None:
                 ctx_slots = _context_slots(batch.block_tables[i], batch.context_lens[i],
                                            block_size, q.device)
             attention_backends.bounded_prefill(q[start:end], k_cache, v_cache, ctx_slots, budget,
-                                            out[start:end])
+                                               out[start:end], window=window, scale=self.scale)
         Tp = plan.prefill_tokens
         if plan.decode:
             P = len(plan.prefill)
             out[Tp:] = attention_backends.bounded_decode(
                 q[Tp:], k_cache, v_cache, batch.block_tables[P:], batch.context_lens[P:],
-                block_size, budget)
+                block_size, budget, window=window, scale=self.scale)
         return out.reshape(q.shape[0], s.q_size)
 
     def _decode_attention(
@@ -327,13 +423,12 @@ class PagedAttention:
             kb = torch.index_select(blocks[0], 0, g.block_ids, out=buf[0, :used].view(-1, row))
             vb = torch.index_select(blocks[1], 0, g.block_ids, out=buf[1, :used].view(-1, row))
             per_seq = (n, g.blocks * block_size, s.num_kv_heads, s.head_dim)
-            o = _sdpa(
-                q[g.first:g.end],
-                kb.view(per_seq)[:, : g.context].transpose(1, 2),  # [n, KVH, ctx, hd]
-                vb.view(per_seq)[:, : g.context].transpose(1, 2),
-                mask=g.mask,
-                sinks=sinks,
-            )
+            ki = kb.view(per_seq)[:, : g.context].transpose(1, 2)  # [n, KVH, ctx, hd]
+            vi = vb.view(per_seq)[:, : g.context].transpose(1, 2)
+            if sinks is None and q.dtype != torch.float32 and q.device.type == "cpu":
+                o = _grouped_decode(q[g.first:g.end], ki, vi, g.mask, self.scale)
+            else:
+                o = _sdpa(q[g.first:g.end], ki, vi, mask=g.mask, sinks=sinks, scale=self.scale)
             if out is None:
                 return o.reshape(B, s.q_size)
             out[g.first:g.end] = o

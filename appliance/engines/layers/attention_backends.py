@@ -121,14 +121,17 @@ def plan_chunks(q_len: int, ctx: int, group: int, head_dim: int, elem: int,
 
 def bounded_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     ctx_slots: torch.Tensor, budget: int,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, window: int | None = None,
+                    scale: float | None = None) -> torch.Tensor:
     """Causal attention of one sequence's `q` rows (its last ``len(q)`` positions) over the
     K/V at `ctx_slots` of the flat pool, in chunks that keep within `budget` bytes.
 
     q: [n, H, hd]; k_cache, v_cache: [slots, KVH, hd]; ctx_slots: [ctx] (ctx >= n);
     returns [n, H, hd] in q's dtype. The causal mask is bottom-right aligned (query row i
     is position ctx - n + i), as a prefill after a prefix hit needs. Keys a chunk of rows
-    cannot see (past its last row's position) are never read."""
+    cannot see (past its last row's position, or with a sliding `window` before its first
+    row's window) are never read; a row at position p sees keys p-W+1 .. p. `scale`:
+    the scores' factor (None: 1/sqrt(head_dim))."""
     n, H, hd = q.shape
     KVH = k_cache.shape[1]
     ctx = ctx_slots.numel()
@@ -137,7 +140,7 @@ def bounded_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     plan = plan_chunks(n, ctx, group, hd, elem, budget)
     if out is None:
         out = q.new_empty(n, H, hd)
-    scale = 1.0 / math.sqrt(hd)
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
     first = ctx - n                                  # position of query row 0
     kc = plan.k_chunk
     for g in range(KVH):
@@ -149,26 +152,34 @@ def bounded_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 qc = q[a:b, h0:h1].transpose(0, 1).float()          # [h, rows, hd]
                 pos = torch.arange(first + a, first + b, device=q.device)[:, None]
                 run_max = run_sum = acc = None
-                for k0 in range(0, first + b, kc):               # keys the last row sees
+                k_from = max(0, first + a - window + 1) if window else 0   # row a's first key
+                for k0 in range(k_from, first + b, kc):          # keys the last row sees
                     k1 = min(k0 + kc, first + b)
                     idx = ctx_slots[k0:k1]
                     kb = k_head.index_select(0, idx).float()
                     vb = v_head.index_select(0, idx).float()
                     scores = torch.matmul(qc, kb.T)                 # [h, rows, keys]
                     scores.mul_(scale)
+                    keys = None
                     if k1 - 1 > first + a:                          # the diagonal is here
-                        hidden = torch.arange(k0, k1, device=q.device)[None, :] > pos
-                        scores.masked_fill_(hidden, float("-inf"))
-                        del hidden
+                        keys = torch.arange(k0, k1, device=q.device)[None, :]
+                        scores.masked_fill_(keys > pos, float("-inf"))
+                    if window and k0 <= first + b - 1 - window:     # and a window's edge
+                        keys = torch.arange(k0, k1, device=q.device)[None, :]
+                        scores.masked_fill_(keys <= pos - window, float("-inf"))
+                    del keys
                     new_max = scores.amax(-1, keepdim=True)
                     if run_max is not None:
                         new_max = torch.maximum(new_max, run_max)
-                    scores.sub_(new_max).exp_()
+                    # A row that sees no key of this chunk yet (a window) has a maximum of
+                    # -inf: subtract 0 there instead, so its exps are 0, not NaN.
+                    shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
+                    scores.sub_(shift).exp_()
                     part = scores.sum(-1, keepdim=True)
                     if run_max is None:
                         run_sum, acc = part, torch.matmul(scores, vb)
                     else:
-                        fix = (run_max - new_max).exp_()
+                        fix = (run_max - shift).exp_()
                         run_sum = run_sum.mul_(fix).add_(part)
                         acc = acc.mul_(fix).add_(torch.matmul(scores, vb))
                     run_max = new_max
@@ -188,17 +199,22 @@ def decode_seq_bytes(ctx: int, num_heads: int, num_kv_heads: int, head_dim: int,
 
 def bounded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    tables: Sequence[Sequence[int]], ctx_lens: Sequence[int], block_size: int,
-                   budget: int) -> torch.Tensor:
+                   budget: int, window: int | None = None,
+                   scale: float | None = None) -> torch.Tensor:
     """One new token per sequence over its paged context, sequences grouped so a group's
     temporaries (`decode_seq_bytes` x sequences, at the group's longest context) stay
     within `budget`; a sequence too long for that alone goes through `bounded_prefill`
-    (heads in chunks). q: [B, H, hd]; k_cache, v_cache: [slots, KVH, hd]."""
+    (heads in chunks). q: [B, H, hd]; k_cache, v_cache: [slots, KVH, hd]. With a sliding
+    `window` only each sequence's last W positions are read."""
     B, H, hd = q.shape
     KVH = k_cache.shape[1]
     group = H // KVH
     elem = k_cache.element_size()
     out = q.new_empty(B, H, hd)
-    scale = 1.0 / math.sqrt(hd)
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    starts = [max(0, c - window) if window else 0 for c in ctx_lens]
+    full_lens = ctx_lens
+    ctx_lens = [c - s0 for c, s0 in zip(full_lens, starts)]   # positions each one reads
     i = 0
     while i < B:
         j, longest = i, 0
@@ -208,12 +224,14 @@ def bounded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                 break
             longest, j = need, j + 1
         if j == i:          # alone over the budget: heads in chunks
-            slots = _slots(tables[i], ctx_lens[i], block_size, q.device)
-            bounded_prefill(q[i:i + 1], k_cache, v_cache, slots, budget, out[i:i + 1])
+            slots = _slots(tables[i], full_lens[i], block_size, q.device, start=starts[i])
+            bounded_prefill(q[i:i + 1], k_cache, v_cache, slots, budget, out[i:i + 1],
+                            scale=scale)
             i += 1
             continue
         n = j - i
-        slots = torch.stack([_slots(tables[s], ctx_lens[s], block_size, q.device, longest)
+        slots = torch.stack([_slots(tables[s], full_lens[s], block_size, q.device, longest,
+                                    start=starts[s])
                              for s in range(i, j)])                     # [n, longest]
         k = k_cache.index_select(0, slots.flatten()).view(n, longest, KVH, hd).float()
         v = v_cache.index_select(0, slots.flatten()).view(n, longest, KVH, hd).float()
@@ -234,14 +252,14 @@ def bounded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def _slots(table: Sequence[int], n: int, block_size: int, device: torch.device,
-           width: int | None = None) -> torch.Tensor:
-    """Flat pool slots of a sequence's first n tokens, padded (with its first slot, masked
-    out by the caller) to `width`."""
+           width: int | None = None, start: int = 0) -> torch.Tensor:
+    """Flat pool slots of a sequence's positions start .. n-1, padded (with its first
+    slot, masked out by the caller) to `width`."""
     blocks = torch.tensor(list(table[: -(-n // block_size)]), dtype=torch.long)
-    pos = torch.arange(n)
+    pos = torch.arange(start, n)
     slots = blocks[pos // block_size] * block_size + pos % block_size
-    if width is not None and width > n:
-        slots = torch.cat((slots, slots[:1].expand(width - n)))
+    if width is not None and width > n - start:
+        slots = torch.cat((slots, slots[:1].expand(width - n + start)))
     return slots.to(device)
 
 
@@ -288,8 +306,10 @@ class FlashInferAttention:
 
     def plan(self, q_lens: Sequence[int], ctx_lens: Sequence[int],
              tables: Sequence[Sequence[int]], block_size: int, num_heads: int,
-             num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        """The page tables in FlashInfer's CSR form (int32, as its docs require)."""
+             num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+             sm_scale: float | None = None) -> None:
+        """The page tables in FlashInfer's CSR form (int32, as its docs require);
+        `sm_scale`: the scores' factor (None: FlashInfer's 1/sqrt(head_dim))."""
         pages = [-(-c // block_size) for c in ctx_lens]
         indices = torch.tensor([b for t, p in zip(tables, pages) for b in t[:p]],
                                dtype=torch.int32, device=self.device)
@@ -298,13 +318,15 @@ class FlashInferAttention:
                             dtype=torch.int32, device=self.device)
         if all(q == 1 for q in q_lens):
             self.decode.plan(indptr, indices, last, num_heads, num_kv_heads, head_dim,
-                             block_size, q_data_type=dtype, kv_data_type=dtype)
+                             block_size, q_data_type=dtype, kv_data_type=dtype,
+                             sm_scale=sm_scale)
             self._wrapper = self.decode
         else:
             qo = torch.tensor([0] + list(_cumsum(q_lens)), dtype=torch.int32,
                               device=self.device)
             self.prefill.plan(qo, indptr, indices, last, num_heads, num_kv_heads, head_dim,
-                              block_size, causal=True, q_data_type=dtype, kv_data_type=dtype)
+                              block_size, causal=True, q_data_type=dtype, kv_data_type=dtype,
+                              sm_scale=sm_scale)
             self._wrapper = self.prefill
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

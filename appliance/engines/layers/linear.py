@@ -18,8 +18,10 @@ class Linear:
     (``mkldnn._reorder_linear_weight``, what inductor's freezing pass does): a plain
     ``F.linear`` re-packs the weight inside MKL on every call, which at decode batch sizes
     costs as much as the multiply itself (packing made the 20m model's matmuls 1.3-1.9x
-    faster at batch 1-32). Only the packed copy is kept. Elsewhere
-    (CUDA, bf16, a torch build without oneDNN) the weight stays as is and ``F.linear`` runs.
+    faster at batch 1-32). bf16 weights on the CPU are packed the same way (at batch 8 on an
+    AVX512-BF16 core, 0.23 ms packed vs 0.75 ms for F.linear on a 768x2304 weight; the
+    results are identical). Only the packed copy is kept. Elsewhere (CUDA, fp16, a torch
+    build without oneDNN) the weight stays as is and ``F.linear`` runs.
     """
 
     __slots__ = ("weight", "bias", "packed")
@@ -28,7 +30,8 @@ class Linear:
         self.bias = bias
         self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_ok():
+        if (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+                and _onednn_ok(weight.dtype)):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
             self.weight = None
 
@@ -45,20 +48,23 @@ class Linear:
         return self.weight
 
 
-_ONEDNN_OK: bool | None = None
+_ONEDNN_OK: dict[torch.dtype, bool] = {}
 
 
-def _onednn_ok() -> bool:
-    """Whether this torch build packs and multiplies oneDNN linear weights correctly
-    (checked once against F.linear, so a build without the ops just runs unpacked)."""
-    global _ONEDNN_OK
-    if _ONEDNN_OK is None:
+def _onednn_ok(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build packs and multiplies oneDNN linear weights of `dtype`
+    correctly (checked once per dtype against F.linear, so a build or CPU without the
+    ops just runs unpacked)."""
+    if dtype not in _ONEDNN_OK:
         try:
             g = torch.Generator().manual_seed(0)
             w, x = torch.randn(24, 16, generator=g), torch.randn(3, 16, generator=g)
+            w, x = w.to(dtype), x.to(dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(w)
             y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            _ONEDNN_OK = bool(torch.allclose(y, F.linear(x, w), rtol=1e-5, atol=1e-5))
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            _ONEDNN_OK[dtype] = bool(torch.allclose(y.float(), F.linear(x, w).float(),
+                                                    rtol=tol, atol=tol))
         except (AttributeError, RuntimeError, NotImplementedError):
-            _ONEDNN_OK = False
-    return _ONEDNN_OK
+            _ONEDNN_OK[dtype] = False
+    return _ONEDNN_OK[dtype]

@@ -11,10 +11,9 @@ decided elsewhere (scheduler / block manager); they arrive here as an `AttnBatch
 attention over the paged KV pool is `layers.attention.PagedAttention`'s. The pool's layout
 is `engines.kv_pool`'s; loading a checkpoint is `engines.loader`'s.
 
-Sliding-window attention (Mistral v0.1, Qwen2 ``use_sliding_window``) is not implemented;
-instead the served context is capped at the window (`LlamaShape.max_context`), inside
-which full attention is the same thing. A longer request is refused rather than answered
-by a different model.
+Sliding-window attention (Mistral v0.1, Qwen2 ``use_sliding_window``): each layer passes
+its window (`LlamaShape.window`) to the attention, which attends over the last W tokens
+as `transformers` does; the context is not capped at the window.
 
 Weights are held in per-layer records (`Linear`, packed for the CPU; not registered
 parameters): to move a model to another device or dtype, load it again with those
@@ -264,7 +263,8 @@ class LlamaModel(torch.nn.Module):
             kv_layer.index_copy_(1, slot_mapping, qkv[:, H:].view(T, 2, KVH, hd).transpose(0, 1))
             k_cache, v_cache = kv_layer[0], kv_layer[1]
 
-            o = self.attn(li, q, k, v, kv, k_cache, v_cache, batch, plan, layer.sinks)
+            o = self.attn(li, q, k, v, kv, k_cache, v_cache, batch, plan, window=s.window(li),
+                          sinks=layer.sinks)
             h = h + layer.o(o)
 
             x = F.rms_norm(h, (s.hidden_size,), layer.mlp_norm, eps)

@@ -1,0 +1,68 @@
+"""Which dtype a torch worker holds its weights and KV in (`[engine] dtype`).
+
+- ``auto``: fp32 on the CPU (exact, and the fastest where the processor has no bf16
+  arithmetic: there bf16 matmuls are emulated), bf16 on a GPU.
+- ``float32`` | ``bfloat16`` | ``float16``: that dtype. On the CPU bf16 is used only
+  where the processor multiplies it natively (x86: AVX512-BF16 or AMX-BF16; Arm: the BF16
+  extension), fp16 only where it has AVX512-FP16 or AMX-FP16 (Arm: FP16 arithmetic);
+  elsewhere the worker falls back to fp32 and says so in one line (`resolve`'s note).
+
+The flags are read from /proc/cpuinfo (Linux); where it cannot be read, no flag is
+assumed. `torch.backends.cpu.get_cpu_capability()` names only the vector ISA ("AVX512",
+"AVX2"), not bf16 support, so it cannot decide this.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["DTYPES", "cpu_flags", "cpu_supports", "resolve"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# cpuinfo flags (x86 "flags", Arm "Features") that give each dtype native arithmetic.
+_NATIVE = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16", "fphp", "asimdhp"),
+}
+
+_NEEDS = {torch.bfloat16: "AVX512-BF16/AMX-BF16 (Arm: BF16)",
+          torch.float16: "AVX512-FP16/AMX-FP16 (Arm: FP16)"}
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The processor's feature flags (the first CPU's; empty when unreadable)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_supports(dtype: torch.dtype, flags: frozenset[str]) -> bool:
+    """Whether a CPU with `flags` multiplies `dtype` natively (fp32 always)."""
+    if dtype == torch.float32:
+        return True
+    return any(f in flags for f in _NATIVE.get(dtype, ()))
+
+
+def resolve(wanted: str, device_kind: str,
+            flags: frozenset[str] | None = None) -> tuple[torch.dtype, str | None]:
+    """(the dtype to load in, a one-line note when it is not what was asked for)."""
+    if wanted not in ("auto", *DTYPES):
+        raise ValueError(f"unknown dtype {wanted!r}: expected auto, {', '.join(DTYPES)}")
+    if device_kind == "gpu":
+        return (torch.bfloat16 if wanted == "auto" else DTYPES[wanted]), None
+    if wanted == "auto":
+        return torch.float32, None
+    dtype = DTYPES[wanted]
+    flags = cpu_flags() if flags is None else flags
+    if cpu_supports(dtype, flags):
+        return dtype, None
+    need = _NEEDS[dtype]
+    return torch.float32, (f"dtype {wanted} asked for, but this CPU lacks {need}: "
+                           "running in float32")
