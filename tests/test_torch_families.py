@@ -254,13 +254,13 @@ def test_sparse_moe_equals_the_per_token_definition(tokens, renormalize):
 
 
 def test_unsupported_architecture_names_every_supported_one():
-    cfg = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3", hidden_size=64,
+    cfg = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=64,
                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                vocab_size=VOCAB)
     with pytest.raises(ModelLoadError) as e:
         servable_shape(cfg)
     line = str(e.value)
-    assert "\n" not in line and "unsupported architecture 'Gemma3ForCausalLM'" in line
+    assert "\n" not in line and "unsupported architecture 'DeepseekV3ForCausalLM'" in line
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"):
         assert arch in SUPPORTED_ARCHITECTURES and arch in line

@@ -116,20 +116,20 @@ def test_served_greedy_equals_transformers_through_the_kv_handoff(served):
 
 
 def test_unsupported_architecture_stops_serve_with_one_line(tiny_model, tmp_path):
-    gemma = tmp_path / "gemma"
-    shutil.copytree(tiny_model, gemma)
-    cfg = json.loads((gemma / "config.json").read_text())
-    cfg.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text")
-    (gemma / "config.json").write_text(json.dumps(cfg))
+    other = tmp_path / "deepseek"
+    shutil.copytree(tiny_model, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    (other / "config.json").write_text(json.dumps(cfg))
     out = subprocess.run(
-        [sys.executable, "-m", "appliance", "serve", "--model", str(gemma), "--engine", "torch",
+        [sys.executable, "-m", "appliance", "serve", "--model", str(other), "--engine", "torch",
          "--devices", "cpu", "--host", "127.0.0.1", "--port", str(free_port()),
          "--state-dir", str(tmp_path / "state")],
         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode != 0
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in lines[0], lines
-    assert "unsupported architecture 'Gemma3ForCausalLM'" in lines[0]
+    assert "unsupported architecture 'DeepseekV3ForCausalLM'" in lines[0]
     for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                  "MixtralForCausalLM"):
         assert arch in lines[0]
