@@ -4,8 +4,8 @@ Both the torch engine (which builds the model from it) and the simulator's `Mode
 (which counts parameters and KV bytes from it) read config.json here, so a checkpoint
 is never understood two ways. The reader accepts every Llama-shaped family either caller
 knows (q/k/v/o attention, gate/up/down MLP or a mixture of such experts, two RMSNorms):
-llama, mistral, qwen2, qwen3, qwen3_moe and mixtral. What the torch engine can actually run is narrower; it says so when loading
-(`appliance.engines.loader.servable_shape`).
+llama, mistral, qwen2, qwen3, qwen3_moe, mixtral and gpt_oss. What the torch engine can
+actually run is narrower; it says so when loading (`appliance.engines.loader.servable_shape`).
 
 Defaults where config.json is silent are transformers' own: `head_dim` = hidden/heads
 (Qwen3Config: 128), `num_key_value_heads` = heads, `max_position_embeddings` 2048,
