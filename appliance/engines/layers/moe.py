@@ -24,14 +24,17 @@ import torch.nn.functional as F
 
 from appliance.engines.layers.linear import Linear
 
-__all__ = ["Router", "SparseMoE", "TopKSoftmaxRouter", "clamped_swiglu", "swiglu"]
+__all__ = ["Activation", "Router", "SparseMoE", "TopKSoftmaxRouter", "clamped_swiglu", "swiglu"]
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def clamped_swiglu(limit: float, alpha: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> down's input
+
+
+def clamped_swiglu(limit: float, alpha: float) -> Activation:
     """gpt-oss's expert activation: gate clamped above at `limit`, up to +-`limit`,
     ``(up + 1) * gate * sigmoid(alpha * gate)``."""
     def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -81,8 +84,7 @@ class SparseMoE:
     __slots__ = ("router", "gate_up", "down", "act")
 
     def __init__(self, router: Router | TopKSoftmaxRouter, gate_up: list[Linear],
-                 down: list[Linear],
-                 act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu) -> None:
+                 down: list[Linear], act: Activation = swiglu) -> None:
         if len(gate_up) != len(down) or not gate_up:
             raise ValueError(f"{len(gate_up)} gate/up and {len(down)} down expert weights")
         self.router = router

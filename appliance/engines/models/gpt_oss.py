@@ -19,9 +19,9 @@ built) + the model being built (4 bytes a parameter in fp32) + one expert's temp
 (its dequantized gate/up matrix in fp32 and the nibble indices: about 2I x hidden x 12
 bytes, 200 MB for gpt-oss's 2880 x 5760).
 
-Sliding windows: the shape records the window, and until the attention layer applies
-windows per layer the served context is capped at it (`LlamaShape.max_context`), where
-both layer kinds compute the same thing.
+Sliding windows: the shape gives each layer its window (`LlamaShape.window`: 128 on
+every other layer from the first, None on the rest), which the forward pass hands to the
+attention with the layer's sinks.
 """
 
 from __future__ import annotations
