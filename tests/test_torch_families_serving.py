@@ -132,3 +132,42 @@ def test_unsupported_architecture_stops_serve_with_one_line(tiny_model, tmp_path
     for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                  "MixtralForCausalLM"):
         assert arch in lines[0]
+
+
+def test_simulator_sizes_gpus_from_a_checkpoint_directory(tmp_path):
+    """`--model-spec DIR` on the simulator: a Qwen3-30B-A3B config.json is served under its
+    directory's name, and each H100's KV pool is what its *total* weights (61 GB in bf16,
+    every expert) leave, not its active ones (6.7 GB)."""
+    import dataclasses
+
+    from appliance.config import Config
+    from appliance.engines.roofline import DeviceShape, StepTimeModel
+    from appliance.models.specs import spec_from_hf_config
+    from appliance.partitions.catalogue import lookup_gpu
+    ckpt = tmp_path / "Qwen3-30B-A3B"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({     # Qwen/Qwen3-30B-A3B's, abridged
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    d = start_daemon(tmp_path / "d", None, "--engine", "sim", "--devices", "sim:2xH100",
+                     "--model-spec", str(ckpt))
+    try:
+        (info,) = d.client().models.list().data
+        assert info.id == "Qwen3-30B-A3B" and info.model_extra["max_model_len"] == 40960
+        spec = spec_from_hf_config(ckpt)
+        h100 = DeviceShape.from_gpu(lookup_gpu("H100"), spec.weight_bytes)
+        tokens = StepTimeModel(h100, 1, spec).kv_capacity_tokens(0.9)
+        total = h100.mem_bytes * 0.9 - spec.params * 2
+        assert tokens == int(total // spec.kv_bytes_per_token())
+        block = Config().engine.block_size
+        for w in d.status()["workers"]:
+            assert w["kv_blocks_total"] == tokens // block, w
+        # Sized by the active weights instead, the pool would be over four times larger.
+        by_active = StepTimeModel(h100, 1, dataclasses.replace(spec, params=spec.active_params))
+        assert by_active.kv_capacity_tokens(0.9) > 4 * tokens
+    finally:
+        d.stop()

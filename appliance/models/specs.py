@@ -240,6 +240,15 @@ def _catalogue() -> dict[str, ModelSpec]:
 MODEL_SPECS: dict[str, ModelSpec] = _catalogue()
 
 
+def model_spec_name(spec: str) -> str:
+    """What a model spec is served as: a catalogue name as given, a checkpoint directory
+    (or its config.json) by the directory's name."""
+    path = Path(spec).expanduser()
+    if spec.lower() not in MODEL_SPECS and path.exists():
+        return (path.parent if path.is_file() else path).name
+    return spec
+
+
 def lookup_model_spec(name: str) -> ModelSpec:
     """The catalogue entry for name, case-insensitively; else, when `name` is a checkpoint
     directory (or its config.json), the spec its config.json gives (`spec_from_hf_config`:
