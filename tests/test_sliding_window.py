@@ -7,6 +7,7 @@ so a window of 10 leaves whole blocks behind it."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -127,16 +128,24 @@ def _close(a, b):
 # --------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "bounded"])
+@pytest.mark.parametrize("backend", ["sdpa", "bounded", "flashinfer"])
 def test_prompts_longer_than_the_window_then_decode(windowed, backend, monkeypatch):
     """Three prompts (shorter than, at, and well past the window) prefilled together,
     then decoded greedily in groups small enough to split them, each step's logits
-    equal to transformers' on the whole sequence; the greedy tokens equal generate's."""
+    equal to transformers' on the whole sequence; the greedy tokens equal generate's.
+    With FlashInfer (tests/fake_flashinfer.py) the full layers go through its kernels
+    (with the model's score scale) and the windowed ones through the bounded path."""
     path, ref = windowed
     model = load_model(path)
     assert model.shape.max_context == 256          # not capped at the window
     if backend == "bounded":   # a budget that makes the bounded path chunk keys and rows
         model.set_attention("bounded", budget=24_000)
+    if backend == "flashinfer":
+        import fake_flashinfer
+        module = fake_flashinfer.module()
+        fake_flashinfer.calls.clear()
+        monkeypatch.setitem(sys.modules, "flashinfer", module)
+        model.set_attention("flashinfer", flashinfer_module=module)
     monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 4 * 2 * BLOCK * 2 * 16 * 4)
     kv = allocate_kv_pool(model.shape, num_blocks=64, block_size=BLOCK)
     pager = Pager(64, seed=1)
@@ -154,6 +163,10 @@ def test_prompts_longer_than_the_window_then_decode(windowed, backend, monkeypat
         for i, s in enumerate(seqs):
             _close(logits[i], ref_logits(ref, s))
     ref.generation_config.eos_token_id = None      # greedy for all 8 tokens, as above
+    if backend == "flashinfer":
+        runs = [name for name, _ in fake_flashinfer.calls if name.endswith(".run")]
+        full_layers = sum(model.shape.window(i) is None for i in range(model.shape.num_layers))
+        assert len(runs) == 9 * full_layers         # 9 steps, only the unwindowed layers
     for p, s in zip(prompts, seqs):
         with torch.no_grad():
             want = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
@@ -263,3 +276,108 @@ def test_simulator_spec_reads_gemma3(tmp_path):
     per_layer = 2 * 2 * 16 * spec.kv_bytes
     assert spec.kv_bytes_for_context(100) == 3 * 100 * per_layer
     assert spec.kv_bytes_for_context(4096) == (2 * 512 + 4096) * per_layer
+
+
+# --------------------------------------------------------------------------- freeing blocks
+
+
+def _engine(path, num_blocks: int, chunk: int = 0):
+    import json
+
+    from appliance.engines.kv_pool import kv_pool_bytes_per_block
+    from appliance.engines.loader import servable_shape
+    from appliance.engines.torch_engine import build_torch_engine
+    from appliance.worker.spec import WorkerSpec
+
+    shape = servable_shape(json.loads((path / "config.json").read_text()))
+    per_block = kv_pool_bytes_per_block(shape, BLOCK, torch.float32)
+    spec = WorkerSpec(worker="agg0", role="agg", engine="torch", devices=["cpu"],
+                      device_kind="cpu", model_dir=str(path), block_size=BLOCK,
+                      kv_cache_bytes=num_blocks * per_block, max_batch_tokens=512,
+                      max_seqs=8, prefill_chunk_tokens=chunk)
+    eng = build_torch_engine(spec, path)
+    eng.eos_token_ids = ()
+    return eng
+
+
+def test_blocks_behind_every_window_are_freed_only_when_every_layer_slides(windowed):
+    """An engine decoding 24 tokens after a 30-token prompt (chunked by 8): with every
+    layer windowed (Mistral) the blocks behind the window go back to the pool as it
+    decodes, the sequence never holding more than the window's blocks plus two; with a
+    full-attention layer (Qwen2 here, Gemma 3) none does. Either way the greedy tokens are
+    transformers', every block comes back at the end, and a second request with the same
+    prompt is served from the prefix cache (freed blocks keep their hashes) with the same
+    tokens."""
+    from appliance.engines.messages import Prefill, RequestFailed, SamplingParams, Tokens
+
+    path, ref = windowed
+    eng = _engine(path, num_blocks=48, chunk=8)
+    all_slide = eng.model.shape.all_layers_slide
+    assert (eng.kv_window == W) == all_slide and (eng.kv_window is None) != all_slide
+    (prompt,) = _prompts([30], seed=11)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+
+    def run(rid):
+        out, cached, held = [], None, []
+        assert eng.add(Prefill(rid, prompt, params, handoff=False)) == []
+        while eng.has_work():
+            for ev in eng.step():
+                assert not isinstance(ev, RequestFailed), ev
+                if isinstance(ev, Tokens) and ev.request_id == rid:
+                    out += ev.tokens
+                    cached = ev.cached_tokens if cached is None else cached
+            seq = eng._seqs.get(rid)
+            if seq is not None and seq.num_output:
+                held.append((sum(b >= 0 for b in seq.block_table), len(seq.block_table)))
+        return out, cached, held
+
+    out, _, held = run("a")
+    assert out == want
+    assert held[-1][1] == -(-(len(prompt) + 22) // BLOCK)   # the table covers the context
+    if all_slide:
+        assert max(h for h, _ in held[5:]) <= -(-W // BLOCK) + 2 < held[-1][1]
+    else:
+        assert all(h == n for h, n in held)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    out2, cached2, _ = run("b")
+    assert out2 == want and cached2 >= 6 * BLOCK
+
+
+def test_gemma_numerics_both_config_spellings_and_refusals():
+    from appliance.engines.loader import servable_shape
+    from appliance.engines.models.gemma3 import GemmaNumerics
+    from appliance.models.shape import ModelLoadError
+
+    # transformers 4.x (google/gemma-3-1b-it's config.json): flat rope keys
+    v4 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+          "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+          "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+          "head_dim": 256, "query_pre_attn_scalar": 256, "rope_theta": 1000000,
+          "rope_local_base_freq": 10000, "rope_scaling": None, "sliding_window": 512,
+          "sliding_window_pattern": 6, "final_logit_softcapping": None,
+          "max_position_embeddings": 32768}
+    n = GemmaNumerics.from_hf_config(v4)
+    assert n == GemmaNumerics(256.0, 10000.0, 1.0, None)
+    s = servable_shape(v4)
+    assert (s.rope_theta, s.sliding_window, s.window(5), s.window(4)) == (1e6, 512, None, 512)
+    # transformers 5: rope_parameters per layer type; the 4B's linear x8 on global layers
+    v5 = {**v4, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}},
+        "final_logit_softcapping": 30.0}
+    del v5["rope_theta"], v5["rope_local_base_freq"]
+    assert GemmaNumerics.from_hf_config(v5) == GemmaNumerics(256.0, 5000.0, 8.0, 30.0)
+    assert servable_shape(v5).rope_theta == 1e6
+    for bad, why in ((dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+                     (dict(use_bidirectional_attention=True), "bidirectional"),
+                     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "'yarn'")):
+        with pytest.raises(ModelLoadError, match=why):
+            servable_shape({**v4, **bad})
+    # The multimodal checkpoints are refused with the supported list.
+    with pytest.raises(ModelLoadError, match="Gemma3ForConditionalGeneration.*Gemma3ForCausalLM"):
+        servable_shape({"architectures": ["Gemma3ForConditionalGeneration"],
+                        "model_type": "gemma3", "text_config": v4})

@@ -88,8 +88,8 @@ class ServingState:
 
 def context_limits(workers) -> list[tuple[int, str]]:
     """What each of `workers` (started `WorkerLink`s) can hold of one request: its KV
-    pool, and what its engine says it serves exactly (the torch engine caps a
-    sliding-window model at its window)."""
+    pool, and what its engine says it serves exactly (the torch engine: the model's
+    max_position_embeddings, sliding windows included)."""
     limits = []
     for w in workers:
         if w.hello:

@@ -64,6 +64,9 @@ class BatchEngine:
     name = "batch"
     simulated = False
     logprobs = False            # whether run_batch sets seq.logprob when asked
+    # Set when every layer of the model attends over a sliding window of at most this many
+    # tokens: a running sequence's blocks wholly before its window are given back.
+    kv_window: int | None = None
 
     def __init__(self, worker: str, devices: tuple[str, ...], num_blocks: int, block_size: int,
                  max_batch_tokens: int, max_seqs: int, max_context: int,
@@ -307,6 +310,8 @@ class BatchEngine:
             events.append(Tokens(seq.request_id, [token], reason, cached, lps, plps))
             if reason is not None:
                 self._finish(seq)
+            elif self.kv_window:   # the next step's query sees positions len-W .. len-1
+                self.blocks.release_before(seq, len(seq.tokens) - self.kv_window)
         return events
 
     def stats(self) -> WorkerStats:

@@ -8,6 +8,8 @@ Invariants:
   never both.
 - a free block may still carry the hash of its full contents: it is a prefix-cache
   entry until it is handed out again (LRU order: the longest-free goes first).
+- a table entry of -1 is a block given back while its sequence runs (`release_before`:
+  every layer's sliding window has passed it); it is never read again.
 - `reserved` <= number of free blocks: blocks promised to admitted sequences for their
   future decode steps. New admissions only see `free - reserved`, so an admitted
   sequence with a full reservation never runs out of KV (mini-sglang's rule).
@@ -205,13 +207,35 @@ class BlockManager:
             self.reserved -= 1
         seq.block_table.append(self._take_free())
 
+    def release_before(self, seq: Sequence, position: int) -> int:
+        """Give back seq's blocks that hold only positions before `position`: KV no layer
+        reads again (a model whose every layer slides, past its widest window). Their
+        table entries become -1; their hashes stay, so until they are handed out again
+        they still serve as prefix-cache entries (they hold that prefix's KV). Returns
+        how many blocks were given back."""
+        upto = min(max(0, position) // self.block_size, len(seq.block_table))
+        released = 0
+        for i in range(seq.released_blocks, upto):
+            block = seq.block_table[i]
+            seq.block_table[i] = -1
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free[block] = None
+                self._free_map[block] = 1
+            released += 1
+        seq.released_blocks = max(seq.released_blocks, upto)
+        return released
+
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):
+            if block < 0:
+                continue
             self._ref[block] -= 1
             if self._ref[block] == 0:
                 self._free[block] = None
                 self._free_map[block] = 1
         seq.block_table = []
+        seq.released_blocks = 0
         seq.num_cached = 0
         seq.hashed_blocks = 0
         seq.chain_hash = 0

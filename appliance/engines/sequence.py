@@ -24,7 +24,7 @@ class Sequence:
         "request_id", "tokens", "num_prompt", "params", "role", "status",
         "block_table", "num_cached", "handle", "sampler", "reserved_blocks",
         "prefix_hit", "arrival", "hashed_blocks", "chain_hash", "step_tokens", "logprob",
-        "prompt_lps",
+        "prompt_lps", "released_blocks",
     )
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -37,6 +37,7 @@ class Sequence:
         self.role = role
         self.status = Status.WAITING
         self.block_table: list[int] = []
+        self.released_blocks = 0     # leading table entries given back (-1): behind every window
         self.num_cached = 0          # tokens whose KV is in this worker's pool
         self.handle = handle         # KV to import (DECODE role)
         self.sampler: Any = None     # engine-specific sampling state (rng, generator)

@@ -90,6 +90,10 @@ class TorchEngine(BatchEngine):
         self._gone: set[str] = set()       # peers that died and have not attached again
         self._unusable: set[str] = set()   # peers whose pool failed the pattern-copy check
         self.memory_plan: MemoryPlan | None = None   # GPU: the profile run's numbers
+        # Every layer windowed (Mistral v0.1): blocks behind the widest window are freed
+        # as a sequence decodes. With any full layer (Gemma 3) every block stays.
+        if s.all_layers_slide:
+            self.kv_window = max(w for w in s.layer_windows if w is not None)
 
     # ---- contract hooks ---------------------------------------------------
     def layout(self) -> str:

@@ -310,7 +310,7 @@ class PagedAttention:
         block_size = kv.shape[3]
         block_bytes = 2 * kv[0, 0, 0].numel() * kv.element_size()  # K and V, one layer
         plan = _plan(batch, num_tokens, block_size, block_bytes, kv.device)
-        if self._flashinfer is not None:
+        if self._flashinfer is not None and not s.all_layers_slide:  # (windows: bounded)
             self._flashinfer.plan(batch.seq_lens_q, batch.context_lens, batch.block_tables,
                                   block_size, s.num_heads, s.num_kv_heads, s.head_dim, kv.dtype,
                                   sm_scale=self.scale)
