@@ -14,5 +14,12 @@ __all__ = ["head_rms_norm_"]
 
 
 def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalize ``x`` ``[tokens, heads, head_dim]`` per head, in place; returns ``x``."""
-    return x.copy_(F.rms_norm(x, (x.shape[-1],), weight, eps))
+    """Normalize ``x`` ``[tokens, heads, head_dim]`` per head, in place; returns ``x``.
+    In bf16/fp16 the rounding follows transformers' Qwen3RMSNorm (normalized in fp32, cast,
+    then scaled by the weight): F.rms_norm's single rounding put a tiny bf16 Qwen3's logits
+    4.5% of their range from transformers' bf16 ones, this 3.1%."""
+    if x.dtype == torch.float32:
+        return x.copy_(F.rms_norm(x, (x.shape[-1],), weight, eps))
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return x.copy_(weight * normed.to(x.dtype))
