@@ -239,10 +239,14 @@ def test_spec_from_config_defaults_and_families() -> None:
     spec = spec_from_hf_config(base | {"model_type": "llama"}, name="x")
     assert (spec.head_dim, spec.kv_heads, spec.weight_bytes) == (16, 4, 2)
     # Counts match transformers for each supported family (built on the meta device).
-    for family in ("llama", "mistral", "qwen2", "qwen3", "mixtral"):
+    for family in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen3_moe_mixed"):
         cfg = base | {"model_type": family, "num_key_value_heads": 2}
         if family == "mixtral":
             cfg |= {"num_local_experts": 4, "num_experts_per_tok": 2}
+        if family.startswith("qwen3_moe"):   # mixed: one dense layer of two
+            cfg |= {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 48,
+                    "mlp_only_layers": [1] if family.endswith("mixed") else []}
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
         real = sum(p.numel() for p in hf.parameters())
@@ -298,10 +302,9 @@ def test_reader_sizes_what_the_engine_refuses() -> None:
     from appliance.models.shape import ModelLoadError
 
     for cfg, why in [
-        (_BASE | {"model_type": "qwen3"}, "unsupported architecture 'Qwen3ForCausalLM'"),
         (_BASE | {"model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        (_BASE | {"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-         "rope scaling type 'yarn'"),
+        (_BASE | {"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+         "rope scaling type 'dynamic'"),
     ]:
         assert spec_from_hf_config(cfg).params > 0
         with pytest.raises(ModelLoadError, match=why):
@@ -322,7 +325,7 @@ def test_loaded_model_has_the_simulators_parameter_count(tiny_dir: Path) -> None
     model = load_model(tiny_dir)
     counted = model.embed.numel() + model.norm.numel() + sum(
         layer.attn_norm.numel() + layer.mlp_norm.numel() + layer.qkv.dense().numel()
-        + layer.o.dense().numel() + layer.gate_up.dense().numel() + layer.down.dense().numel()
+        + layer.o.dense().numel() + layer.mlp.gate_up.dense().numel() + layer.mlp.down.dense().numel()
         for layer in model.layers)
     if not model.shape.tie_word_embeddings:
         counted += model.lm_head.dense().numel()

@@ -14,8 +14,8 @@ from appliance.engines.kv_pool import allocate_kv_pool, kv_pool_bytes_per_block,
 from appliance.engines.layers import attention
 from appliance.engines.layers.attention import AttnBatch
 from appliance.engines.loader import load_model, servable_shape
-from appliance.engines.models import llama as llama_model
-from appliance.engines.models.llama import Linear
+from appliance.engines.layers import linear as linear_layer
+from appliance.engines.layers.linear import Linear
 from appliance.engines.sampling import SamplingState, sample
 from appliance.kv import blocks
 from appliance.kv.blocks import copy_blocks
@@ -327,7 +327,7 @@ def test_sharded_checkpoint_loads(llama, tmp_path):
     sharded = _save(ref, tmp_path / "sharded", max_shard_size="100KB")
     assert (sharded / "model.safetensors.index.json").exists()
     a, b = load_model(path), load_model(sharded)
-    torch.testing.assert_close(a.layers[-1].gate_up.dense(), b.layers[-1].gate_up.dense(), rtol=0, atol=0)
+    torch.testing.assert_close(a.layers[-1].mlp.gate_up.dense(), b.layers[-1].mlp.gate_up.dense(), rtol=0, atol=0)
     torch.testing.assert_close(a.lm_head.dense(), b.lm_head.dense(), rtol=0, atol=0)
 
 
@@ -394,7 +394,7 @@ def test_shape_parsing_variants():
     [
         (_hf(architectures=["GPT2LMHeadModel"]), "unsupported architecture 'GPT2LMHeadModel'"),
         (_hf(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
-        (_hf(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope scaling"),
+        (_hf(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "unsupported rope scaling"),
         (_hf(rope_scaling={"rope_type": "llama3", "factor": 4.0}), "lacks 'low_freq_factor'"),
         (_hf(num_key_value_heads=3), "not a multiple"),
         (_hf(hidden_size=None), "lacks 'hidden_size'"),
@@ -479,7 +479,7 @@ def test_linear_packed_for_the_cpu_and_plain_elsewhere(monkeypatch):
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     packed = Linear(w.clone(), b)
-    if llama_model._onednn_ok():
+    if linear_layer._onednn_ok():
         assert packed.packed is not None and packed.weight is None
     for shape in ((1, 64), (7, 64), (64, 64), (3, 5, 64)):
         x = torch.randn(shape, generator=g)
@@ -492,10 +492,10 @@ def test_linear_packed_for_the_cpu_and_plain_elsewhere(monkeypatch):
     half = Linear(w.to(torch.float64))
     assert half.packed is None and half.weight.dtype == torch.float64
     bf = Linear(w.to(torch.bfloat16))           # bf16 is packed too, where oneDNN takes it
-    assert (bf.packed is not None) == llama_model._onednn_ok(torch.bfloat16)
+    assert (bf.packed is not None) == linear_layer._onednn_ok(torch.bfloat16)
     xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
     torch.testing.assert_close(bf(xb), torch.nn.functional.linear(xb, wb), rtol=1e-2, atol=2e-2)
-    monkeypatch.setattr(llama_model, "_ONEDNN_OK",
+    monkeypatch.setattr(linear_layer, "_ONEDNN_OK",
                         {torch.float32: False, torch.bfloat16: False})
     plain = Linear(w, b)
     assert plain.packed is None and plain.dense() is w

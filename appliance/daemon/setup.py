@@ -133,7 +133,8 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None, persisted: dict | No
     if not (model_dir / "tokenizer.json").exists():
         raise StartupError(f"model directory {model_dir} has no tokenizer.json")
     e = cfg.engine
-    name = e.model_name or e.model_spec or model_dir.name
+    from appliance.models.specs import model_spec_name
+    name = e.model_name or (model_spec_name(e.model_spec) if e.model_spec else model_dir.name)
     try:
         max_context = model_max_context(model_dir, e.model_spec)
     except (ValueError, OSError) as exc:

@@ -1,8 +1,11 @@
-"""Loading an HF Llama/Mistral/Qwen2/Gemma 3 safetensors checkpoint into a `LlamaModel`
-(Gemma 3: its subclass `models.gemma3.Gemma3Model`).
+"""Loading an HF safetensors checkpoint into a `LlamaModel` (the decoder every family runs;
+Gemma 3: its subclass `models.gemma3.Gemma3Model`).
 
 Supported checkpoints: HF ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-``Gemma3ForCausalLM`` (text only) in safetensors (single file or sharded index). config.json is read by the one shape reader
+``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``GptOssForCausalLM``
+(MXFP4 experts dequantized at load) and ``Gemma3ForCausalLM`` (text only) in safetensors
+(single file or sharded index); each family's module builds its layers
+(`LAYER_LOADERS`). config.json is read by the one shape reader
 (`appliance.models.shape`), which knows more families than this engine runs;
 `servable_shape` refuses the rest with a one-line reason.
 """
@@ -11,17 +14,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from appliance.engines.models.llama import Linear, LlamaModel, _Layer
-from appliance.models.shape import LlamaShape, ModelLoadError, architecture_of
+from appliance.engines.models import gpt_oss, llama, mixtral, qwen3, qwen3_moe
+from appliance.engines.models.llama import DecoderLayer, Get, Linear, LlamaModel
+from appliance.models.shape import LlamaShape, ModelLoadError, architecture_of, parse_yarn
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "load_model", "servable_shape"]
+__all__ = ["LAYER_LOADERS", "SUPPORTED_ARCHITECTURES", "load_model", "servable_shape"]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Gemma3ForCausalLM")
+# architecture -> how its checkpoint's layer i becomes a DecoderLayer.
+LAYER_LOADERS: dict[str, Callable[[Get, LlamaShape, int], DecoderLayer]] = {
+    "LlamaForCausalLM": llama.load_layer,
+    "MistralForCausalLM": llama.load_layer,
+    "Qwen2ForCausalLM": llama.load_layer,
+    "Qwen3ForCausalLM": qwen3.load_layer,
+    "Qwen3MoeForCausalLM": qwen3_moe.load_layer,
+    "MixtralForCausalLM": mixtral.load_layer,
+    "GptOssForCausalLM": gpt_oss.load_layer,
+}
+# Gemma 3 builds its own model (`models.gemma3.build`).
+SUPPORTED_ARCHITECTURES = tuple(LAYER_LOADERS) + ("Gemma3ForCausalLM",)
 
 
 def servable_shape(cfg: dict[str, Any]) -> LlamaShape:
@@ -41,15 +55,17 @@ def servable_shape(cfg: dict[str, Any]) -> LlamaShape:
         return shape
     if shape.hidden_act != "silu":
         raise ModelLoadError(f"unsupported hidden_act {shape.hidden_act!r} for {arch}; only 'silu'")
-    if shape.mlp_bias:
+    if shape.mlp_bias and shape.family != "gpt_oss":
         raise ModelLoadError(f"unsupported mlp_bias=true for {arch}")
     if shape.head_dim % 2:
         raise ModelLoadError(f"head_dim {shape.head_dim} must be even for RoPE")
     if shape.partial_rotary_factor != 1.0:
         raise ModelLoadError("unsupported partial_rotary_factor != 1.0")
-    if shape.rope_type not in ("default", "llama3"):
-        raise ModelLoadError(
-            f"unsupported rope scaling type {shape.rope_type!r}; supported: default, llama3")
+    if shape.rope_type == "yarn" and shape.yarn is None:
+        parse_yarn(cfg)         # raises, naming what is missing
+    if shape.rope_type not in ("default", "llama3", "yarn"):
+        raise ModelLoadError(f"unsupported rope scaling type {shape.rope_type!r}; "
+                             "supported: default, llama3, yarn")
     return shape
 
 
@@ -95,27 +111,42 @@ def _load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+class _Tensors:
+    """A checkpoint's tensors, each handed out once (`Get`): checked against the shape the
+    model expects, converted to the model's device and dtype (unless `raw`: quantized
+    blocks are dequantized by the family first), and dropped from here, so it is freed as
+    soon as the model has packed or fused it."""
+
+    def __init__(self, raw: dict[str, torch.Tensor], model_dir: Path,
+                 device: str | torch.device, dtype: torch.dtype) -> None:
+        self.raw, self.model_dir, self.device, self.dtype = raw, model_dir, device, dtype
+
+    def has(self, name: str) -> bool:
+        return name in self.raw
+
+    def __call__(self, name: str, expected: tuple[int, ...], *, raw: bool = False) -> torch.Tensor:
+        t = self.raw.pop(name, None)
+        if t is None:
+            raise ModelLoadError(f"checkpoint {self.model_dir} lacks tensor {name!r}")
+        if tuple(t.shape) != expected:
+            raise ModelLoadError(f"tensor {name!r} in {self.model_dir} has shape "
+                                 f"{tuple(t.shape)}, expected {expected}")
+        return t if raw else t.to(device=self.device, dtype=self.dtype)
+
+
 def load_model(
     model_dir: Path | str,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> LlamaModel:
-    """Load an HF Llama/Mistral/Qwen2/Gemma 3 safetensors checkpoint; raises ModelLoadError."""
+    """Load an HF safetensors checkpoint of a supported family; raises ModelLoadError."""
     model_dir = Path(model_dir)
     cfg = _read_config(model_dir)
     shape = servable_shape(cfg)
     raw = _load_tensors(model_dir)
-    D, I = shape.hidden_size, shape.intermediate_size
+    D = shape.hidden_size
 
-    def get(name: str, expected: tuple[int, ...]) -> torch.Tensor:
-        t = raw.pop(name, None)  # consumed once: freed as soon as it is packed or fused
-        if t is None:
-            raise ModelLoadError(f"checkpoint {model_dir} lacks tensor {name!r}")
-        if tuple(t.shape) != expected:
-            raise ModelLoadError(
-                f"tensor {name!r} in {model_dir} has shape {tuple(t.shape)}, expected {expected}"
-            )
-        return t.to(device=device, dtype=dtype)
+    get = _Tensors(raw, model_dir, device, dtype)
 
     if shape.family == "gemma3_text":
         from appliance.engines.models import gemma3
@@ -127,31 +158,8 @@ def load_model(
         lm_head = Linear(embed)
     else:
         lm_head = Linear(get("lm_head.weight", (shape.vocab_size, D)))
-    layers: list[_Layer] = []
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        attn = p + "self_attn."
-        w_qkv = torch.cat([get(attn + "q_proj.weight", (shape.q_size, D)),
-                           get(attn + "k_proj.weight", (shape.kv_size, D)),
-                           get(attn + "v_proj.weight", (shape.kv_size, D))])
-        b_qkv = None
-        if shape.qkv_bias:
-            b_qkv = torch.cat([get(attn + "q_proj.bias", (shape.q_size,)),
-                               get(attn + "k_proj.bias", (shape.kv_size,)),
-                               get(attn + "v_proj.bias", (shape.kv_size,))])
-        w_gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (I, D)),
-                               get(p + "mlp.up_proj.weight", (I, D))])
-        layers.append(
-            _Layer(
-                attn_norm=get(p + "input_layernorm.weight", (D,)),
-                qkv=Linear(w_qkv, b_qkv),
-                o=Linear(get(attn + "o_proj.weight", (D, shape.q_size)),
-                         get(attn + "o_proj.bias", (D,)) if shape.o_bias else None),
-                mlp_norm=get(p + "post_attention_layernorm.weight", (D,)),
-                gate_up=Linear(w_gate_up),
-                down=Linear(get(p + "mlp.down_proj.weight", (D, I))),
-            )
-        )
+    load_layer = LAYER_LOADERS[shape.architecture]
+    layers = [load_layer(get, shape, i) for i in range(shape.num_layers)]
     norm = get("model.norm.weight", (D,))
     raw.clear()  # tensors the model does not use (e.g. rotary caches in old checkpoints)
     return LlamaModel(shape, embed, layers, norm, lm_head)

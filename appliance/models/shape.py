@@ -3,16 +3,19 @@
 Both the torch engine (which builds the model from it) and the simulator's `ModelSpec`
 (which counts parameters and KV bytes from it) read config.json here, so a checkpoint
 is never understood two ways. The reader accepts every Llama-shaped family either caller
-knows (q/k/v/o attention, gate/up/down MLP, RMSNorms): llama, mistral, qwen2, qwen3,
-mixtral and gemma3_text (Gemma 3's own numerics, read from the same config.json, are
-`engines.models.gemma3`'s). What the torch engine can actually run is narrower; it says so when loading
+knows (q/k/v/o attention, gate/up/down MLP or a mixture of such experts, RMSNorms):
+llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gpt_oss and gemma3_text (Gemma 3's own
+numerics, read from the same config.json, are `engines.models.gemma3`'s). What the torch
+engine can actually run is narrower; it says so when loading
 (`appliance.engines.loader.servable_shape`).
 
 Defaults where config.json is silent are transformers' own: `head_dim` = hidden/heads
 (Qwen3Config: 128, Gemma3TextConfig: 256), `num_key_value_heads` = heads,
 `max_position_embeddings` 2048 (Gemma 3: 131,072), `rms_norm_eps` 1e-6, `rope_theta`
 10000 (Gemma 3's global layers: 1e6), untied embeddings (Gemma 3: tied), Mistral's
-4,096-token sliding window and Gemma 3's (4,096, five local layers to one global).
+4,096-token sliding window, Gemma 3's (4,096, five local layers to one global) and
+gpt-oss's (128, alternating), and Qwen3-MoE's `norm_topk_prob` false,
+`decoder_sparse_step` 1.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ARCHITECTURES", "LlamaShape", "ModelLoadError", "RopeScaling", "architecture_of"]
+__all__ = ["ARCHITECTURES", "LlamaShape", "ModelLoadError", "RopeScaling", "YarnScaling",
+           "architecture_of"]
 
 # model_type -> the transformers class config.json names in "architectures".
 ARCHITECTURES = {
@@ -28,7 +32,9 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 _FAMILY_BY_ARCH = {arch: family for family, arch in ARCHITECTURES.items()}
@@ -46,6 +52,22 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class YarnScaling:
+    """YaRN ("yarn") RoPE scaling, as gpt-oss uses it (`transformers`'
+    ``_compute_yarn_parameters``): frequencies blended between interpolated and
+    extrapolated by a ramp over the dimensions, cos and sin scaled by `attention_factor`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # None: derived from factor (and mscale)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +93,22 @@ class LlamaShape:
     family: str = "llama"  # config.json's model_type (one of ARCHITECTURES)
     hidden_act: str = "silu"
     mlp_bias: bool = False
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
-    num_experts: int = 0  # routed MLP experts (Mixtral); 0 = dense
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Qwen3-MoE)
+    num_experts: int = 0  # routed MLP experts (Mixtral, Qwen3-MoE); 0 = dense
     experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # each expert's (Qwen3-MoE: moe_intermediate_size)
+    norm_topk_prob: bool = False  # the kept top-k router weights renormalized to sum 1
+    # Layers of an MoE model whose MLP is dense (`intermediate_size`): Qwen3-MoE's
+    # mlp_only_layers and those decoder_sparse_step skips. () for dense models.
+    dense_mlp_layers: tuple[int, ...] = ()
+    yarn: YarnScaling | None = None  # set for rope_type "yarn"
+    # gpt-oss: a learned per-head logit each query's softmax also sums over (a "sink"
+    # that takes attention weight without a value), the router's bias, and the experts'
+    # clamped SwiGLU (gate clamped above, up within +-limit, gate * sigmoid(alpha * gate)).
+    attention_sinks: bool = False
+    router_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
     rope_type: str = "default"  # "default", "llama3", or one the engine refuses (yarn, ...)
     partial_rotary_factor: float = 1.0
 
@@ -82,6 +117,9 @@ class LlamaShape:
         """The longest context this engine computes exactly as `transformers` does (sliding
         windows are attended as windows, so they do not shorten it)."""
         return self.max_position_embeddings
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.dense_mlp_layers
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (a query sees itself and the W-1 tokens before
@@ -133,25 +171,50 @@ class LlamaShape:
                                                 else hidden // heads))
         rope_theta, rope_type, rope_scaling, partial = _parse_rope(
             cfg, 1_000_000.0 if gemma else 10000.0)
+        yarn = None
+        if rope_type == "yarn":
+            try:
+                yarn = parse_yarn(cfg)
+            except ModelLoadError:  # sized all the same; the engine refuses it
+                pass
+        gpt_oss = family == "gpt_oss"
 
         if family == "qwen2":
             qkv_bias, o_bias = True, False
-        elif family in ("llama", "qwen3", "gemma3_text"):
+        elif family in ("llama", "qwen3", "qwen3_moe", "gemma3_text"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        elif family == "gpt_oss":           # GptOssConfig: attention_bias defaults to true
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", True))
         else:  # Mistral and Mixtral attention has no biases
             qkv_bias = o_bias = False
-        experts = top_k = 0
+        layers = int(need("num_hidden_layers"))
+        experts = top_k = moe_inter = 0
+        norm_topk, dense_layers = False, ()
         if family == "mixtral":
             experts, top_k = int(need("num_local_experts")), int(need("num_experts_per_tok"))
-        num_layers = int(need("num_hidden_layers"))
-        windows = _layer_windows(arch, cfg, num_layers)
+            norm_topk = True  # Mixtral always renormalizes its top-k
+        elif family == "qwen3_moe":
+            # Qwen's checkpoints write num_experts; transformers 5 saves num_local_experts.
+            key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+            experts, top_k = int(need(key)), int(need("num_experts_per_tok"))
+            moe_inter = int(need("moe_intermediate_size"))
+            norm_topk = bool(cfg.get("norm_topk_prob", False))
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+            dense_layers = tuple(i for i in range(layers)
+                                 if experts == 0 or i in only or (i + 1) % step)
+        elif family == "gpt_oss":
+            experts, top_k = int(need("num_local_experts")), int(need("num_experts_per_tok"))
+        if experts and not 0 < top_k <= experts:
+            raise ModelLoadError(f"num_experts_per_tok {top_k} must be in 1..{experts}")
+        windows = _layer_windows(arch, cfg, layers)
         slid = [w for w in windows if w is not None]
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=num_layers,
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -170,10 +233,18 @@ class LlamaShape:
             family=family,
             hidden_act=str(cfg.get("hidden_activation") or "gelu_pytorch_tanh") if gemma
             else str(cfg.get("hidden_act", "silu")),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family in ("qwen3", "gemma3_text"),
+            mlp_bias=gpt_oss or bool(cfg.get("mlp_bias", False)),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
             num_experts=experts,
             experts_per_token=top_k,
+            moe_intermediate_size=moe_inter or (int(cfg["intermediate_size"]) if experts else 0),
+            norm_topk_prob=norm_topk,
+            dense_mlp_layers=dense_layers,
+            yarn=yarn,
+            attention_sinks=gpt_oss,
+            router_bias=gpt_oss,
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if gpt_oss else 0.0,
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)) if gpt_oss else 0.0,
         )
 
 
@@ -189,9 +260,10 @@ def _layer_windows(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple[int
     4,096 when config.json has no key; v0.2 and later write null), as Mixtral does when it
     names a window. Qwen2 and Qwen3 slide only with
     ``use_sliding_window``, on the layers ``layer_types`` names, else on those from
-    ``max_window_layers`` on. Gemma 3 slides on the layers ``layer_types`` names, else on
-    all but every ``sliding_window_pattern``-th (default 6: five local, one global).
-    Llama never slides."""
+    ``max_window_layers`` on; Qwen3-MoE then on every layer. Gemma 3 slides on the layers
+    ``layer_types`` names, else on all but every ``sliding_window_pattern``-th (default 6:
+    five local, one global); gpt-oss on those ``layer_types`` names, else on every other
+    one from the first (a 128-token window by default). Llama never slides."""
     full: tuple[int | None, ...] = (None,) * num_layers
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         window = cfg.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
@@ -199,16 +271,20 @@ def _layer_windows(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple[int
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         if not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
             return full
-        first = int(cfg.get("max_window_layers", 28))
+        first = 0 if arch == "Qwen3MoeForCausalLM" else int(cfg.get("max_window_layers", 28))
         slides = [i >= first for i in range(num_layers)]
     elif arch == "Gemma3ForCausalLM":
         if not cfg.get("sliding_window", 4096):
             return full
         pattern = int(cfg.get("sliding_window_pattern") or 6)
         slides = [bool((i + 1) % pattern) for i in range(num_layers)]
+    elif arch == "GptOssForCausalLM":
+        if not cfg.get("sliding_window", 128):
+            return full
+        slides = [i % 2 == 0 for i in range(num_layers)]
     else:
         return full
-    window = int(cfg.get("sliding_window") or 4096)
+    window = int(cfg.get("sliding_window") or (128 if arch == "GptOssForCausalLM" else 4096))
     types = cfg.get("layer_types")
     if types is not None:
         if len(types) != num_layers:
@@ -244,3 +320,23 @@ def _parse_rope(cfg: dict[str, Any], default_theta: float = 10000.0
     except KeyError as e:
         raise ModelLoadError(f"llama3 rope scaling lacks {e.args[0]!r}") from None
     return theta, kind, scaling, partial
+
+
+def parse_yarn(cfg: dict[str, Any]) -> YarnScaling:
+    """The YaRN parameters of a config.json whose rope type is \"yarn\"."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+    def opt(key: str) -> float | None:
+        return None if params.get(key) is None else float(params[key])
+
+    try:
+        return YarnScaling(
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=opt("attention_factor"), mscale=opt("mscale"),
+            mscale_all_dim=opt("mscale_all_dim"))
+    except KeyError as e:
+        raise ModelLoadError(f"yarn rope scaling lacks {e.args[0]!r}") from None

@@ -70,7 +70,10 @@ def spec_from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | N
     the same `LlamaShape.from_hf_config` the torch engine loads a checkpoint with.
 
     Parameter counts are computed from shapes and match
-    `sum(p.numel() for p in model.parameters())` of the transformers model.
+    `sum(p.numel() for p in model.parameters())` of the transformers model. For a mixture
+    of experts (Mixtral, Qwen3-MoE) `params` counts every expert (what memory holds) and
+    `active_params` only the experts a token runs through (what a step computes and
+    reads per token; the roofline caps the read at all of them).
     """
     if isinstance(path_or_dict, dict):
         cfg = path_or_dict
@@ -92,25 +95,39 @@ def spec_from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | N
         attn += hidden
     if shape.qk_norm:
         attn += 2 * head_dim                        # q_norm, k_norm
+    if shape.attention_sinks:
+        attn += shape.num_heads                     # one sink logit per head (gpt-oss)
 
-    expert = 3 * hidden * inter                     # gate, up, down
-    if shape.mlp_bias:
-        expert += 2 * inter + hidden
-    if shape.num_experts:
-        router = hidden * shape.num_experts
-        mlp = router + shape.num_experts * expert
-        active_mlp = router + shape.experts_per_token * expert
-    else:
-        mlp = active_mlp = expert
+    def swiglu(width: int) -> int:                  # gate, up, down
+        return 3 * hidden * width + ((2 * width + hidden) if shape.mlp_bias else 0)
+
+    dense = swiglu(inter)
+    # MoE layers: the router and every expert are held (memory), but a token runs
+    # through the router and only its experts_per_token experts (compute, bandwidth).
+    expert = swiglu(shape.moe_intermediate_size)
+    router = hidden * shape.num_experts + (shape.num_experts if shape.router_bias else 0)
+    moe_layers = sum(shape.is_moe_layer(i) for i in range(shape.num_layers))
+    dense_layers = shape.num_layers - moe_layers
 
     norms = (4 if shape.family == "gemma3_text" else 2) * hidden   # Gemma: pre/post MLP too
     embed = shape.vocab_size * hidden
     head = 0 if shape.tie_word_embeddings else shape.vocab_size * hidden
     outside = embed + head + hidden                 # + final norm
-    params = outside + shape.num_layers * (attn + mlp + norms)
-    active = outside + shape.num_layers * (attn + active_mlp + norms)
+    per_layer = attn + norms
+    params = (outside + shape.num_layers * per_layer + dense_layers * dense
+              + moe_layers * (router + shape.num_experts * expert))
+    active = (outside + shape.num_layers * per_layer + dense_layers * dense
+              + moe_layers * (router + shape.experts_per_token * expert))
 
     weight_bytes, kv_bytes = _bytes_per_element(cfg)
+    quant = cfg.get("quantization_config") or {}
+    if str(quant.get("quant_method", "")).lower() == "mxfp4" and moe_layers:
+        # gpt-oss: only the experts' matrices are MXFP4; everything else (attention,
+        # router, embeddings, the experts' biases) keeps the compute dtype.
+        compute, _ = _bytes_per_element({k: v for k, v in cfg.items()
+                                         if k != "quantization_config"})
+        fp4 = moe_layers * shape.num_experts * 3 * hidden * shape.moe_intermediate_size
+        weight_bytes = (fp4 * weight_bytes + (params - fp4) * compute) / params
     return ModelSpec(
         name=name or default_name,
         params=float(params),
@@ -223,9 +240,27 @@ def _catalogue() -> dict[str, ModelSpec]:
 MODEL_SPECS: dict[str, ModelSpec] = _catalogue()
 
 
-def lookup_model_spec(name: str) -> ModelSpec:
-    """The catalogue entry for name, case-insensitively."""
-    spec = MODEL_SPECS.get(name.lower())
-    if spec is None:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODEL_SPECS))}")
+def model_spec_name(spec: str) -> str:
+    """What a model spec is served as: a catalogue name as given, a checkpoint directory
+    (or its config.json) by the directory's name."""
+    path = Path(spec).expanduser()
+    if spec.lower() not in MODEL_SPECS and path.exists():
+        return (path.parent if path.is_file() else path).name
     return spec
+
+
+def lookup_model_spec(name: str) -> ModelSpec:
+    """The catalogue entry for name, case-insensitively; else, when `name` is a checkpoint
+    directory (or its config.json), the spec its config.json gives (`spec_from_hf_config`:
+    e.g. a Qwen3-MoE sized by its total and active parameters)."""
+    spec = MODEL_SPECS.get(name.lower())
+    if spec is not None:
+        return spec
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file() or (path.suffix == ".json" and path.is_file()):
+        try:
+            return spec_from_hf_config(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot size {name}: {e}") from None
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODEL_SPECS))}, "
+                     "or a checkpoint directory with a config.json")

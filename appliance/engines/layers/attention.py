@@ -231,6 +231,29 @@ def _full_plan(batch: AttnBatch, num_tokens: int, block_size: int, block_bytes: 
     return _Plan(last, steps, groups, start)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
+          causal: bool = False, sinks: torch.Tensor | None = None,
+          scale: float | None = None) -> torch.Tensor:
+    """SDPA (GQA), causal or under a boolean mask (True = attend). With `sinks` (gpt-oss:
+    a learned logit per head that each query's softmax also sums over, with no value):
+    one more key whose K and V are zero and whose score is the sink, through a float mask,
+    so the fused kernel still runs. q ``[B, H, n, hd]``, k and v ``[B, KVH, ctx, hd]``."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=True, scale=scale)
+    B, H, n, _ = q.shape
+    ctx = k.shape[-2]
+    if causal:
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+    bias = q.new_zeros(B, H, n, ctx + 1)
+    if mask is not None:
+        bias[..., :ctx].masked_fill_(~mask, float("-inf"))
+    bias[..., ctx] = sinks.to(q.dtype).view(1, H, 1)
+    zero = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+    return F.scaled_dot_product_attention(q, torch.cat((k, zero), -2), torch.cat((v, zero), -2),
+                                          attn_mask=bias, enable_gqa=True, scale=scale)
+
+
 def _grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """One query row per sequence in bf16/fp16 on the CPU, as transformers' eager attention
@@ -273,6 +296,9 @@ class PagedAttention:
         bounded path's temporaries may take at once."""
         if backend not in attention_backends.BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}")
+        if self.shape.attention_sinks and backend != "sdpa":
+            raise ValueError(f"attention sinks (gpt-oss) run on the sdpa backend only, "
+                             f"not {backend!r}")
         self.backend = backend
         self.budget = int(budget)
         self._flashinfer = (attention_backends.FlashInferAttention(self.device, flashinfer_module)
@@ -292,11 +318,13 @@ class PagedAttention:
 
     def __call__(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 batch: AttnBatch, plan: _Plan, window: int | None = None) -> torch.Tensor:
+                 batch: AttnBatch, plan: _Plan, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Layer `li`'s attention output ``[T, q_size]``; this step's K/V are already in
         the pool (`k_cache`, `v_cache`: the layer's slots, ``[slots, KVH, hd]``).
         `window`: the layer's sliding window (a query sees itself and the W-1 tokens
-        before it), None for full attention."""
+        before it), None for full attention. `sinks`: per-head attention-sink logits
+        (gpt-oss), sdpa backend only."""
         T, Tp = q.shape[0], plan.prefill_tokens
         if window is not None and window >= max(batch.context_lens):
             window = None                      # every key is inside the window
@@ -308,13 +336,13 @@ class PagedAttention:
         if window is not None:
             plan = _window_plan(plan, batch, window, q.device)
         if not plan.decode:
-            return self._prefill_attention(q, k, v, k_cache, v_cache, plan)
+            return self._prefill_attention(q, k, v, k_cache, v_cache, plan, sinks)
         if not plan.prefill:
-            return self._decode_attention(q, kv[:, li], plan)
+            return self._decode_attention(q, kv[:, li], plan, sinks)
         # mixed: prompt rows first, then one row per decoding sequence
         return torch.cat((
-            self._prefill_attention(q[:Tp], k[:Tp], v[:Tp], k_cache, v_cache, plan),
-            self._decode_attention(q[Tp:], kv[:, li], plan)))
+            self._prefill_attention(q[:Tp], k[:Tp], v[:Tp], k_cache, v_cache, plan, sinks),
+            self._decode_attention(q[Tp:], kv[:, li], plan, sinks)))
 
     def _prefill_attention(
         self,
@@ -324,6 +352,7 @@ class PagedAttention:
         k_cache: torch.Tensor,  # [slots, KVH, hd]
         v_cache: torch.Tensor,
         plan: _Plan,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         s = self.shape
         out = torch.empty(q.shape[0], s.q_size, device=q.device, dtype=q.dtype)
@@ -337,8 +366,7 @@ class PagedAttention:
             else:
                 ki = k_cache.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
                 vi = v_cache.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True,
-                                                is_causal=mask is None, scale=self.scale)
+            oi = _sdpa(qi, ki, vi, mask=mask, causal=mask is None, sinks=sinks, scale=self.scale)
             out[start:end] = oi[0].transpose(0, 1).reshape(end - start, s.q_size)
         return out
 
@@ -381,6 +409,7 @@ class PagedAttention:
         q: torch.Tensor,  # [B, H, hd]
         kv_layer: torch.Tensor,  # [2, blocks, block_size, KVH, hd]
         plan: _Plan,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         s = self.shape
         B, block_size = q.shape[0], kv_layer.shape[2]
@@ -396,11 +425,10 @@ class PagedAttention:
             per_seq = (n, g.blocks * block_size, s.num_kv_heads, s.head_dim)
             ki = kb.view(per_seq)[:, : g.context].transpose(1, 2)  # [n, KVH, ctx, hd]
             vi = vb.view(per_seq)[:, : g.context].transpose(1, 2)
-            if q.dtype == torch.float32 or q.device.type != "cpu":
-                o = F.scaled_dot_product_attention(q[g.first:g.end], ki, vi, attn_mask=g.mask,
-                                                   enable_gqa=True, scale=self.scale)
-            else:
+            if sinks is None and q.dtype != torch.float32 and q.device.type == "cpu":
                 o = _grouped_decode(q[g.first:g.end], ki, vi, g.mask, self.scale)
+            else:
+                o = _sdpa(q[g.first:g.end], ki, vi, mask=g.mask, sinks=sinks, scale=self.scale)
             if out is None:
                 return o.reshape(B, s.q_size)
             out[g.first:g.end] = o

@@ -1,4 +1,10 @@
-"""The Llama-family model (Llama, Mistral, Qwen2): its weights and its forward pass.
+"""The decoder every family runs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral): its
+weights and its forward pass, and how a Llama/Mistral/Qwen2 checkpoint's layers load.
+
+The families differ only in what a layer holds: Qwen3 adds a per-head RMSNorm on q and k
+(`DecoderLayer.q_norm`), the MoE families replace the dense MLP by a `layers.moe.SparseMoE`.
+Each family's module (`models.qwen3`, `models.qwen3_moe`, `models.mixtral`) builds its
+layers from its checkpoint's tensor names with the pieces here; one forward runs them all.
 
 This module only *runs* a batch. Which sequences run, and which KV blocks they own, is
 decided elsewhere (scheduler / block manager); they arrive here as an `AttnBatch`, and the
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,15 +32,20 @@ import torch.nn.functional as F
 from appliance.engines.kv_pool import layout_tag
 from appliance.engines.layers import attention_backends
 from appliance.engines.layers.attention import AttnBatch, PagedAttention
+from appliance.engines.layers.linear import Linear
+from appliance.engines.layers.norm import head_rms_norm_
 from appliance.models.shape import LlamaShape
 
-__all__ = ["Linear", "LlamaModel"]
+__all__ = ["DecoderLayer", "DenseMLP", "Get", "Linear", "LlamaModel", "load_attention",
+           "load_dense_mlp", "load_layer"]
 
 
 def _rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
     dim = shape.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (shape.rope_theta**exponents)
+    if shape.yarn is not None:
+        return _yarn_inv_freq(shape, inv_freq)[0]
     rs = shape.rope_scaling
     if rs is None:
         return inv_freq
@@ -50,73 +61,112 @@ def _rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-class Linear:
-    """``x @ weight.T + bias`` with the weight stored the way the CPU multiplies fastest.
+def _yarn_inv_freq(shape: LlamaShape, extrapolated: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss): (frequencies, the factor cos and sin are scaled by), as
+    `transformers`' ``_compute_yarn_parameters`` computes them."""
+    y, dim, base = shape.yarn, shape.head_dim, shape.rope_theta
+    assert y is not None
 
-    On the CPU in fp32 the weight is re-laid out once into oneDNN's blocked format
-    (``mkldnn._reorder_linear_weight``, what inductor's freezing pass does): a plain
-    ``F.linear`` re-packs the weight inside MKL on every call, which at decode batch sizes
-    costs as much as the multiply itself (packing made the 20m model's matmuls 1.3-1.9x
-    faster at batch 1-32). bf16 weights on the CPU are packed the same way (at batch 8 on an
-    AVX512-BF16 core, 0.23 ms packed vs 0.75 ms for F.linear on a 768x2304 weight; the
-    results are identical). Only the packed copy is kept. Elsewhere (CUDA, fp16, a torch
-    build without oneDNN) the weight stays as is and ``F.linear`` runs.
-    """
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    __slots__ = ("weight", "bias", "packed")
+    factor = y.attention_factor
+    if factor is None:
+        factor = (mscale(y.factor, y.mscale) / mscale(y.factor, y.mscale_all_dim)
+                  if y.mscale and y.mscale_all_dim else mscale(y.factor))
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.bias = bias
-        self.weight: torch.Tensor | None = weight
-        self.packed: torch.Tensor | None = None
-        if (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-                and _onednn_ok(weight.dtype)):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-            self.weight = None
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(base)))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-    def dense(self) -> torch.Tensor:
-        """The weight in its ordinary [out, in] layout (a copy when packed)."""
-        if self.packed is not None:
-            return self.packed.to_dense()
-        assert self.weight is not None
-        return self.weight
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp          # 1: extrapolate (high frequencies), 0: interpolate
+    inv_freq = extrapolated / y.factor * (1 - keep) + extrapolated * keep
+    return inv_freq, float(factor)
 
 
-_ONEDNN_OK: dict[torch.dtype, bool] = {}
+def _rope_scale(shape: LlamaShape) -> float:
+    """What cos and sin are multiplied by (YaRN's attention factor; else 1)."""
+    return 1.0 if shape.yarn is None else _yarn_inv_freq(shape, torch.ones(1))[1]
 
 
-def _onednn_ok(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this torch build packs and multiplies oneDNN linear weights of `dtype`
-    correctly (checked once per dtype against F.linear, so a build or CPU without the
-    ops just runs unpacked)."""
-    if dtype not in _ONEDNN_OK:
-        try:
-            g = torch.Generator().manual_seed(0)
-            w, x = torch.randn(24, 16, generator=g), torch.randn(3, 16, generator=g)
-            w, x = w.to(dtype), x.to(dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(w)
-            y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
-            _ONEDNN_OK[dtype] = bool(torch.allclose(y.float(), F.linear(x, w).float(),
-                                                    rtol=tol, atol=tol))
-        except (AttributeError, RuntimeError, NotImplementedError):
-            _ONEDNN_OK[dtype] = False
-    return _ONEDNN_OK[dtype]
+class Get(Protocol):
+    """How a family's loader asks for a checkpoint tensor: by name and expected shape (the
+    loader checks the shape and converts it to the model's device and dtype, unless
+    `raw`), each tensor once; `has` says whether the checkpoint holds one."""
+
+    def __call__(self, name: str, expected: tuple[int, ...], *,
+                 raw: bool = False) -> torch.Tensor: ...
+
+    def has(self, name: str) -> bool: ...
 
 
 @dataclass(slots=True)
-class _Layer:
+class DenseMLP:
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up fused into one matmul."""
+
+    gate_up: Linear  # [2*intermediate, hidden]
+    down: Linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+@dataclass(slots=True)
+class DecoderLayer:
+    """One pre-norm decoder layer: attention, then an MLP (dense or mixture of experts).
+    `q_norm`/`k_norm`: a per-head RMSNorm on q and k before RoPE (Qwen3), else None."""
+
     attn_norm: torch.Tensor
     qkv: Linear  # [q + 2*kv, hidden] (q, k, v projections stacked)
     o: Linear
     mlp_norm: torch.Tensor
-    gate_up: Linear  # [2*intermediate, hidden]
-    down: Linear
+    mlp: Callable[[torch.Tensor], torch.Tensor]  # DenseMLP | layers.moe.SparseMoE
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # [heads] attention-sink logits (gpt-oss)
+
+
+def load_attention(get: Get, shape: LlamaShape, prefix: str) -> tuple[Linear, Linear]:
+    """(fused qkv, o) from ``{prefix}self_attn.{q,k,v,o}_proj``, with the biases the shape
+    says the family has."""
+    D, attn = shape.hidden_size, prefix + "self_attn."
+    w_qkv = torch.cat([get(attn + "q_proj.weight", (shape.q_size, D)),
+                       get(attn + "k_proj.weight", (shape.kv_size, D)),
+                       get(attn + "v_proj.weight", (shape.kv_size, D))])
+    b_qkv = None
+    if shape.qkv_bias:
+        b_qkv = torch.cat([get(attn + "q_proj.bias", (shape.q_size,)),
+                           get(attn + "k_proj.bias", (shape.kv_size,)),
+                           get(attn + "v_proj.bias", (shape.kv_size,))])
+    o = Linear(get(attn + "o_proj.weight", (D, shape.q_size)),
+               get(attn + "o_proj.bias", (D,)) if shape.o_bias else None)
+    return Linear(w_qkv, b_qkv), o
+
+
+def load_dense_mlp(get: Get, shape: LlamaShape, prefix: str) -> DenseMLP:
+    """``{prefix}mlp.{gate,up,down}_proj``, gate and up fused."""
+    D, I = shape.hidden_size, shape.intermediate_size
+    w_gate_up = torch.cat([get(prefix + "mlp.gate_proj.weight", (I, D)),
+                           get(prefix + "mlp.up_proj.weight", (I, D))])
+    return DenseMLP(Linear(w_gate_up), Linear(get(prefix + "mlp.down_proj.weight", (D, I))))
+
+
+def load_layer(get: Get, shape: LlamaShape, i: int) -> DecoderLayer:
+    """Layer `i` of a Llama, Mistral or Qwen2 checkpoint."""
+    p, D = f"model.layers.{i}.", shape.hidden_size
+    attn_norm = get(p + "input_layernorm.weight", (D,))
+    qkv, o = load_attention(get, shape, p)
+    return DecoderLayer(attn_norm=attn_norm, qkv=qkv, o=o,
+                        mlp_norm=get(p + "post_attention_layernorm.weight", (D,)),
+                        mlp=load_dense_mlp(get, shape, p))
 
 
 class LlamaModel(torch.nn.Module):
@@ -124,7 +174,7 @@ class LlamaModel(torch.nn.Module):
         self,
         shape: LlamaShape,
         embed: torch.Tensor,
-        layers: list[_Layer],
+        layers: list[DecoderLayer],
         norm: torch.Tensor,
         lm_head: Linear,
     ) -> None:
@@ -139,7 +189,8 @@ class LlamaModel(torch.nn.Module):
         freqs = pos[:, None] * _rope_inv_freq(shape)[None, :]
         # Full-width tables so RoPE is three ops per layer: with h = (x1, x2),
         # rotate(h) = h * (cos, cos) + (x2, x1) * (-sin, sin)  (HF's rotate-half convention).
-        cos, sin = freqs.cos(), freqs.sin()
+        scale = _rope_scale(shape)
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
         self.rope_cos = torch.cat((cos, cos), -1).to(embed.device, embed.dtype)
         self.rope_sin = torch.cat((-sin, sin), -1).to(embed.device, embed.dtype)
         self.attn = PagedAttention(shape, embed.device, embed.dtype)
@@ -199,6 +250,9 @@ class LlamaModel(torch.nn.Module):
         for li, layer in enumerate(self.layers):
             x = F.rms_norm(h, (s.hidden_size,), layer.attn_norm, eps)
             qkv = layer.qkv(x).view(T, H + 2 * KVH, hd)
+            if layer.q_norm is not None:
+                head_rms_norm_(qkv[:, :H], layer.q_norm, eps)
+                head_rms_norm_(qkv[:, H : H + KVH], layer.k_norm, eps)
             # RoPE on the q and k heads together, in place (see rope_cos / rope_sin).
             qk = qkv[:, : H + KVH]
             swapped = qk.view(T, H + KVH, 2, hd // 2).flip(2).view(T, H + KVH, hd)
@@ -209,12 +263,12 @@ class LlamaModel(torch.nn.Module):
             kv_layer.index_copy_(1, slot_mapping, qkv[:, H:].view(T, 2, KVH, hd).transpose(0, 1))
             k_cache, v_cache = kv_layer[0], kv_layer[1]
 
-            o = self.attn(li, q, k, v, kv, k_cache, v_cache, batch, plan, s.window(li))
+            o = self.attn(li, q, k, v, kv, k_cache, v_cache, batch, plan, window=s.window(li),
+                          sinks=layer.sinks)
             h = h + layer.o(o)
 
             x = F.rms_norm(h, (s.hidden_size,), layer.mlp_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = h + layer.mlp(x)
 
         if batch.hidden_rows is not None:
             rows = batch.hidden_rows.to(h.device)
