@@ -1,4 +1,5 @@
-# Quick start: `make serve` (install + run the daemon), `make test` (install + run the tests).
+# Quick start: `make serve` (install + run the daemon), `make test` (install + run the tests;
+# `make test-unit` for the fast loop, `make test-integration` for the rest).
 # `make docs` builds the manual (docs/) into site/ in strict mode.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -15,7 +16,7 @@ PYTHON312 ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.1[2
 FOCUS  := .venv-focus/.installed
 SOURCES := $(shell find appliance packaging -name '*.py' -o -name '*.tcss' -o -name '*.spec')
 
-.PHONY: serve test docs bench bench-serving binary install promtool clean
+.PHONY: serve test test-unit test-integration docs bench bench-serving binary install promtool clean
 
 # The CPU build of torch first: a bare `torch` from an index is a multi-GB CUDA build.
 $(DEPS): pyproject.toml
@@ -34,10 +35,21 @@ $(FOCUS):
 serve: $(DEPS)
 	$(BIN)/applianced serve $(ARGS)
 
+# `make test` runs both kinds, unit then integration, in one pytest run (one summary).
 # The binary's smoke tests run when dist/ holds a build (.ci/run builds one first); a
 # build older than the sources is rebuilt first so they never test stale code.
-test: $(DEPS) promtool $(if $(PYTHON312),$(FOCUS)) $(if $(wildcard $(BINARY)),binary)
+INTEGRATION_DEPS := promtool $(if $(PYTHON312),$(FOCUS)) $(if $(wildcard $(BINARY)),binary)
+
+test: $(DEPS) $(INTEGRATION_DEPS)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The fast loop: tests/unit starts no daemon, no process, no server (under a minute).
+test-unit: $(DEPS)
+	$(BIN)/python -m pytest -q tests/unit $(ARGS)
+
+# Real daemons, worker processes, Prometheus's tools, the binary when built.
+test-integration: $(DEPS) $(INTEGRATION_DEPS)
+	$(BIN)/python -m pytest -q tests/integration $(ARGS)
 
 # The manual as a static site (MkDocs, Material theme). Strict: a broken link or anchor,
 # or a page missing from mkdocs.yml's nav, fails the build (tests/test_docs.py runs it too).
