@@ -8,8 +8,11 @@ import multiprocessing.process
 import os
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
+
+HERE = Path(__file__).resolve().parent
 
 INET = (socket.AF_INET, socket.AF_INET6)
 # What libraries run on their own: ctypes.util.find_library asks ldconfig (the CPU heap
@@ -41,6 +44,11 @@ def _connect_guard(original):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    # pytest calls this hook for every test of the session once this conftest is loaded:
+    # only the tests under this directory are held to it.
+    if HERE not in item.path.resolve().parents:
+        yield
+        return
     mp = pytest.MonkeyPatch()
     mp.setattr(subprocess.Popen, "__init__", _popen_guard(subprocess.Popen.__init__))
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
