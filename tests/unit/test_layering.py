@@ -26,6 +26,9 @@ def imports(path: Path) -> set[str]:
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             out.add(node.module)
+            if node.module == "appliance":         # from appliance import config
+                out.update(f"appliance.{a.name}" for a in node.names
+                           if (ROOT / a.name).is_dir() or (ROOT / f"{a.name}.py").is_file())
     return out
 
 
@@ -39,12 +42,92 @@ def test_lower_packages_do_not_import_upper_ones():
     assert not wrong, "\n".join(wrong)
 
 
+# Where each part of appliance/ sits: what it may import of the others (itself always).
+# A module that imports a part above its own fails, and so does a new package or
+# top-level module until it is given its place here.
+EVERYTHING = {"accounting", "config", "daemon", "engines", "kv", "models", "partitions",
+              "percentiles", "planner", "routing", "telemetry", "tui", "worker", "workflows"}
+LAYERS = {
+    "__init__": set(), "config": set(), "percentiles": set(), "routing": set(),
+    "models": set(),
+    "partitions": set(),
+    "kv": {"models"},
+    "engines": {"kv", "models", "partitions", "percentiles"},
+    "worker": {"engines", "kv", "models", "partitions", "config"},
+    "telemetry": {"engines", "partitions", "percentiles", "worker", "config"},
+    "accounting": {"engines", "models", "partitions", "percentiles", "telemetry", "worker",
+                   "config"},
+    "workflows": {"models", "partitions", "config"},
+    "planner": {"accounting", "config", "engines", "models", "partitions", "percentiles",
+                "routing", "telemetry", "worker"},
+    # The console is a client of the admin API: nothing of the daemon or below.
+    "tui": {"config"},
+    # The daemon wires everything below it; it never reaches up into the CLI or the console.
+    "daemon": EVERYTHING - {"tui"},
+    "commands": EVERYTHING | {"commands", "cli"},
+    "cli": EVERYTHING | {"commands"},
+    "__main__": {"cli"},
+}
+# Below the daemon nothing speaks HTTP or draws a console.
+NO_HTTP = ("engines", "kv", "models", "partitions", "telemetry", "accounting", "planner",
+           "workflows", "worker")
+HTTP_AND_UI = ("aiohttp", "urllib.request", "http.client", "http.server", "httpx", "requests",
+               "textual", "rich.live")
+
+
+def part(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def layer_violations(layers: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        mine = part(path)
+        if mine not in layers:
+            wrong.append(f"{path.relative_to(ROOT.parent)}: {mine!r} has no place in LAYERS")
+            continue
+        for name in sorted(imports(path)):
+            if name.startswith("appliance."):
+                other = name.split(".")[1]
+                if other != mine and other not in layers[mine]:
+                    wrong.append(f"{path.relative_to(ROOT.parent)} imports {name}")
+            elif mine in NO_HTTP and name.startswith(HTTP_AND_UI):
+                wrong.append(f"{path.relative_to(ROOT.parent)} imports {name} (no HTTP or UI "
+                             "below the daemon)")
+    return wrong
+
+
+def test_every_part_imports_only_the_parts_below_it():
+    wrong = layer_violations(LAYERS)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layer_check_catches_an_upward_import_and_a_new_package():
+    """The check itself: take a part's right to an import away, or a part's place, and it
+    fails (the telemetry hub imports the engines' messages; the kv package exists)."""
+    assert any("appliance/telemetry/" in w and "appliance.engines" in w
+               for w in layer_violations({**LAYERS, "telemetry": LAYERS["telemetry"] - {"engines"}}))
+    assert any("'kv' has no place" in w
+               for w in layer_violations({k: v for k, v in LAYERS.items() if k != "kv"}))
+
+
 DAEMON = ROOT / "daemon"
 # The modules that serve HTTP: they reach the service and its subsystems through the
 # app's typed keys (`responses.SERVICE`, `PLANNER`, …), never through the module that
 # builds the daemon.
 HANDLERS = ("openai_routes", "admin", "admin_live", "admin_plan", "admin_usage",
             "admin_workflows", "responses", "auth", "server", "http_parser_errors")
+# What builds the daemon: a handler never imports these.
+WIRING = {"main", "setup", "planner_link", "accounting_link", "supervisor", "control"}
+
+
+def handler_modules() -> set[str]:
+    """The daemon modules that serve HTTP, found by what they contain (a request handler or
+    a route), so a new handler module is held to the rule without being listed."""
+    return {p.stem for p in DAEMON.glob("*.py")
+            if p.stem not in WIRING and any(s in p.read_text() for s in
+                                            ("web.Request", "router.add_", "add_routes("))}
 
 
 def daemon_graph() -> dict[str, set[str]]:
@@ -103,9 +186,14 @@ def test_nothing_in_the_daemon_imports_main_and_handlers_not_the_builders():
     graph = daemon_graph()
     importers = sorted(m for m, deps in graph.items() if "main" in deps)
     assert importers == [], f"{importers} import daemon.main (only the CLI may)"
-    for handler in HANDLERS:
-        wrong = graph[handler] & {"main", "setup", "planner_link", "accounting_link",
-                                  "supervisor", "control"}
+    outside = sorted(str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py")
+                     if p.parent != DAEMON and p != ROOT / "cli.py"
+                     and any(n == "appliance.daemon.main" for n in imports(p)))
+    assert outside == [], f"{outside} import daemon.main (only the CLI may)"
+    found = handler_modules()
+    assert set(HANDLERS) - {"http_parser_errors"} <= found, found
+    for handler in sorted(found | set(HANDLERS)):
+        wrong = graph[handler] & WIRING
         # admin_usage may name the accounting link's type: it is what its key holds
         wrong -= {"accounting_link"} if handler in ("admin_usage", "responses") else set()
         assert not wrong, f"{handler} imports {sorted(wrong)}"
