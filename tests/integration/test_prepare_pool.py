@@ -1,5 +1,6 @@
-"""Big requests are prepared off the event loop (in the prepare pool's processes), are
-bounded in cost, and the pool's processes never outlive the daemon."""
+"""Big requests are prepared off the event loop (in the prepare pool's processes), the
+pool's processes never outlive the daemon, and after a model swap every request is
+tokenized for the new model."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import threading
 import time
 
 import psutil
+
 from appliance.daemon.tokenizer import ServedTokenizer
 from helpers.daemons import http, pid_alive
 
@@ -90,3 +92,51 @@ def test_small_bodies_are_prepared_inline_and_big_ones_in_the_pool(daemon_factor
     status, _, out = d.post("/v1/chat/completions",
                             raw=json.dumps({"model": "nope", "messages": []}).encode())
     assert status in (400, 404) and out["error"]["message"]
+
+
+def test_after_a_model_swap_requests_are_tokenized_for_the_new_model(daemon_factory, tiny_model,
+                                                                     tmp_path):
+    """A swap-model workflow to a checkpoint whose tokenizer differs (one added token,
+    "hello hello"): from then on a small body (prepared on the event loop) and a big one
+    (in the pool's children, started with the old model's tokenizer) are both tokenized
+    with the new model's tokenizer."""
+    import shutil
+    from tokenizers import Tokenizer
+    other = tmp_path / "other-llama"
+    shutil.copytree(tiny_model, other)
+    changed = Tokenizer.from_file(str(other / "tokenizer.json"))
+    changed.add_tokens(["hello hello"])
+    changed.save(str(other / "tokenizer.json"))
+    old, new = ServedTokenizer(tiny_model), ServedTokenizer(other)
+    d = daemon_factory("--devices", "cpu", "--engine", "sim", "--sim-speed", "50",
+                       model=tiny_model, config="[server]\nprepare_inline_bytes = 2048\n"
+                                                "[workflows]\ndrain_timeout_s = 10.0\n")
+
+    def prompt_tokens(model: str, words: int) -> int:
+        body = json.dumps({"model": model, "max_tokens": 1,
+                           "messages": [{"role": "user", "content": "hello " * words}]})
+        status, _, out = d.post("/v1/chat/completions", raw=body.encode())
+        assert status == 200, out
+        return out["usage"]["prompt_tokens"]
+
+    def expected(tok: ServedTokenizer, words: int) -> int:
+        return len(tok.encode_chat([{"role": "user", "content": "hello " * words}], limit=4096))
+
+    assert prompt_tokens("tiny-llama", 400) == expected(old, 400)     # the children are up
+    code, _, body = d.post("/admin/v1/workflows", {"kind": "swap-model",
+                                                   "params": {"model": str(other)}})
+    assert code == 201, body
+    d.wait_for(lambda s: s.get("model") == "other-llama", timeout=120, what="the swap")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        wf = http("GET", f"{d.url}/admin/v1/workflows/{body['id']}")[2]
+        if wf["status"] in ("succeeded", "failed", "cancelled", "compensated"):
+            break
+        time.sleep(0.1)
+    assert wf["status"] == "succeeded", wf
+    before = d.status()["prepared"]
+    for words in (10, 400):                 # inline, then in a child
+        assert expected(new, words) < expected(old, words)
+        assert prompt_tokens("other-llama", words) == expected(new, words), words
+    after = d.status()["prepared"]
+    assert (after["inline"] - before["inline"], after["pooled"] - before["pooled"]) == (1, 1)
