@@ -9,7 +9,7 @@ ARGS   ?=
 # `make install DESTDIR=/tmp/root` stages an install; without DESTDIR it installs here.
 DESTDIR ?=
 BINARY := dist/applianced/applianced
-# The FinOps Foundation's focus-validator (tests/test_focus.py) needs Python >= 3.12: its
+# The FinOps Foundation's focus-validator (tests/integration/test_focus_validator.py) needs Python >= 3.12: its
 # own venv beside the 3.11 one, made when such a Python is found (else those tests skip).
 PYTHON312 ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.1[23]*/bin/python3; do \
   $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
@@ -30,7 +30,7 @@ $(DEPS): pyproject.toml
 $(FOCUS):
 	@test -x .venv-focus/bin/python || $(PYTHON312) -m venv .venv-focus
 	@.venv-focus/bin/python -m pip install -q focus-validator==2.2.1 'pyarrow<20' && touch $@ \
-	  || echo "make: focus-validator not installed; tests/test_focus.py skips the validator run" >&2
+	  || echo "make: focus-validator not installed; tests/integration/test_focus_validator.py skips the validator run" >&2
 
 serve: $(DEPS)
 	$(BIN)/applianced serve $(ARGS)
@@ -52,7 +52,7 @@ test-integration: $(DEPS) $(INTEGRATION_DEPS)
 	$(BIN)/python -m pytest -q tests/integration $(ARGS)
 
 # The manual as a static site (MkDocs, Material theme). Strict: a broken link or anchor,
-# or a page missing from mkdocs.yml's nav, fails the build (tests/test_docs.py runs it too).
+# or a page missing from mkdocs.yml's nav, fails the build (tests/integration/test_docs_site.py runs it too).
 docs: $(DEPS)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
