@@ -17,6 +17,8 @@ import time
 
 from aiohttp import web
 
+from helpers.screen import screen_text
+
 GIB = 1024 ** 3
 DEVICES = [f"sim{i}" for i in range(8)]
 
@@ -239,7 +241,7 @@ async def wait_screen(app, pilot, predicate, timeout: float = 20.0, what: str = 
     text = ""
     while time.monotonic() < deadline:
         await pilot.pause(0.1)
-        text = app.screen_text()
+        text = screen_text(app)
         if predicate(text):
             return text
     raise AssertionError(f"timed out waiting for {what}; the screen shows:\n{text}")

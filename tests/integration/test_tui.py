@@ -12,6 +12,7 @@ import pytest
 from helpers.admin_fixture import (FixtureAdmin, contract_status, section, usage_rows, wait_screen,
                            wait_until)
 from helpers.daemons import free_port
+from helpers.screen import screen_text
 
 pytest.importorskip("textual")
 
@@ -77,7 +78,7 @@ def test_pause_freezes_the_figures_and_unpause_catches_up():
                 await wait_screen(app, pilot, lambda t: "PAUSED" in t, what="PAUSED")
                 srv.set(status=contract_status(0.2, 0.8))
                 await pilot.pause(1.5)
-                assert "1.80:1" in app.screen_text()
+                assert "1.80:1" in screen_text(app)
                 await pilot.press("p")
                 text = await wait_screen(app, pilot, lambda t: "0.25:1" in t, what="new ratio")
                 assert "PAUSED" not in text

@@ -12,6 +12,7 @@ import pytest
 from helpers import daemons
 from helpers.admin_fixture import section, wait_screen
 from helpers.daemons import ROOT
+from helpers.screen import screen_text
 
 pytest.importorskip("textual")
 
@@ -68,8 +69,8 @@ def test_banner_while_the_daemon_is_down_and_gone_after_restart(daemon_factory, 
             for key in "2316":                             # every screen keeps running
                 await pilot.press(key)
                 await pilot.pause(0.2)
-                assert "unreachable" in app.screen_text()
-                assert "Traceback" not in app.screen_text()
+                assert "unreachable" in screen_text(app)
+                assert "Traceback" not in screen_text(app)
             await pilot.press("1")
             # the same port again, as a supervisor would restart it
             monkeypatch.setattr(daemons, "free_port", lambda: d.port)
