@@ -1,4 +1,5 @@
-# Quick start: `make serve` (install + run the daemon), `make test` (install + run the tests).
+# Quick start: `make serve` (install + run the daemon), `make test` (install + run the tests;
+# `make test-unit` for the fast loop, `make test-integration` for the rest).
 # `make docs` builds the manual (docs/) into site/ in strict mode.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -8,14 +9,14 @@ ARGS   ?=
 # `make install DESTDIR=/tmp/root` stages an install; without DESTDIR it installs here.
 DESTDIR ?=
 BINARY := dist/applianced/applianced
-# The FinOps Foundation's focus-validator (tests/test_focus.py) needs Python >= 3.12: its
+# The FinOps Foundation's focus-validator (tests/integration/test_focus_validator.py) needs Python >= 3.12: its
 # own venv beside the 3.11 one, made when such a Python is found (else those tests skip).
 PYTHON312 ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.1[23]*/bin/python3; do \
   $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
 FOCUS  := .venv-focus/.installed
 SOURCES := $(shell find appliance packaging -name '*.py' -o -name '*.tcss' -o -name '*.spec')
 
-.PHONY: serve test docs bench bench-serving binary install promtool clean
+.PHONY: serve test test-unit test-integration docs bench bench-serving binary install promtool clean
 
 # The CPU build of torch first: a bare `torch` from an index is a multi-GB CUDA build.
 $(DEPS): pyproject.toml
@@ -29,18 +30,29 @@ $(DEPS): pyproject.toml
 $(FOCUS):
 	@test -x .venv-focus/bin/python || $(PYTHON312) -m venv .venv-focus
 	@.venv-focus/bin/python -m pip install -q focus-validator==2.2.1 'pyarrow<20' && touch $@ \
-	  || echo "make: focus-validator not installed; tests/test_focus.py skips the validator run" >&2
+	  || echo "make: focus-validator not installed; tests/integration/test_focus_validator.py skips the validator run" >&2
 
 serve: $(DEPS)
 	$(BIN)/applianced serve $(ARGS)
 
+# `make test` runs both kinds, unit then integration, in one pytest run (one summary).
 # The binary's smoke tests run when dist/ holds a build (.ci/run builds one first); a
 # build older than the sources is rebuilt first so they never test stale code.
-test: $(DEPS) promtool $(if $(PYTHON312),$(FOCUS)) $(if $(wildcard $(BINARY)),binary)
+INTEGRATION_DEPS := promtool $(if $(PYTHON312),$(FOCUS)) $(if $(wildcard $(BINARY)),binary)
+
+test: $(DEPS) $(INTEGRATION_DEPS)
 	$(BIN)/python -m pytest -q $(ARGS)
 
+# The fast loop: tests/unit starts no daemon, no process, no server (under a minute).
+test-unit: $(DEPS)
+	$(BIN)/python -m pytest -q tests/unit $(ARGS)
+
+# Real daemons, worker processes, Prometheus's tools, the binary when built.
+test-integration: $(DEPS) $(INTEGRATION_DEPS)
+	$(BIN)/python -m pytest -q tests/integration $(ARGS)
+
 # The manual as a static site (MkDocs, Material theme). Strict: a broken link or anchor,
-# or a page missing from mkdocs.yml's nav, fails the build (tests/test_docs.py runs it too).
+# or a page missing from mkdocs.yml's nav, fails the build (tests/integration/test_docs_site.py runs it too).
 docs: $(DEPS)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 

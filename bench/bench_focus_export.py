@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from test_allocation import T0, ledger_with, method  # noqa: E402  (the tests' ledger scene)
+from helpers.ledger_scene import T0, ledger_with, method  # noqa: E402  (the tests' ledger scene)
 
 from appliance.accounting import focus  # noqa: E402
 

@@ -6,7 +6,7 @@ loop (`Telemetry.run`, NVML reads in a worker thread as in the daemon).
 
 Three setups, each 8 devices:
 - nvml: 8 GPUs through the real NVML wrapper (`partitions.nvml.Nvml`) and sampler over
-  tests/fake_nvml.py (GPM supported, so 10 NVML calls per device per sample). The fake is
+  tests/helpers/fake_nvml.py (GPM supported, so 10 NVML calls per device per sample). The fake is
   Python; real NVML calls go through ctypes into the driver and can cost more (some take
   milliseconds on a busy driver), so this measures our side of the cost only.
 - sim: 8 simulated GPUs, power from their iterations, with the simulator's iteration
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import fake_nvml  # noqa: E402
+from helpers import fake_nvml  # noqa: E402
 from appliance.engines.messages import IterationRecord  # noqa: E402
 from appliance.partitions import discover, plan_partition  # noqa: E402
 from appliance.partitions.nvml import Nvml  # noqa: E402

@@ -119,8 +119,8 @@ def main() -> int:
     ap.add_argument("--capture", help="write the first screen (under load) to this file")
     args = ap.parse_args()
 
-    from conftest import start_daemon            # the test suite's own daemon launcher
-    from admin_fixture import FixtureAdmin, contract_status
+    from helpers.daemons import start_daemon     # the test suite's own daemon launcher
+    from helpers.admin_fixture import FixtureAdmin, contract_status
     daemon = None
     url = args.url
     if url is None:

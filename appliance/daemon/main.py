@@ -91,8 +91,7 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
         # still-running sampler), completes every finished request's row, one commit
         stack.push_async_callback(accounting.stop)
         pool.frame_tap = accounting.frame
-    prepare_pool = PreparePool(setup.model_dir, tokenizer=served.tokenizer,
-                               tool_parser=e.tool_parser,
+    prepare_pool = PreparePool(served.model_dir, tool_parser=e.tool_parser,
                                inline_bytes=cfg.server.prepare_inline_bytes)
     stack.callback(prepare_pool.close)
     control = Control(cfg, setup, state, pool, router, journal, telemetry,

@@ -106,7 +106,7 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
     svc.state.preparing += 1
     try:
         req, prompt, max_tokens = await svc.prepare_pool.prepare(raw, endpoint, svc.model_name,
-                                                                 svc.max_context)
+                                                                 svc.max_context, svc.tokenizer)
     finally:
         svc.state.preparing -= 1
     comp = Completion(svc, req, tenant, rid, arrival)

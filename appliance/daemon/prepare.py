@@ -16,6 +16,11 @@ round trip through the executor's queues, threads and pickling costs the daemon 
 of CPU and two thread hand-offs per request, which at high concurrency was most of
 what the daemon spent per request. Bodies that may ask for a grammar (structured outputs,
 tool calls) go to the children whatever their size (`may_ask_for_a_grammar`).
+
+Each request is prepared with the tokenizer of the model served when it arrived, which a
+swap-model workflow changes while the daemon runs: the caller passes that tokenizer, and a
+child that holds another model's loads the new one (from its checkpoint directory) before
+preparing, so no request is tokenized for the model that was served at start-up.
 """
 from __future__ import annotations
 
@@ -33,7 +38,8 @@ from appliance.daemon.completion import prepare_prompt
 from appliance.daemon.openai_protocol import ApiError, GenerationRequest, parse_body
 from appliance.daemon.tokenizer import ServedTokenizer
 
-_tokenizer: ServedTokenizer | None = None
+_tokenizer: ServedTokenizer | None = None      # in a child: the last model's tokenizer
+_tool_parser = ""
 
 
 def machine_cores() -> int:
@@ -55,8 +61,18 @@ def _child_init(model_dir: str, tool_parser: str = "") -> None:
     # Ctrl-C reaches the whole process group: the daemon drains, then ends the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
-    global _tokenizer
+    global _tokenizer, _tool_parser
+    _tool_parser = tool_parser
     _tokenizer = ServedTokenizer(Path(model_dir), tool_parser)
+
+
+def _child_tokenizer(model_dir: str) -> ServedTokenizer:
+    """The tokenizer of `model_dir`, loaded here the first time it is asked for after a
+    swap (tens of milliseconds for a tokenizer.json)."""
+    global _tokenizer
+    if _tokenizer is None or str(_tokenizer.model_dir) != model_dir:
+        _tokenizer = ServedTokenizer(Path(model_dir), _tool_parser)
+    return _tokenizer
 
 
 def prepare_request(tok: ServedTokenizer, raw: bytes, endpoint: str, model_name: str,
@@ -67,9 +83,9 @@ def prepare_request(tok: ServedTokenizer, raw: bytes, endpoint: str, model_name:
     return req, prompt, max_tokens
 
 
-def _child_prepare(raw: bytes, endpoint: str, model_name: str,
-                   max_context: int) -> tuple[GenerationRequest, list[int], int]:
-    return prepare_request(_tokenizer, raw, endpoint, model_name, max_context)
+def _child_prepare(raw: bytes, endpoint: str, model_name: str, max_context: int,
+                   model_dir: str) -> tuple[GenerationRequest, list[int], int]:
+    return prepare_request(_child_tokenizer(model_dir), raw, endpoint, model_name, max_context)
 
 
 # A body that may ask for a grammar is prepared in the children even when small: checking
@@ -85,18 +101,17 @@ def may_ask_for_a_grammar(raw: bytes) -> bool:
 
 
 class PreparePool:
-    """Parse, validate and tokenize requests: bodies of up to `inline_bytes` here with
-    `tokenizer`, bigger ones in `processes` child processes."""
+    """Parse, validate and tokenize requests with the served model's tokenizer: bodies of
+    up to `inline_bytes` here, bigger ones in `processes` child processes (started with
+    the tokenizer of `model_dir`, the model served at start-up)."""
 
-    def __init__(self, model_dir: Path, processes: int | None = None,
-                 tokenizer: ServedTokenizer | None = None, inline_bytes: int = 0,
+    def __init__(self, model_dir: Path, processes: int | None = None, inline_bytes: int = 0,
                  tool_parser: str = ""):
         self.processes = processes or machine_cores()
         self._model_dir = str(model_dir)
         self._tool_parser = tool_parser
         self._executor = self._new_executor()
-        self.tokenizer = tokenizer
-        self.inline_bytes = inline_bytes if tokenizer is not None else 0
+        self.inline_bytes = inline_bytes
         self.inline = 0             # how many were prepared here, and in the children
         self.pooled = 0
 
@@ -118,16 +133,17 @@ class PreparePool:
     def pids(self) -> list[int]:
         return [p.pid for p in (self._executor._processes or {}).values()]
 
-    async def prepare(self, raw: bytes, endpoint: str, model_name: str,
-                      max_context: int) -> tuple[GenerationRequest, list[int], int]:
+    async def prepare(self, raw: bytes, endpoint: str, model_name: str, max_context: int,
+                      tokenizer: ServedTokenizer) -> tuple[GenerationRequest, list[int], int]:
+        """`tokenizer`: the served model's (the children load the one of its directory)."""
         if len(raw) <= self.inline_bytes and not may_ask_for_a_grammar(raw):
             self.inline += 1
-            return prepare_request(self.tokenizer, raw, endpoint, model_name, max_context)
+            return prepare_request(tokenizer, raw, endpoint, model_name, max_context)
         self.pooled += 1
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._executor, _child_prepare, raw, endpoint,
-                                              model_name, max_context)
+                                              model_name, max_context, str(tokenizer.model_dir))
         except BrokenProcessPool:
             # A child died (killed, out of memory): the pool cannot be used again.
             self._executor.shutdown(wait=False, cancel_futures=True)

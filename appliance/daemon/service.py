@@ -56,7 +56,8 @@ class RequestPreparer(Protocol):
     pooled: int
     inline_bytes: int
 
-    async def prepare(self, raw: bytes, endpoint: str, model_name: str, max_context: int): ...
+    async def prepare(self, raw: bytes, endpoint: str, model_name: str, max_context: int,
+                      tokenizer: ServedTokenizer): ...
 
 
 class Service:

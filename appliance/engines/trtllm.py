@@ -119,7 +119,7 @@ __all__ = ["TrtllmEngine", "TrtllmUnavailable", "build_trtllm_engine", "USED_API
 MISSING_MESSAGE = ("TensorRT-LLM is not installed (pip install applianced[trtllm] from "
                    "NVIDIA's index); use --engine torch")
 
-# Every name this module touches on the tensorrt_llm package. tests/test_trtllm_contract.py
+# Every name this module touches on the tensorrt_llm package. tests/unit/test_trtllm_contract.py
 # checks them against the fake, and against the real package wherever it is installed.
 USED_API: dict[str, dict[str, tuple[str, ...]]] = {
     "modules": {

@@ -14,7 +14,7 @@ work for us: it passes the fd through multiprocessing's resource_sharer, which
 authenticates with ``multiprocessing.current_process().authkey``; our workers are exec'd
 by the daemon, not children of a multiprocessing parent, so each has its own random
 authkey and the import fails with ``AuthenticationError: digest sent was rejected``
-(checked on torch 2.13, see tests/test_kv_handoff.py). The torch_shm_manager binary
+(checked on torch 2.13, see tests/integration/test_kv_handoff.py). The torch_shm_manager binary
 (torch/bin) must therefore ship with a frozen build.
 
 A peer maps the pool's /dev/shm file itself (``UntypedStorage.from_file``, shared), and
@@ -208,7 +208,7 @@ def _import_cuda(meta: dict, fn, args) -> torch.Tensor:  # NOT RUN ON HARDWARE
     access that is not possible: the handle is opened on the peer's ordinal here (found
     by UUID), which does create a context on the peer's GPU; the copies then go through
     `copy_from_peer`'s cross-device path. The argument is found by name in
-    ``rebuild_cuda_tensor``'s signature (tests/test_kv_handoff.py checks it against the
+    ``rebuild_cuda_tensor``'s signature (tests/unit/test_kv_handoff_contract.py checks it against the
     torch installed)."""
     want = meta["uuid"]
     local = {_device_uuid(i): i for i in range(torch.cuda.device_count())}

@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 # Every pynvml attribute the appliance uses. A test checks them against the installed
-# nvidia-ml-py and against tests/fake_nvml.py, so neither the code nor the fake can drift
+# nvidia-ml-py and against tests/helpers/fake_nvml.py, so neither the code nor the fake can drift
 # from the real names. Add to these lists when you add a call.
 USED_FUNCTIONS: tuple[str, ...] = (
     "nvmlInit",

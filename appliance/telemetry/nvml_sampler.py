@@ -7,7 +7,7 @@ activity, DRAM bandwidth) need two samples, so the first reading of a device has
 Every reading the driver or board lacks is None, remembered once by the wrapper; a GPU
 that falls off the bus is a `lost` row until it answers again. Never raises.
 
-Written against nvidia-ml-py's real API and tested with tests/fake_nvml.py; not run on
+Written against nvidia-ml-py's real API and tested with tests/helpers/fake_nvml.py; not run on
 a GPU (see docs/limitations.md, "Not verified on hardware").
 """
 from __future__ import annotations

@@ -9,10 +9,8 @@ only that reactive; nothing on screen ever talks to the network directly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-import io
 import time
 
-from rich.console import Console
 from textual.app import App
 from textual.binding import Binding
 from textual.reactive import reactive
@@ -151,14 +149,6 @@ class ApplianceConsole(App):
     @property
     def current(self) -> ApplianceState:
         return self.appliances.get(self.selected) or self._states[self.urls[0]]
-
-    def screen_text(self) -> str:
-        """The screen as plain text, as a terminal without colour would show it."""
-        width, height = self.size
-        console = Console(width=width, height=height, file=io.StringIO(), force_terminal=True,
-                          color_system=None, record=True, legacy_windows=False, safe_box=False)
-        console.print(self.screen._compositor.render_update(full=True))
-        return console.export_text()
 
 
 def run(urls: list[str], admin_key: str | None = None) -> int:

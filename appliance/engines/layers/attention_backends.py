@@ -20,7 +20,7 @@ materializing scores); the bounded path runs there in tests, to check it against
 
 NOT RUN ON HARDWARE: the FlashInfer calls are written against its Python API
 (flashinfer/prefill.py and decode.py @ fb28d724, docs.flashinfer.ai) and tested on the
-CPU against tests/fake_flashinfer.py, which follows those signatures and semantics.
+CPU against tests/helpers/fake_flashinfer.py, which follows those signatures and semantics.
 """
 from __future__ import annotations
 

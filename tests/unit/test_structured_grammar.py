@@ -1,0 +1,89 @@
+"""Structured outputs below the daemon: compiled grammars cached by hash and bounded, a
+guide rebuilt from the tokens so far, and the grammar state surviving a preemption in
+the torch engine. (Through real daemons: tests/integration/test_structured.py.)"""
+from __future__ import annotations
+
+import json
+from typing import Literal
+import pytest
+from pydantic import BaseModel, Field
+
+from appliance.engines.grammar import GrammarBook
+from appliance.engines.messages import GuidedDecoding
+
+pytest.importorskip("xgrammar")
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=8)
+    age: int = Field(ge=0, le=30)
+    vaccinated: bool
+    kind: Literal["cat", "dog", "fish"]
+
+
+PET_SCHEMA = Pet.model_json_schema()
+
+
+def valid_pet(text: str) -> Pet:
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age", "vaccinated", "kind"}, obj
+    return Pet.model_validate(obj)
+
+
+# ---- the grammar book itself: compile once, rebuild from tokens -----------------------
+
+def test_compiled_grammars_are_cached_by_hash_and_bounded(tiny_model):
+    book = GrammarBook(tiny_model, 0, [1, 4], cache_size=2)
+    a = GuidedDecoding("json_schema", json.dumps(PET_SCHEMA))
+    book.guide(a)
+    book.guide(GuidedDecoding("json_schema", json.dumps(PET_SCHEMA)))
+    assert book.compilations == 1
+    book.guide(GuidedDecoding("regex", "a+"))
+    book.guide(GuidedDecoding("regex", "b+"))
+    book.guide(a)       # evicted by the two regexes: compiled again
+    assert book.compilations == 4
+
+
+def test_a_guide_rebuilt_from_the_tokens_so_far_continues_the_grammar(tiny_model):
+    """What a decode worker does after the handoff (and a preempted sequence after its
+    recompute): a fresh matcher synced with the generated tokens allows what the
+    original one allows."""
+    import random
+    book = GrammarBook(tiny_model, 0, [1, 4])
+    spec = GuidedDecoding("json_schema", json.dumps(PET_SCHEMA))
+    rng = random.Random(0)
+    guide, generated = book.guide(spec), []
+    for _ in range(6):
+        generated.append(rng.choice(book.allowed(guide, generated)))
+    rebuilt = book.guide(spec)
+    assert book.allowed(rebuilt, generated) == book.allowed(guide, generated)
+    assert rebuilt.taken == len(generated)
+
+
+def test_grammar_state_survives_preemption(tiny_model):
+    """A KV pool too small for the batch: decoding sequences are preempted and recomputed,
+    and their matchers carry on from the tokens they kept (torch engine, no daemon)."""
+    from appliance.daemon.tokenizer import ServedTokenizer
+    from appliance.engines.messages import Prefill, RequestFailed, SamplingParams, Tokens
+    from test_torch_engine import make_engine
+
+    eng = make_engine(tiny_model, "p0", num_blocks=8, reserve_ratio=0.0)
+    spec = GuidedDecoding("json_schema", json.dumps(PET_SCHEMA))
+    for i in range(6):
+        prompt = [0] + [100 + 7 * i + k for k in range(23)]
+        eng.add(Prefill(f"r{i}", prompt, SamplingParams(max_tokens=90, temperature=0.0,
+                                                        guided=spec), False))
+    out: dict[str, list[int]] = {}
+    reasons = {}
+    while eng.has_work():
+        for ev in eng.step():
+            assert not isinstance(ev, RequestFailed), ev
+            if isinstance(ev, Tokens):
+                out.setdefault(ev.request_id, []).extend(ev.tokens)
+                if ev.finish_reason:
+                    reasons[ev.request_id] = ev.finish_reason
+    assert eng.scheduler.preemptions > 0
+    tok = ServedTokenizer(tiny_model)
+    assert reasons == {f"r{i}": "stop" for i in range(6)}
+    for rid, ids in out.items():
+        valid_pet(tok.decode(ids))

@@ -1,0 +1,51 @@
+"""Where workers run, decided before any starts: GPU workers see their own GPUs first and
+then their peers (by UUID), and CPU workers split the cores of the daemon's cpuset."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def test_gpu_workers_see_their_own_gpus_first_then_their_peers():
+    """CUDA_VISIBLE_DEVICES by UUID: own devices first, then the other phase's devices
+    (CUDA IPC can only open a peer's pool on a visible GPU). Checked on the plan for a
+    4-GPU box, without GPUs."""
+    from appliance.config import Config
+    from appliance.daemon.setup import worker_specs
+    from appliance.daemon.workers import worker_env
+    from appliance.partitions import Device, Inventory, lookup_gpu, plan_partition
+
+    h100 = lookup_gpu("H100")
+    gpus = tuple(Device(f"gpu{i}", "gpu", "NVIDIA H100 80GB HBM3", False, i, f"GPU-{i}",
+                        spec=h100) for i in range(4))
+    inv = Inventory(gpus, {(a.id, b.id): "nvlink" for a in gpus for b in gpus
+                           if a.index < b.index}, "nvml", None)
+    specs = worker_specs(Config(), inv, plan_partition(inv), "torch", Path("/models/x"))
+    env = {s.worker: worker_env(s, {})["CUDA_VISIBLE_DEVICES"] for s in specs}
+    assert env == {"prefill0": "GPU-0,GPU-2,GPU-3", "prefill1": "GPU-1,GPU-2,GPU-3",
+                   "decode0": "GPU-2,GPU-0,GPU-1", "decode1": "GPU-3,GPU-0,GPU-1"}
+    assert all(s.cpu_cores == [] and s.gpu_name == "H100-SXM" for s in specs)
+
+
+@pytest.mark.parametrize("mode, threads, cores, want", [
+    ("disagg", 0, [0, 1], {"prefill0": [0], "decode0": [1]}),           # this box
+    ("disagg", 0, list(range(16)), {"prefill0": list(range(8)), "decode0": list(range(8, 16))}),
+    ("disagg", 0, [2, 3, 5, 7, 11], {"prefill0": [2, 3], "decode0": [5, 7]}),   # a cpuset
+    ("disagg", 3, list(range(16)), {"prefill0": [0, 1, 2], "decode0": [3, 4, 5]}),
+    ("disagg", 0, [4], {"prefill0": [4], "decode0": [4]}),               # one core: shared
+    ("disagg", 2, [0, 1, 2], {"prefill0": [0, 1], "decode0": [0, 2]}),   # too few: overlap
+    ("agg", 0, list(range(8)), {"agg0": list(range(8))}),
+])
+def test_cpu_workers_split_the_cores(mode, threads, cores, want):
+    from appliance.config import Config
+    from appliance.daemon.setup import worker_specs
+    from appliance.partitions import discover, plan_partition
+
+    cfg = Config()
+    cfg.engine.cpu_threads = threads
+    inv = discover("cpu")
+    specs = worker_specs(cfg, inv, plan_partition(inv, mode=mode), "torch", Path("/m"), cores)
+    assert {s.worker: s.cpu_cores for s in specs} == want
+    assert {s.worker: s.cpu_threads for s in specs} == {
+        w: threads or len(c) for w, c in want.items()}
