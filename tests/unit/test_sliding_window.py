@@ -141,7 +141,7 @@ def test_prompts_longer_than_the_window_then_decode(windowed, backend, monkeypat
     if backend == "bounded":   # a budget that makes the bounded path chunk keys and rows
         model.set_attention("bounded", budget=24_000)
     if backend == "flashinfer":
-        import fake_flashinfer
+        from helpers import fake_flashinfer
         module = fake_flashinfer.module()
         fake_flashinfer.calls.clear()
         monkeypatch.setitem(sys.modules, "flashinfer", module)
