@@ -311,7 +311,7 @@ def test_the_api_answers_a_timed_out_report_with_an_error_and_the_cli_one_line(d
     state = tmp_path / "d0" / "state"
     state.mkdir(parents=True)
     seed(state / "ledger.db", 40_000, future, future + 600)
-    d = daemon_factory("--devices", "sim:1xH100", "--model-spec", "llama-3.1-8b",
+    d = daemon_factory("--devices", "sim:2xH100", "--model-spec", "llama-3.1-8b",
                        model=None, config="[accounting]\nreport_timeout_s = 0.000001\n")
     span = {"since": str(int(future - 60)), "until": str(int(future + 900))}
     code, _, err = get(d, "/admin/v1/usage", **span)

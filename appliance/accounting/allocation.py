@@ -223,6 +223,10 @@ def window_pots(query, since: float, until: float, m: Method) -> Pots:
                     acc.add(model, n or 0, meas_s or 0.0, att_s or 0.0, idle_s or 0.0,
                             unatt_s or 0.0, meas_j or 0.0, att_j or 0.0, idle_j or 0.0,
                             unatt_j or 0.0, j_null or 0, wall or 0.0, used_wall or 0.0, emb(model))
+                if a == since:
+                    for model, carried, unmeasured in query(rollups.CARRIED_SQL, (a,)):
+                        acc.add(model, carried, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                                unmeasured, 0.0, 0.0, 0.0)
                 if node:
                     ((c,),) = query(rollups.COVER_SQL, (a, b))
                     covered += c or 0.0

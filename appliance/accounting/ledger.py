@@ -229,7 +229,7 @@ def connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
-ROLL_EVERY_S = 60.0         # the writer rolls up minutes this often
+ROLL_EVERY_S = 20.0         # the writer rolls up minutes this often
 PRUNE_EVERY_S = 600.0       # and applies retention this often
 
 

@@ -41,7 +41,10 @@ import sqlite3
 
 MINUTE = 60.0
 HOUR = 3600.0
-LAG_S = 120.0           # a minute is rolled once it has been over this long
+# A minute is rolled once it has been over this long: rows are final seconds after
+# their request finishes (window + grace + a tick + a commit); the few later ones are
+# added as late rows. What is not rolled yet is what a report reads raw at its end.
+LAG_S = 30.0
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage_rollups (
@@ -54,7 +57,7 @@ CREATE TABLE IF NOT EXISTS window_rollups (
     hour REAL, model TEXT, windows INTEGER, measured_gpu_s REAL, attributed_gpu_s REAL,
     idle_gpu_s REAL, unattributed_gpu_s REAL, measured_j REAL, attributed_j REAL,
     idle_j REAL, unattributed_j REAL, unmeasured INTEGER, wall_s REAL, used_wall_s REAL,
-    PRIMARY KEY (hour, model));
+    carried INTEGER, carried_unmeasured INTEGER, PRIMARY KEY (hour, model));
 CREATE TABLE IF NOT EXISTS window_cover (hour REAL PRIMARY KEY, covered_s REAL);
 CREATE TABLE IF NOT EXISTS dirty_hours (hour REAL PRIMARY KEY);
 """
@@ -64,7 +67,8 @@ USAGE_COLUMNS = ("period", "bucket", "tenant", "model", "site", "phase", "reques
                  "simulated", "imin", "imax", "sources", "kinds", "est")
 WINDOW_COLUMNS = ("hour", "model", "windows", "measured_gpu_s", "attributed_gpu_s",
                   "idle_gpu_s", "unattributed_gpu_s", "measured_j", "attributed_j", "idle_j",
-                  "unattributed_j", "unmeasured", "wall_s", "used_wall_s")
+                  "unattributed_j", "unmeasured", "wall_s", "used_wall_s", "carried",
+                  "carried_unmeasured")
 
 # meta keys: everything before these is in the rollups
 MINUTES_ROLLED = "minutes_rolled_until"
@@ -228,7 +232,7 @@ def _hour_of_windows(conn, h: float, longest: float) -> tuple[list[tuple], float
         att_s = att_s or 0.0
         used = att_s / meas_s if meas_s > 0 else 0.0
         first = start >= h
-        s = sums.setdefault(model, [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0])
+        s = sums.setdefault(model, [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0, 0, 0])
         s[0] += int(first)
         s[1] += meas_s * f
         s[2] += att_s * f
@@ -241,6 +245,8 @@ def _hour_of_windows(conn, h: float, longest: float) -> tuple[list[tuple], float
         s[9] += int(first and meas_j is None)
         s[10] += b - a
         s[11] += (b - a) * used
+        s[12] += int(not first)                 # begun in an earlier hour (a report that
+        s[13] += int(not first and meas_j is None)     # starts here counts it, see below)
         spans.add((a, b))
     return [(h, model, *s) for model, s in sums.items()], sum(b - a for a, b in spans)
 
@@ -358,6 +364,10 @@ WINDOW_HOURS_SQL = """SELECT model, sum(windows), sum(measured_gpu_s), sum(attri
     sum(unattributed_j), sum(unmeasured), sum(wall_s), sum(used_wall_s)
 FROM window_rollups WHERE hour >= ? AND hour < ? GROUP BY model"""
 COVER_SQL = "SELECT sum(covered_s) FROM window_cover WHERE hour >= ? AND hour < ?"
+# A report counts each window once, where it begins or, if it began earlier, in its
+# first piece: a report that starts on this hour counts the windows carried into it.
+CARRIED_SQL = """SELECT model, carried, carried_unmeasured FROM window_rollups
+WHERE hour = ? AND carried > 0"""
 
 
 def usage_sql(keys: list[str], by_phase: bool) -> str:
