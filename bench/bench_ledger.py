@@ -2,11 +2,11 @@
 usage report take, through the report functions `/admin/v1/usage` calls.
 
 It synthesizes the ledger a busy box would hold after `--days` at `--rate` requests/s:
-the old days as the rollups the writer would have left (hour rows for every hour, minute
-rows and raw rows only where a report's edges fall, and minute rows for the part of the
+the old days as the rollups the writer would have left (hour rows for every hour, 10-s
+slice rows and raw rows only where a report's edges fall, and slice rows for the part of the
 current hour before the raw rows), the last `--raw-hours` as raw
 request rows and 10-s device windows, which the real roll-up pass (rollups.roll_up)
-then rolls, leaving the last minutes raw as a live ledger does. Then it times the
+then rolls, leaving the newest seconds raw as a live ledger does. Then it times the
 reports (each the best of `--repeat`), a raw-only report over the raw hours (what
 every report cost before rollups), and prints bytes per request.
 
@@ -18,11 +18,11 @@ The full size writes 3.6 M raw rows per raw hour (~1 GB, minutes on a quiet mach
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
 import sqlite3
-import statistics
 import sys
 import tempfile
 import time
@@ -77,7 +77,7 @@ def window_rows(t0: float, t1: float, devices: int, model: str, site: str, busy:
 def rollup_rows(period: str, t0: float, t1: float, rate: float, tenants, models, site):
     """What the writer would have rolled for [t0, t1): a row per bucket × tenant × model ×
     phase with the sums of `rate` requests/s spread over the tenants and models."""
-    size = 60.0 if period == "minute" else H
+    size = rollups.SLICE if period == "slice" else H
     per = rate * size / (len(tenants) * len(models))
     out = []
     b = t0
@@ -131,6 +131,7 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--dir", default=None, help="where the ledger goes (default: a temp dir)")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "ledger.json"))
     args = p.parse_args()
 
     tmp = Path(args.dir or tempfile.mkdtemp(prefix="bench-ledger-"))
@@ -143,14 +144,14 @@ def main() -> None:
     site = "s1"
     now = time.time()
     end = now
-    raw_start = math.floor((end - args.raw_hours * H) / 60.0) * 60.0
+    raw_start = math.floor((end - args.raw_hours * H) / rollups.SLICE) * rollups.SLICE
     old_start = math.floor((end - args.days * 86400) / H) * H
     edges = [end - 86400, end - args.days * 86400]      # the reports' left edges
     conn = sqlite3.connect(path)
     conn.execute("PRAGMA journal_mode=WAL")
 
     t = time.perf_counter()
-    # ---- the old days: rollups (hours; minutes and raw rows only at the reports' edges)
+    # ---- the old days: rollups (hours; slices and raw rows only at the reports' edges)
     hour0 = math.floor(raw_start / H) * H           # hours before the raw ones are rolled
     with conn:
         write_rows(conn, "INSERT", "usage_rollups", rollups.USAGE_COLUMNS,
@@ -167,18 +168,18 @@ def main() -> None:
             if h >= hour0:
                 continue
             write_rows(conn, "INSERT", "usage_rollups", rollups.USAGE_COLUMNS,
-                       rollup_rows("minute", h, h + H, args.rate, tenants, models, site))
-            m = math.floor(e / 60.0) * 60.0
-            for chunk in request_rows(m, m + 60.0, args.rate, tenants, models, site,
+                       rollup_rows("slice", h, h + H, args.rate, tenants, models, site))
+            m = math.floor(e / rollups.SLICE) * rollups.SLICE
+            for chunk in request_rows(m, m + rollups.SLICE, args.rate, tenants, models, site,
                                       10**11 + n_edge):
                 write_rows(conn, "INSERT", "requests", REQUEST_COLUMNS, chunk)
                 n_edge += len(chunk)
             write_rows(conn, "INSERT", "device_windows", WINDOW_COLUMNS,
                        window_rows(m - 60.0, m + 120.0, args.devices, models[0], site, 0.6))
-        # the hour the raw rows start in: its first minutes are rolled, the hour is not
+        # the hour the raw rows start in: its first slices are rolled, the hour is not
         write_rows(conn, "INSERT", "usage_rollups", rollups.USAGE_COLUMNS,
-                   rollup_rows("minute", hour0, raw_start, args.rate, tenants, models, site))
-        for key, value in ((rollups.MINUTES_ROLLED, raw_start), (rollups.HOURS_ROLLED, hour0),
+                   rollup_rows("slice", hour0, raw_start, args.rate, tenants, models, site))
+        for key, value in ((rollups.SLICES_ROLLED, raw_start), (rollups.HOURS_ROLLED, hour0),
                            (rollups.WINDOWS_ROLLED, hour0)):
             conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
         conn.execute("INSERT OR REPLACE INTO meta VALUES ('max_window_s', 10.0)")
@@ -226,7 +227,7 @@ def main() -> None:
 
     class RawOnly:
         def query(self, sql, a=()):
-            if any(x in (rollups.MINUTES_ROLLED, rollups.HOURS_ROLLED, rollups.WINDOWS_ROLLED)
+            if any(x in (rollups.SLICES_ROLLED, rollups.HOURS_ROLLED, rollups.WINDOWS_ROLLED)
                    for x in a):
                 return []
             return reader.query(sql, a)
@@ -247,6 +248,16 @@ def main() -> None:
         print(f"report {name:>4} group_by={by:<26} {secs * 1000:8.1f} ms  ({n:,} requests)")
     print(f"raw-only report over the last {span / 60:g} min: {raw_secs:.2f} s "
           f"(~{raw_per_hour * 24:.0f} s for 24 h of raw rows at this rate)")
+    result = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args),
+              "ledger_bytes": s_all, "raw_rows": n_raw + n_edge,
+              "raw_bytes_per_request": bytes_per_request,
+              "rollup_bytes_per_request": rollup_bytes, "rollup_pass_s": t_roll,
+              "reports_s": {f"{name} {by}": secs for (name, by), (secs, _) in out.items()},
+              "raw_only_report_s": raw_secs, "raw_only_span_s": span}
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out_path}")
     if not args.dir:
         for f in tmp.glob("ledger.db*"):
             f.unlink()

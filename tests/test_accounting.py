@@ -500,7 +500,7 @@ def test_rollups_sum_whole_hours_once(tmp_path):
         led = Ledger(tmp_path / "ledger.db", retention_days=0, rollup_retention_days=0)
         led.stop()
     conn = sqlite3.connect(tmp_path / "ledger.db")
-    for period in ("minute", "hour"):
+    for period in ("slice", "hour"):
         n, pt, gpu = conn.execute("SELECT sum(requests), sum(pt), sum(gpu_s) FROM usage_rollups "
                                   "WHERE period = ? AND phase = 'prefill'", (period,)).fetchone()
         assert (n, pt) == (3, 21) and gpu == pytest.approx(1.5)

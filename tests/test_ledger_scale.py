@@ -1,4 +1,4 @@
-"""A ledger that scales (issue 22 §6): reports over whole hours read the minute and hour
+"""A ledger that scales (issue 22 §6): reports over whole hours read the 10-s slice and hour
 rollups and give the figures the raw rows give; late rows and windows reach the
 rollups; raw retention is bounded by size and never drops what is not rolled up; a
 report query that runs out of time is stopped and answered as an error.
@@ -38,7 +38,7 @@ class RawOnly:
         self.led = led
 
     def query(self, sql, args=()):
-        if any(a in (rollups.MINUTES_ROLLED, rollups.HOURS_ROLLED, rollups.WINDOWS_ROLLED)
+        if any(a in (rollups.SLICES_ROLLED, rollups.HOURS_ROLLED, rollups.WINDOWS_ROLLED)
                for a in args):
             return []
         return self.led.query(sql, args)
@@ -79,15 +79,15 @@ SPANS = [(H0, H0 + 4 * H), (H0 + H, H0 + 3 * H), (T0 + 0.4, END - 50.7), (T0 + 6
          (H0 + H, T0 + 9030.5), (T0 + 20, T0 + 200)]
 
 
-def test_the_rollups_hold_every_hour_and_minute(led):
+def test_the_rollups_hold_every_hour_and_slice(led):
     meta = dict(led.query("SELECT key, value FROM meta"))
     assert meta[rollups.HOURS_ROLLED] >= H0 + 4 * H
     assert meta[rollups.WINDOWS_ROLLED] >= H0 + 4 * H
     n_hour = led.query("SELECT sum(requests) FROM usage_rollups WHERE period = 'hour' "
                        "AND phase = 'prefill'")
-    n_min = led.query("SELECT sum(requests) FROM usage_rollups WHERE period = 'minute' "
+    n_slice = led.query("SELECT sum(requests) FROM usage_rollups WHERE period = 'slice' "
                       "AND phase = 'decode'")
-    assert n_hour == n_min == [(len(RUNS),)]
+    assert n_hour == n_slice == [(len(RUNS),)]
     # the windows, clipped to the hours, hold every device-second the windows hold
     (total,) = led.query("SELECT sum(measured_gpu_s) FROM device_windows")[0]
     (rolled,) = led.query("SELECT sum(measured_gpu_s) FROM window_rollups")[0]
@@ -187,7 +187,7 @@ def test_a_row_finalized_after_its_hour_was_rolled_up_is_added_to_it(tmp_path):
     led.put_window(window("g1", H0 + 2000, H0 + 2010, busy=4.0))
     assert led.flush()
     assert hour_requests(led.query, H0) == 6                        # LATE once, A0 not again
-    assert hour_requests(led.query, H0, "minute") == 6
+    assert hour_requests(led.query, H0, "slice") == 6
     ((gpu,),) = led.query("SELECT sum(gpu_s) FROM usage_rollups WHERE period = 'hour'")
     assert gpu == pytest.approx(5 * 1.0 + 2.0)
     # the late window marked its hour dirty: reports read it raw until it is recomputed
@@ -254,7 +254,7 @@ def test_raw_retention_is_bounded_by_size_and_keeps_what_is_not_rolled_up(tmp_pa
     hour = (now // H) * H
     path = tmp_path / "ledger.db"
     seed(path, 30_000, hour - 6 * H, hour - H, "OLD")
-    recent = [row(f"NEW{i}", "ta", now - 20 + i * 0.01) for i in range(500)]  # not rolled yet
+    recent = [row(f"NEW{i}", "ta", now - 20 + i * 0.01) for i in range(500)]  # no hour rollup yet
     conn = sqlite3.connect(path)
     with conn:
         write_rows(conn, "INSERT", "requests", REQUEST_COLUMNS, recent)

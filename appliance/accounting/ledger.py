@@ -16,7 +16,7 @@ finished but are not final yet, one row per batch holding that batch's provision
 the durability of a finished request without a second write of its row; a batch's
 `pending` row is deleted in the transaction that writes the last of its final rows, and
 a restart turns what is left into `incomplete` request rows), `device_windows` (one row
-per device per window), and the minute and hour rollups reports read for whole hours
+per device per window), and the 10-s slice and hour rollups reports read for whole hours
 (rollups.py: `usage_rollups`, `window_rollups`; kept longer than the raw rows, which
 are bounded by days and by size). A row or window that lands in an hour already rolled
 up is added to (or marks for recomputing) the rollups in the transaction that writes it.
@@ -229,7 +229,7 @@ def connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
-ROLL_EVERY_S = 20.0         # the writer rolls up minutes this often
+ROLL_EVERY_S = 10.0         # the writer rolls up the 10-s slices this often
 PRUNE_EVERY_S = 600.0       # and applies retention this often
 
 
@@ -238,19 +238,19 @@ def _late_table(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE TEMP TABLE IF NOT EXISTS late_requests AS SELECT * FROM requests WHERE 0")
 
 
-def _add_late(conn: sqlite3.Connection, rows: list, minutes: float | None,
+def _add_late(conn: sqlite3.Connection, rows: list, slices: float | None,
               hours: float | None) -> None:
-    """Add request rows that finished in minutes (hours) already rolled up to those
+    """Add request rows that finished in slices (hours) already rolled up to those
     rollups, in the caller's transaction, before it writes them to `requests`: a row
     whose id is there already is left out (the writes keep an existing final row, so
     it is not new and was rolled up with its hour)."""
-    rows = [r for r in rows if minutes is not None and r[_FINISH] < minutes]
+    rows = [r for r in rows if slices is not None and r[_FINISH] < slices]
     if not rows:
         return
     write_rows(conn, "INSERT", "temp.late_requests", REQUEST_COLUMNS, rows)
     conn.execute("DELETE FROM temp.late_requests WHERE request_id IN "
                  "(SELECT request_id FROM main.requests)")
-    rollups.add_late(conn, "temp.late_requests", minutes, hours)
+    rollups.add_late(conn, "temp.late_requests", slices, hours)
     conn.execute("DELETE FROM temp.late_requests")
 
 
@@ -318,12 +318,12 @@ class Ledger:
         what ledgers written before the `pending` table hold for the same case.)"""
         with conn:
             n = conn.execute("UPDATE requests SET final = 1, incomplete = 1 WHERE final = 0").rowcount
-            minutes, hours, _ = rollups.horizons(conn)
+            slices, hours, _ = rollups.horizons(conn)
             _late_table(conn)
             for (blob,) in conn.execute("SELECT rows FROM pending ORDER BY batch").fetchall():
                 rows = [row._replace(final=1, incomplete=1) for row in unpack_rows(blob)]
                 # a recovered row in an hour already rolled up is added to it
-                _add_late(conn, rows, minutes, hours)
+                _add_late(conn, rows, slices, hours)
                 before = conn.total_changes
                 # a request that did become final keeps its final row
                 write_rows(conn, "INSERT OR IGNORE", "requests", REQUEST_COLUMNS, rows)
@@ -357,9 +357,9 @@ class Ledger:
     def _prune(self, conn: sqlite3.Connection, now: float) -> None:
         """Raw rows older than `retention_days`, or the oldest beyond `retention_mb`,
         but never a row not rolled up yet: requests only below the hours rolled
-        (minutes roll into hours), windows only below the windows rolled and the first
-        dirty hour. Minute rollups go with the raw rows (they are its edges to the
-        minute); hour rollups after `rollup_retention_days`. Deleted pages are reused
+        (slices roll into hours), windows only below the windows rolled and the first
+        dirty hour. Slice rollups go with the raw rows (they are a report's edges to
+        10 s); hour rollups after `rollup_retention_days`. Deleted pages are reused
         (the file does not shrink below its high-water mark)."""
         cuts = [now - self.retention_days * 86400] if self.retention_days > 0 else []
         size = self._size_cut(conn)
@@ -375,8 +375,8 @@ class Ledger:
                 win_cut = min(cut, windows if windows is not None else float("-inf"),
                               dirty if dirty is not None else float("inf"))
                 conn.execute("DELETE FROM requests WHERE finish < ?", (req_cut,))
-                conn.execute("DELETE FROM usage_rollups WHERE period = 'minute' "
-                             "AND bucket + ? <= ?", (rollups.MINUTE, req_cut))
+                conn.execute("DELETE FROM usage_rollups WHERE period = 'slice' "
+                             "AND bucket + ? <= ?", (rollups.SLICE, req_cut))
                 conn.execute('DELETE FROM device_windows WHERE "end" <= ?', (win_cut,))
             if self.rollup_retention_days > 0:
                 # never below the raw rows still kept: a report reads those hours raw
@@ -485,12 +485,12 @@ class Ledger:
         longest = max((w[2] - w[1] for w in wins), default=0.0)    # WindowRow end - start
         try:
             if reqs or wins or pend:
-                minutes, hours, windows = self._horizons
+                slices, hours, windows = self._horizons
                 with conn:
-                    late = ([r for r in reqs if r[_FINISH] < minutes]
-                            if minutes is not None else [])
+                    late = ([r for r in reqs if r[_FINISH] < slices]
+                            if slices is not None else [])
                     if late:
-                        _add_late(conn, late, minutes, hours)
+                        _add_late(conn, late, slices, hours)
                     write_rows(conn, "INSERT", "requests", REQUEST_COLUMNS, reqs, _REQ_CONFLICT)
                     write_rows(conn, "INSERT OR REPLACE", "device_windows", WINDOW_COLUMNS, wins)
                     if wins:

@@ -1,4 +1,4 @@
-"""Minute and hour rollups of the ledger: what lets a report over a day or a month read
+"""10-second and hour rollups of the ledger: what lets a report over a day or a month read
 thousands of rows where the raw tables hold tens of millions (issue 22 §6).
 
 At 1,000 requests/s the `requests` table grows by 3.6 M rows an hour; a report that
@@ -14,16 +14,18 @@ intensity steps, and the rollups are only read for whole hours inside one interv
   how complete they are (requests without an energy reading, measured / simulated,
   intensity range and provenance). Key tags need no column: they are the tenant's
   (read from the config at query time), so the tenant key carries them.
-  `minute` buckets are rolled from the raw rows `LAG_S` after the minute ends, `hour`
-  buckets from the minutes once the hour is rolled. Minute rows are kept as long as
-  the raw rows (they are the edges of a report, to the minute); hour rows for
+  `slice` buckets (10 s) are rolled from the raw rows `LAG_S` after the slice ends,
+  `hour` buckets from the slices once the hour is rolled. Slice rows are kept as long
+  as the raw rows (they are the edges of a report and its newest minute, so a report
+  reads at most ~10 s of raw rows at each edge and the ~25 s not rolled yet); hour
+  rows for
   `rollup_retention_days`.
 - `window_rollups` and `window_cover`: per hour and device model the device windows
   clipped to the hour (each window prorated by its overlap, exactly as a report clips
   a window at its edges), and the wall-clock time the windows cover (node overhead).
 
 Late rows. A request row is final seconds after the request finishes, but one can
-land after its minute (or hour) was rolled up (a long window, a restart that turns
+land after its slice (or hour) was rolled up (a long window, a restart that turns
 pending rows into incomplete ones). It is added to the rollups in the transaction
 that writes it (`add_late`): additive sums, so it is counted once whatever its age,
 even when the raw rows of its hour are gone. A device window that lands in a rolled
@@ -39,12 +41,12 @@ from __future__ import annotations
 import math
 import sqlite3
 
-MINUTE = 60.0
+SLICE = 10.0            # the fine rollups: a report's edges and its newest seconds
 HOUR = 3600.0
-# A minute is rolled once it has been over this long: rows are final seconds after
+# A slice is rolled once it has been over this long: rows are final seconds after
 # their request finishes (window + grace + a tick + a commit); the few later ones are
 # added as late rows. What is not rolled yet is what a report reads raw at its end.
-LAG_S = 30.0
+LAG_S = 15.0
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage_rollups (
@@ -71,7 +73,7 @@ WINDOW_COLUMNS = ("hour", "model", "windows", "measured_gpu_s", "attributed_gpu_
                   "carried_unmeasured")
 
 # meta keys: everything before these is in the rollups
-MINUTES_ROLLED = "minutes_rolled_until"
+SLICES_ROLLED = "slices_rolled_until"
 HOURS_ROLLED = "hours_rolled_until"
 WINDOWS_ROLLED = "windows_rolled_until"
 
@@ -125,13 +127,13 @@ def _from_rows(period: str, size: float, src: str, where: str) -> str:
             f"{_phase_sums('decode', period, size, src, where)}){_UPSERT}")
 
 
-_HOURS_FROM_MINUTES = (
+_HOURS_FROM_SLICES = (
     f"INSERT INTO usage_rollups ({', '.join(USAGE_COLUMNS)}) SELECT * FROM ("
     "SELECT 'hour', CAST(bucket / 3600.0 AS INTEGER) * 3600.0, tenant, model, site, phase, "
     "sum(requests), sum(pt), sum(ot), sum(gpu_s), sum(j), sum(j_null), sum(j_null_req), "
     "sum(cu), sum(op), sum(emb), min(measured), max(simulated), min(imin), max(imax), "
     "group_concat(DISTINCT sources), group_concat(DISTINCT kinds), max(est) "
-    "FROM usage_rollups WHERE period = 'minute' AND bucket >= ? AND bucket < ? "
+    "FROM usage_rollups WHERE period = 'slice' AND bucket >= ? AND bucket < ? "
     f"GROUP BY 2, 3, 4, 5, 6){_UPSERT}")
 
 
@@ -145,23 +147,23 @@ def _set(conn, key: str, value: float) -> None:
 
 
 def horizons(conn) -> tuple[float | None, float | None, float | None]:
-    """(minutes, hours, windows) rolled until: the writer keeps them to tell late rows."""
-    return meta(conn, MINUTES_ROLLED), meta(conn, HOURS_ROLLED), meta(conn, WINDOWS_ROLLED)
+    """(slices, hours, windows) rolled until: the writer keeps them to tell late rows."""
+    return meta(conn, SLICES_ROLLED), meta(conn, HOURS_ROLLED), meta(conn, WINDOWS_ROLLED)
 
 
 # ---- writing (the ledger's writer thread) -------------------------------------------
 
 def roll_up(conn: sqlite3.Connection, now: float, chunk_s: float = 6 * HOUR) -> None:
-    """Roll every minute that ended `LAG_S` ago, every hour whose minutes are rolled,
+    """Roll every slice that ended `LAG_S` ago, every hour whose slices are rolled,
     every hour of device windows that ended `LAG_S` ago, and the dirty hours. Each
     step commits with its horizon, so a crash in between redoes nothing twice; a long
     backlog (a ledger from before rollups) goes in chunks of `chunk_s`."""
-    m0 = meta(conn, MINUTES_ROLLED)
+    m0 = meta(conn, SLICES_ROLLED)
     if m0 is None:
         (first,) = conn.execute("SELECT min(finish) FROM requests").fetchone()
         m0 = None if first is None else math.floor(first / HOUR) * HOUR
     if m0 is not None:
-        m1 = math.floor((now - LAG_S) / MINUTE) * MINUTE
+        m1 = math.floor((now - LAG_S) / SLICE) * SLICE
         a = m0
         while a < m1:
             (nxt,) = conn.execute("SELECT min(finish) FROM requests WHERE finish >= ?",
@@ -170,9 +172,9 @@ def roll_up(conn: sqlite3.Connection, now: float, chunk_s: float = 6 * HOUR) -> 
                 a = min(m1, math.floor(nxt / HOUR) * HOUR)
             b = min(m1, a + chunk_s if nxt is not None else m1)
             with conn:
-                conn.execute(_from_rows("minute", MINUTE, "requests", "finish >= ? AND finish < ?"),
+                conn.execute(_from_rows("slice", SLICE, "requests", "finish >= ? AND finish < ?"),
                              (a, b, a, b))
-                _set(conn, MINUTES_ROLLED, b)
+                _set(conn, SLICES_ROLLED, b)
             a = b
         h0 = meta(conn, HOURS_ROLLED)
         if h0 is None:
@@ -180,17 +182,17 @@ def roll_up(conn: sqlite3.Connection, now: float, chunk_s: float = 6 * HOUR) -> 
         h1 = math.floor(max(a, m0) / HOUR) * HOUR
         if h1 > h0:
             with conn:
-                conn.execute(_HOURS_FROM_MINUTES, (h0, h1))
+                conn.execute(_HOURS_FROM_SLICES, (h0, h1))
                 _set(conn, HOURS_ROLLED, h1)
     roll_windows(conn, now)
 
 
-def add_late(conn: sqlite3.Connection, src: str, minutes: float | None,
+def add_late(conn: sqlite3.Connection, src: str, slices: float | None,
              hours: float | None) -> None:
     """Add the rows of table `src` that finished before the rolled horizons to the
     rollups (call it in the transaction that writes them to `requests`)."""
-    if minutes is not None:
-        conn.execute(_from_rows("minute", MINUTE, src, "finish < ?"), (minutes, minutes))
+    if slices is not None:
+        conn.execute(_from_rows("slice", SLICE, src, "finish < ?"), (slices, slices))
     if hours is not None:
         conn.execute(_from_rows("hour", HOUR, src, "finish < ?"), (hours, hours))
 
@@ -304,12 +306,13 @@ def _floor(t: float, size: float) -> float:
 
 
 def usage_segments(query, since: float, until: float) -> list[tuple[str, float, float]]:
-    """[since, until) as pieces to read: ('hour' | 'minute', a, b) from the rollups,
-    ('raw', a, b) from the request rows: whole rolled hours, then whole rolled minutes
-    at the edges, raw rows for the seconds at the very edges and what is not rolled yet."""
+    """[since, until) as pieces to read: ('hour' | 'slice', a, b) from the rollups,
+    ('raw', a, b) from the request rows: whole rolled hours, then whole rolled 10-s
+    slices at the edges, raw rows for the seconds at the very edges and what is not
+    rolled yet."""
     got = dict(query("SELECT key, value FROM meta WHERE key IN (?, ?)",
-                     (MINUTES_ROLLED, HOURS_ROLLED)))
-    mr, hr = got.get(MINUTES_ROLLED), got.get(HOURS_ROLLED)
+                     (SLICES_ROLLED, HOURS_ROLLED)))
+    mr, hr = got.get(SLICES_ROLLED), got.get(HOURS_ROLLED)
     out: list[tuple[str, float, float]] = []
     rest = [(since, until)]
     if hr is not None:
@@ -320,7 +323,7 @@ def usage_segments(query, since: float, until: float) -> list[tuple[str, float, 
     for a, b in rest:
         if b <= a:
             continue
-        m0, m1 = _ceil(a, MINUTE), _floor(b, MINUTE)
+        m0, m1 = _ceil(a, SLICE), _floor(b, SLICE)
         if mr is not None:
             m1 = min(m1, float(mr))
         if mr is None or m1 <= m0:
@@ -328,7 +331,7 @@ def usage_segments(query, since: float, until: float) -> list[tuple[str, float, 
             continue
         if a < m0:
             out.append(("raw", a, m0))
-        out.append(("minute", m0, m1))
+        out.append(("slice", m0, m1))
         if m1 < b:
             out.append(("raw", m1, b))
     return out
