@@ -156,32 +156,41 @@ def horizons(conn) -> tuple[float | None, float | None, float | None]:
 def roll_up(conn: sqlite3.Connection, now: float, chunk_s: float = 6 * HOUR) -> None:
     """Roll every slice that ended `LAG_S` ago, every hour whose slices are rolled,
     every hour of device windows that ended `LAG_S` ago, and the dirty hours. Each
-    step commits with its horizon, so a crash in between redoes nothing twice; a long
-    backlog (a ledger from before rollups) goes in chunks of `chunk_s`."""
-    m0 = meta(conn, SLICES_ROLLED)
-    if m0 is None:
-        (first,) = conn.execute("SELECT min(finish) FROM requests").fetchone()
-        m0 = None if first is None else math.floor(first / HOUR) * HOUR
-    if m0 is not None:
-        m1 = math.floor((now - LAG_S) / SLICE) * SLICE
-        a = m0
-        while a < m1:
+    step reads its horizon, rolls and moves the horizon in one write transaction
+    (BEGIN IMMEDIATE): a crash in between redoes nothing twice, and neither would a
+    second writer on the same file. A long backlog (a ledger from before rollups) goes
+    in chunks of `chunk_s`."""
+    m1 = math.floor((now - LAG_S) / SLICE) * SLICE
+    while True:
+        with conn:
+            conn.execute("BEGIN IMMEDIATE")
+            a = meta(conn, SLICES_ROLLED)
+            if a is None:
+                (first,) = conn.execute("SELECT min(finish) FROM requests").fetchone()
+                if first is None:
+                    break
+                a = math.floor(first / HOUR) * HOUR
+            if a >= m1:
+                break
             (nxt,) = conn.execute("SELECT min(finish) FROM requests WHERE finish >= ?",
                                   (a,)).fetchone()
             if nxt is not None and nxt >= a + chunk_s:    # nothing to roll before it
                 a = min(m1, math.floor(nxt / HOUR) * HOUR)
             b = min(m1, a + chunk_s if nxt is not None else m1)
-            with conn:
-                conn.execute(_from_rows("slice", SLICE, "requests", "finish >= ? AND finish < ?"),
-                             (a, b, a, b))
-                _set(conn, SLICES_ROLLED, b)
-            a = b
+            conn.execute(_from_rows("slice", SLICE, "requests", "finish >= ? AND finish < ?"),
+                         (a, b, a, b))
+            _set(conn, SLICES_ROLLED, b)
+    with conn:
+        conn.execute("BEGIN IMMEDIATE")
+        m = meta(conn, SLICES_ROLLED)
         h0 = meta(conn, HOURS_ROLLED)
-        if h0 is None:
-            h0 = math.floor(m0 / HOUR) * HOUR
-        h1 = math.floor(max(a, m0) / HOUR) * HOUR
-        if h1 > h0:
-            with conn:
+        if h0 is None:      # nothing pruned yet: the first slice's hour
+            (first,) = conn.execute("SELECT min(bucket) FROM usage_rollups "
+                                    "WHERE period = 'slice'").fetchone()
+            h0 = None if first is None else math.floor(first / HOUR) * HOUR
+        if m is not None and h0 is not None:
+            h1 = math.floor(m / HOUR) * HOUR
+            if h1 > h0:
                 conn.execute(_HOURS_FROM_SLICES, (h0, h1))
                 _set(conn, HOURS_ROLLED, h1)
     roll_windows(conn, now)
@@ -266,33 +275,37 @@ def _write_hour(conn, h: float, longest: float) -> bool:
 
 
 def roll_windows(conn: sqlite3.Connection, now: float) -> None:
-    longest = meta(conn, "max_window_s") or 0.0
-    w0 = meta(conn, WINDOWS_ROLLED)
-    if w0 is None:
-        (first,) = conn.execute("SELECT min(start) FROM device_windows").fetchone()
-        w0 = None if first is None else math.floor(first / HOUR) * HOUR
-    if w0 is not None:
-        w1 = math.floor((now - LAG_S) / HOUR) * HOUR
-        h = w0
-        while h < w1:
-            with conn:
-                for _ in range(24):
-                    if h >= w1:
-                        break
-                    if _write_hour(conn, h, longest):
-                        h += HOUR
-                        continue
-                    # an hour no window overlaps: none before the next window's start does
-                    (nxt,) = conn.execute("SELECT min(start) FROM device_windows WHERE start >= ?",
-                                          (h + HOUR,)).fetchone()
-                    h = w1 if nxt is None else min(w1, max(h + HOUR, math.floor(nxt / HOUR) * HOUR))
-                _set(conn, WINDOWS_ROLLED, h)
-    dirty = [h for (h,) in conn.execute("SELECT hour FROM dirty_hours ORDER BY hour")]
-    if dirty:
+    w1 = math.floor((now - LAG_S) / HOUR) * HOUR
+    while True:
         with conn:
-            for h in dirty:
-                _write_hour(conn, h, longest)
-            conn.executemany("DELETE FROM dirty_hours WHERE hour = ?", [(h,) for h in dirty])
+            conn.execute("BEGIN IMMEDIATE")
+            longest = meta(conn, "max_window_s") or 0.0
+            h = meta(conn, WINDOWS_ROLLED)
+            if h is None:
+                (first,) = conn.execute("SELECT min(start) FROM device_windows").fetchone()
+                if first is None:
+                    break
+                h = math.floor(first / HOUR) * HOUR
+            if h >= w1:
+                break
+            for _ in range(24):
+                if h >= w1:
+                    break
+                if _write_hour(conn, h, longest):
+                    h += HOUR
+                    continue
+                # an hour no window overlaps: none before the next window's start does
+                (nxt,) = conn.execute("SELECT min(start) FROM device_windows WHERE start >= ?",
+                                      (h + HOUR,)).fetchone()
+                h = w1 if nxt is None else min(w1, max(h + HOUR, math.floor(nxt / HOUR) * HOUR))
+            _set(conn, WINDOWS_ROLLED, h)
+    with conn:
+        conn.execute("BEGIN IMMEDIATE")
+        longest = meta(conn, "max_window_s") or 0.0
+        dirty = [h for (h,) in conn.execute("SELECT hour FROM dirty_hours ORDER BY hour")]
+        for h in dirty:
+            _write_hour(conn, h, longest)
+        conn.executemany("DELETE FROM dirty_hours WHERE hour = ?", [(h,) for h in dirty])
 
 
 # ---- reading (reports) -----------------------------------------------------------------
