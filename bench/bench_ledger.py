@@ -227,8 +227,8 @@ def main() -> None:
 
     class RawOnly:
         def query(self, sql, a=()):
-            if any(x in (rollups.SLICES_ROLLED, rollups.HOURS_ROLLED, rollups.WINDOWS_ROLLED)
-                   for x in a):
+            if any(x in (rollups.SLICES_ROLLED, rollups.HOURS_ROLLED, rollups.DAYS_ROLLED,
+                         rollups.WINDOWS_ROLLED) for x in a):
                 return []
             return reader.query(sql, a)
 

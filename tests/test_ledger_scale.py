@@ -38,8 +38,8 @@ class RawOnly:
         self.led = led
 
     def query(self, sql, args=()):
-        if any(a in (rollups.SLICES_ROLLED, rollups.HOURS_ROLLED, rollups.WINDOWS_ROLLED)
-               for a in args):
+        if any(a in (rollups.SLICES_ROLLED, rollups.HOURS_ROLLED, rollups.DAYS_ROLLED,
+                     rollups.WINDOWS_ROLLED) for a in args):
             return []
         return self.led.query(sql, args)
 
@@ -75,8 +75,10 @@ def led(tmp_path_factory):
     ledger.stop()
 
 
+D0 = (T0 // 86400) * 86400             # the UTC day T0 is in (the runs cross into the next)
 SPANS = [(H0, H0 + 4 * H), (H0 + H, H0 + 3 * H), (T0 + 0.4, END - 50.7), (T0 + 61.3, T0 + 7299.9),
-         (H0 + H, T0 + 9030.5), (T0 + 20, T0 + 200)]
+         (H0 + H, T0 + 9030.5), (T0 + 20, T0 + 200), (D0, D0 + 2 * 86400),
+         (D0 - H - 0.5, D0 + 2 * 86400 + 100.0)]
 
 
 def test_the_rollups_hold_every_hour_and_slice(led):
@@ -86,8 +88,15 @@ def test_the_rollups_hold_every_hour_and_slice(led):
     n_hour = led.query("SELECT sum(requests) FROM usage_rollups WHERE period = 'hour' "
                        "AND phase = 'prefill'")
     n_slice = led.query("SELECT sum(requests) FROM usage_rollups WHERE period = 'slice' "
-                      "AND phase = 'decode'")
-    assert n_hour == n_slice == [(len(RUNS),)]
+                        "AND phase = 'decode'")
+    n_day = led.query("SELECT sum(requests) FROM usage_rollups WHERE period = 'day' "
+                      "AND phase = 'prefill'")
+    assert n_hour == n_slice == n_day == [(len(RUNS),)]
+    assert meta[rollups.DAYS_ROLLED] >= D0 + 2 * 86400
+    # a two-day report reads the two days' rows, a span of hours and days all three kinds
+    assert [k for k, _, _ in rollups.usage_segments(led.query, D0, D0 + 2 * 86400)] == ["day"]
+    kinds = [k for k, _, _ in rollups.usage_segments(led.query, D0 - H - 0.5, D0 + 2 * 86400 + 100)]
+    assert kinds == ["hour", "day", "raw", "slice"]
     # the windows, clipped to the hours, hold every device-second the windows hold
     (total,) = led.query("SELECT sum(measured_gpu_s) FROM device_windows")[0]
     (rolled,) = led.query("SELECT sum(measured_gpu_s) FROM window_rollups")[0]
@@ -188,6 +197,8 @@ def test_a_row_finalized_after_its_hour_was_rolled_up_is_added_to_it(tmp_path):
     assert led.flush()
     assert hour_requests(led.query, H0) == 6                        # LATE once, A0 not again
     assert hour_requests(led.query, H0, "slice") == 6
+    assert led.query("SELECT sum(requests) FROM usage_rollups WHERE period = 'day' "
+                     "AND phase = 'prefill'") == [(6,)]
     ((gpu,),) = led.query("SELECT sum(gpu_s) FROM usage_rollups WHERE period = 'hour'")
     assert gpu == pytest.approx(5 * 1.0 + 2.0)
     # the late window marked its hour dirty: reports read it raw until it is recomputed

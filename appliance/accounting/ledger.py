@@ -238,19 +238,18 @@ def _late_table(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE TEMP TABLE IF NOT EXISTS late_requests AS SELECT * FROM requests WHERE 0")
 
 
-def _add_late(conn: sqlite3.Connection, rows: list, slices: float | None,
-              hours: float | None) -> None:
+def _add_late(conn: sqlite3.Connection, rows: list, h: rollups.Horizons) -> None:
     """Add request rows that finished in slices (hours) already rolled up to those
     rollups, in the caller's transaction, before it writes them to `requests`: a row
     whose id is there already is left out (the writes keep an existing final row, so
     it is not new and was rolled up with its hour)."""
-    rows = [r for r in rows if slices is not None and r[_FINISH] < slices]
+    rows = [r for r in rows if h.slices is not None and r[_FINISH] < h.slices]
     if not rows:
         return
     write_rows(conn, "INSERT", "temp.late_requests", REQUEST_COLUMNS, rows)
     conn.execute("DELETE FROM temp.late_requests WHERE request_id IN "
                  "(SELECT request_id FROM main.requests)")
-    rollups.add_late(conn, "temp.late_requests", slices, hours)
+    rollups.add_late(conn, "temp.late_requests", h)
     conn.execute("DELETE FROM temp.late_requests")
 
 
@@ -318,12 +317,12 @@ class Ledger:
         what ledgers written before the `pending` table hold for the same case.)"""
         with conn:
             n = conn.execute("UPDATE requests SET final = 1, incomplete = 1 WHERE final = 0").rowcount
-            slices, hours, _ = rollups.horizons(conn)
+            rolled = rollups.horizons(conn)
             _late_table(conn)
             for (blob,) in conn.execute("SELECT rows FROM pending ORDER BY batch").fetchall():
                 rows = [row._replace(final=1, incomplete=1) for row in unpack_rows(blob)]
                 # a recovered row in an hour already rolled up is added to it
-                _add_late(conn, rows, slices, hours)
+                _add_late(conn, rows, rolled)
                 before = conn.total_changes
                 # a request that did become final keeps its final row
                 write_rows(conn, "INSERT OR IGNORE", "requests", REQUEST_COLUMNS, rows)
@@ -365,7 +364,7 @@ class Ledger:
         size = self._size_cut(conn)
         if size is not None:
             cuts.append(size)
-        _, hours, windows = rollups.horizons(conn)
+        _, hours, _, windows = rollups.horizons(conn)
         with conn:
             req_cut = float("-inf")
             if cuts:
@@ -485,16 +484,16 @@ class Ledger:
         longest = max((w[2] - w[1] for w in wins), default=0.0)    # WindowRow end - start
         try:
             if reqs or wins or pend:
-                slices, hours, windows = self._horizons
+                rolled = self._horizons
                 with conn:
-                    late = ([r for r in reqs if r[_FINISH] < slices]
-                            if slices is not None else [])
+                    late = ([r for r in reqs if r[_FINISH] < rolled.slices]
+                            if rolled.slices is not None else [])
                     if late:
-                        _add_late(conn, late, slices, hours)
+                        _add_late(conn, late, rolled)
                     write_rows(conn, "INSERT", "requests", REQUEST_COLUMNS, reqs, _REQ_CONFLICT)
                     write_rows(conn, "INSERT OR REPLACE", "device_windows", WINDOW_COLUMNS, wins)
                     if wins:
-                        rollups.mark_dirty(conn, wins, windows)
+                        rollups.mark_dirty(conn, wins, rolled.windows)
                     if longest > self._longest:
                         conn.execute("INSERT OR REPLACE INTO meta VALUES ('max_window_s', ?)",
                                      (longest,))

@@ -15,7 +15,8 @@ intensity steps, and the rollups are only read for whole hours inside one interv
   intensity range and provenance). Key tags need no column: they are the tenant's
   (read from the config at query time), so the tenant key carries them.
   `slice` buckets (10 s) are rolled from the raw rows `LAG_S` after the slice ends,
-  `hour` buckets from the slices once the hour is rolled. Slice rows are kept as long
+  `hour` buckets from the slices once the hour is rolled, `day` buckets (UTC) from
+  the hours once the day is rolled. Slice rows are kept as long
   as the raw rows (they are the edges of a report and its newest minute, so a report
   reads at most ~10 s of raw rows at each edge and the ~25 s not rolled yet); hour
   rows for
@@ -40,9 +41,11 @@ from __future__ import annotations
 
 import math
 import sqlite3
+from typing import NamedTuple
 
 SLICE = 10.0            # the fine rollups: a report's edges and its newest seconds
 HOUR = 3600.0
+DAY = 86400.0           # UTC days: a month's report reads ~30 rows per group
 # A slice is rolled once it has been over this long: rows are final seconds after
 # their request finishes (window + grace + a tick + a commit); the few later ones are
 # added as late rows. What is not rolled yet is what a report reads raw at its end.
@@ -75,6 +78,7 @@ WINDOW_COLUMNS = ("hour", "model", "windows", "measured_gpu_s", "attributed_gpu_
 # meta keys: everything before these is in the rollups
 SLICES_ROLLED = "slices_rolled_until"
 HOURS_ROLLED = "hours_rolled_until"
+DAYS_ROLLED = "days_rolled_until"
 WINDOWS_ROLLED = "windows_rolled_until"
 
 
@@ -127,14 +131,19 @@ def _from_rows(period: str, size: float, src: str, where: str) -> str:
             f"{_phase_sums('decode', period, size, src, where)}){_UPSERT}")
 
 
-_HOURS_FROM_SLICES = (
-    f"INSERT INTO usage_rollups ({', '.join(USAGE_COLUMNS)}) SELECT * FROM ("
-    "SELECT 'hour', CAST(bucket / 3600.0 AS INTEGER) * 3600.0, tenant, model, site, phase, "
-    "sum(requests), sum(pt), sum(ot), sum(gpu_s), sum(j), sum(j_null), sum(j_null_req), "
-    "sum(cu), sum(op), sum(emb), min(measured), max(simulated), min(imin), max(imax), "
-    "group_concat(DISTINCT sources), group_concat(DISTINCT kinds), max(est) "
-    "FROM usage_rollups WHERE period = 'slice' AND bucket >= ? AND bucket < ? "
-    f"GROUP BY 2, 3, 4, 5, 6){_UPSERT}")
+def _coarser(src: str, period: str, size: float) -> str:
+    """`period` rows (hours, days) summed from the finer `src` rows of [?, ?)."""
+    return (f"INSERT INTO usage_rollups ({', '.join(USAGE_COLUMNS)}) SELECT * FROM ("
+            f"SELECT '{period}', CAST(bucket / {size!r} AS INTEGER) * {size!r}, tenant, model, "
+            "site, phase, sum(requests), sum(pt), sum(ot), sum(gpu_s), sum(j), sum(j_null), "
+            "sum(j_null_req), sum(cu), sum(op), sum(emb), min(measured), max(simulated), "
+            "min(imin), max(imax), group_concat(DISTINCT sources), group_concat(DISTINCT "
+            f"kinds), max(est) FROM usage_rollups WHERE period = '{src}' AND bucket >= ? "
+            f"AND bucket < ? GROUP BY 2, 3, 4, 5, 6){_UPSERT}")
+
+
+_HOURS_FROM_SLICES = _coarser("slice", "hour", HOUR)
+_DAYS_FROM_HOURS = _coarser("hour", "day", DAY)
 
 
 def meta(conn, key: str) -> float | None:
@@ -146,9 +155,18 @@ def _set(conn, key: str, value: float) -> None:
     conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
 
-def horizons(conn) -> tuple[float | None, float | None, float | None]:
-    """(slices, hours, windows) rolled until: the writer keeps them to tell late rows."""
-    return meta(conn, SLICES_ROLLED), meta(conn, HOURS_ROLLED), meta(conn, WINDOWS_ROLLED)
+class Horizons(NamedTuple):
+    """What is rolled until: the writer keeps them to tell late rows."""
+
+    slices: float | None
+    hours: float | None
+    days: float | None
+    windows: float | None
+
+
+def horizons(conn) -> Horizons:
+    return Horizons(meta(conn, SLICES_ROLLED), meta(conn, HOURS_ROLLED), meta(conn, DAYS_ROLLED),
+                    meta(conn, WINDOWS_ROLLED))
 
 
 # ---- writing (the ledger's writer thread) -------------------------------------------
@@ -193,17 +211,29 @@ def roll_up(conn: sqlite3.Connection, now: float, chunk_s: float = 6 * HOUR) -> 
             if h1 > h0:
                 conn.execute(_HOURS_FROM_SLICES, (h0, h1))
                 _set(conn, HOURS_ROLLED, h1)
+    with conn:
+        conn.execute("BEGIN IMMEDIATE")
+        h = meta(conn, HOURS_ROLLED)
+        d0 = meta(conn, DAYS_ROLLED)
+        if d0 is None:
+            (first,) = conn.execute("SELECT min(bucket) FROM usage_rollups "
+                                    "WHERE period = 'hour'").fetchone()
+            d0 = None if first is None else math.floor(first / DAY) * DAY
+        if h is not None and d0 is not None:
+            d1 = math.floor(h / DAY) * DAY
+            if d1 > d0:
+                conn.execute(_DAYS_FROM_HOURS, (d0, d1))
+                _set(conn, DAYS_ROLLED, d1)
     roll_windows(conn, now)
 
 
-def add_late(conn: sqlite3.Connection, src: str, slices: float | None,
-             hours: float | None) -> None:
+def add_late(conn: sqlite3.Connection, src: str, h: Horizons) -> None:
     """Add the rows of table `src` that finished before the rolled horizons to the
     rollups (call it in the transaction that writes them to `requests`)."""
-    if slices is not None:
-        conn.execute(_from_rows("slice", SLICE, src, "finish < ?"), (slices, slices))
-    if hours is not None:
-        conn.execute(_from_rows("hour", HOUR, src, "finish < ?"), (hours, hours))
+    for period, size, until in (("slice", SLICE, h.slices), ("hour", HOUR, h.hours),
+                                ("day", DAY, h.days)):
+        if until is not None:
+            conn.execute(_from_rows(period, size, src, "finish < ?"), (until, until))
 
 
 def mark_dirty(conn: sqlite3.Connection, windows: list, rolled: float | None) -> None:
@@ -319,19 +349,25 @@ def _floor(t: float, size: float) -> float:
 
 
 def usage_segments(query, since: float, until: float) -> list[tuple[str, float, float]]:
-    """[since, until) as pieces to read: ('hour' | 'slice', a, b) from the rollups,
-    ('raw', a, b) from the request rows: whole rolled hours, then whole rolled 10-s
-    slices at the edges, raw rows for the seconds at the very edges and what is not
-    rolled yet."""
-    got = dict(query("SELECT key, value FROM meta WHERE key IN (?, ?)",
-                     (SLICES_ROLLED, HOURS_ROLLED)))
-    mr, hr = got.get(SLICES_ROLLED), got.get(HOURS_ROLLED)
+    """[since, until) as pieces to read: ('day' | 'hour' | 'slice', a, b) from the
+    rollups, ('raw', a, b) from the request rows: whole rolled days, whole rolled hours
+    around them, then whole rolled 10-s slices at the edges, raw rows for the seconds at
+    the very edges and what is not rolled yet."""
+    got = dict(query("SELECT key, value FROM meta WHERE key IN (?, ?, ?)",
+                     (SLICES_ROLLED, HOURS_ROLLED, DAYS_ROLLED)))
+    mr, hr, dr = got.get(SLICES_ROLLED), got.get(HOURS_ROLLED), got.get(DAYS_ROLLED)
     out: list[tuple[str, float, float]] = []
     rest = [(since, until)]
     if hr is not None:
         h0, h1 = _ceil(since, HOUR), min(_floor(until, HOUR), float(hr))
         if h1 > h0:
-            out.append(("hour", h0, h1))
+            d0, d1 = _ceil(h0, DAY), min(_floor(h1, DAY), float(dr) if dr is not None else h0)
+            if d1 > d0:
+                out += [("hour", h0, d0)] if h0 < d0 else []
+                out.append(("day", d0, d1))
+                out += [("hour", d1, h1)] if d1 < h1 else []
+            else:
+                out.append(("hour", h0, h1))
             rest = [(since, h0), (h1, until)]
     for a, b in rest:
         if b <= a:
