@@ -145,7 +145,9 @@ class AccountingConfig:
     rate_cards: list = field(default_factory=list, metadata={"tables": True})
     calibration_min_iterations: int = 50   # per model x device x phase before weights are fitted
     retention_days: float = 90.0      # request and window rows; 0 = keep forever
-    rollup_retention_days: float = 730.0   # hour/day rollups; 0 = keep forever
+    rollup_retention_days: float = 730.0   # hour rollups (never below the raw rows); 0 = forever
+    retention_mb: float = 0.0         # raw rows also bounded by size (MB of the file); 0 = no bound
+    report_timeout_s: float = 30.0    # a report query is stopped after this (HTTP 503); 0 = never
 
 
 @dataclass
@@ -423,6 +425,8 @@ def _validate_accounting(cfg: Config) -> None:
     for key, value in [("accounting.usd_per_kwh", acc.usd_per_kwh),
                        ("accounting.retention_days", acc.retention_days),
                        ("accounting.rollup_retention_days", acc.rollup_retention_days),
+                       ("accounting.retention_mb", acc.retention_mb),
+                       ("accounting.report_timeout_s", acc.report_timeout_s),
                        ("accounting.calibration_min_iterations", acc.calibration_min_iterations)]:
         if value < 0:
             raise ConfigError(f"config: {key} must be 0 or more, got {value}")

@@ -17,6 +17,7 @@ from aiohttp import web
 from collections import Counter
 
 from appliance.accounting import focus, reports
+from appliance.accounting.ledger import ReportTimeout
 from appliance.daemon.auth import CALLER, Caller, require_admin
 from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import ACCOUNTING, json_response
@@ -49,6 +50,16 @@ def _span(request: web.Request) -> tuple[float, float]:
     return since, until
 
 
+async def _report(fn, *args):
+    """Run a report in a thread; one that outruns `[accounting] report_timeout_s` (its
+    query is interrupted, so it holds no WAL snapshot longer) is a 503 the client may
+    retry with a shorter window."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except ReportTimeout as exc:
+        raise ApiError(503, str(exc), code="report_timeout") from None
+
+
 def _group_by(request: web.Request, allowed, default) -> list[str]:
     try:
         return reports.parse_group_by(request.query.get("group_by"), allowed, default)
@@ -68,8 +79,8 @@ async def usage(request: web.Request):
     tenant = None if caller.admin else caller.tenant
     if fmt == "focus":
         return await _focus(request, acc, caller, since, until)
-    report = await asyncio.to_thread(reports.usage, acc.ledger, group_by, since, until, tenant,
-                                     acc.prices.idle_policy, acc.method)
+    report = await _report(reports.usage, acc.ledger, group_by, since, until, tenant,
+                           acc.prices.idle_policy, acc.method)
     if fmt == "csv":
         return web.Response(text=reports.usage_csv(report), content_type="text/csv")
     report["budgets"] = acc.budget_report(tenant)
@@ -121,8 +132,8 @@ async def _focus(request: web.Request, acc: AccountingLink, caller: Caller, sinc
                             "(one report per hour); ask for several windows",
                        param="since", code="invalid_time")
     method = acc.method or reports.default_method(acc.prices.idle_policy)
-    rows = await asyncio.to_thread(focus.rows, acc.ledger, since, until, method, _source(acc),
-                                   acc.prices.idle_policy)
+    rows = await _report(focus.rows, acc.ledger, since, until, method, _source(acc),
+                         acc.prices.idle_policy)
     return web.Response(text=focus.to_csv(rows), content_type="text/csv",
                         headers={"X-FOCUS-Version": focus.FOCUS_VERSION})
 
@@ -132,8 +143,7 @@ async def carbon(request: web.Request):
     acc = _accountant(request)
     group_by = _group_by(request, reports.CARBON_DIMS, ("site", "tenant"))
     since, until = _span(request)
-    report = await asyncio.to_thread(reports.carbon, acc.ledger, group_by, since, until,
-                                     acc.method)
+    report = await _report(reports.carbon, acc.ledger, group_by, since, until, acc.method)
     site = acc.site
     m = acc.method
     report["site"] = {"name": site.name, "appliance": site.appliance, "region": site.region,
