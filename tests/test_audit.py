@@ -104,6 +104,9 @@ def test_each_admin_action_once_with_its_identity(daemon_factory, tiny_model):
     code, _, body = http("GET", d.url + "/admin/v1/audit?since=2020-01-01T00:00:00Z",
                          headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert [e["action"] for e in body["data"]] == [e["action"] for e in entries]
+    code, _, body = http("GET", d.url + "/admin/v1/audit?since=1h",
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert [e["action"] for e in body["data"]] == [e["action"] for e in entries]
 
 
 WRITER = """

@@ -6,10 +6,12 @@ the caller's identity (set by `auth.guard`), the peer address, and the one-line 
 from __future__ import annotations
 
 import datetime as dt
+import time
 
 from aiohttp import web
 
 from appliance.audit import AuditLog
+from appliance.config import parse_duration
 from appliance.daemon.auth import CALLER, require_admin
 from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import AUDIT, json_response
@@ -35,15 +37,21 @@ def auth_failure(audit: AuditLog):
 
 
 def _since(text: str) -> float:
+    """Unix seconds, an ISO 8601 time, or a span back from now (90m, 24h, 7d)."""
     try:
         return float(text)
     except ValueError:
         pass
     try:
+        return time.time() - parse_duration(text)
+    except ValueError:
+        pass
+    try:
         t = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise ApiError(400, "since must be unix seconds or an ISO 8601 time "
-                            "(e.g. 2026-11-24T03:00:00Z)", param="since") from None
+        raise ApiError(400, "since must be unix seconds, an ISO 8601 time (e.g. "
+                            "2026-11-24T03:00:00Z) or a span back from now (e.g. 24h)",
+                       param="since") from None
     return (t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)).timestamp()
 
 
