@@ -29,7 +29,8 @@ def _digest(key: str) -> str:
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "appliance", *args], capture_output=True,
                           text=True, timeout=60, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**{k: v for k, v in os.environ.items() if k != "SUDO_USER"},
+                               "PYTHONPATH": str(ROOT)})
 
 
 def test_each_admin_action_once_with_its_identity(daemon_factory, tiny_model):

@@ -170,6 +170,26 @@ def test_cli_status_with_cacert_and_client_certificate(tls_daemon, pki):
     assert out.returncode == 1 and "--cacert" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_the_console_feed_reads_the_admin_api_over_mutual_tls(tls_daemon, pki):
+    import asyncio
+
+    from appliance.tui.feed import ApplianceFeed, FeedError
+
+    async def status(ctx):
+        feed = ApplianceFeed(tls_daemon.url, ADMIN_KEY, on_snapshot=lambda *a: None,
+                             on_link=lambda *a: None, tls=ctx)
+        try:
+            return await feed.get_json("/admin/v1/status")
+        finally:
+            if feed._session is not None:
+                await feed._session.close()
+
+    alice = client_context(pki.ca, pki.dir / "alice.pem", pki.dir / "alice.key")
+    assert asyncio.run(status(alice))["ready"] is True
+    with pytest.raises(FeedError, match="401"):
+        asyncio.run(status(client_context(pki.ca)))
+
+
 def _served_certificate(port: int, ca) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
         with client_context(ca).wrap_socket(raw, server_hostname="127.0.0.1") as s:
@@ -220,6 +240,20 @@ def test_a_certificate_replaced_on_disk_is_served_to_the_next_connection(tls_dae
         assert time.monotonic() < deadline, d.log_text()
         time.sleep(0.1)
     assert d.proc.poll() is None
+    # the audit log: each reload once (the watcher's two, SIGHUP's one)
+    alice = client_context(pki.ca, pki.dir / "alice.pem", pki.dir / "alice.key")
+    deadline = time.monotonic() + 5
+    while True:
+        _, _, audit = https("GET", d.url + "/admin/v1/audit", alice,
+                            headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        reloads = [(e["action"], e["identity"], e["result"].split(":")[0])
+                   for e in audit["data"] if "reload" in e["action"]]
+        if len(reloads) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert reloads == [("tls.reload", "file watch", "reloaded"),
+                       ("tls.reload", "file watch", "kept the previous"),
+                       ("reload", "SIGHUP", "tls")], reloads
 
 
 def test_a_bad_pair_stops_start_up_in_one_line(pki, tiny_model, tmp_path):
@@ -253,6 +287,11 @@ def test_credentials_directory_and_one_line_errors(pki, tmp_path, monkeypatch):
     with pytest.raises(TlsError) as err:
         tls_setup(cfg)
     assert "\n" not in str(err.value) and "tls.pem" in str(err.value)
+    shutil.copy(pki.dir / "server.pem", creds / "tls.pem")
+    subprocess.run(["openssl", "pkey", "-in", str(pki.dir / "server.key"), "-aes256",
+                    "-passout", "pass:secret", "-out", str(creds / "tls.key")], check=True)
+    with pytest.raises(TlsError, match="the private key is encrypted"):
+        tls_setup(cfg)                  # not a prompt on a terminal the daemon lacks
     with pytest.raises(ValueError, match="go together"):
         parse_config('[server]\ntls_cert = "a.pem"\n')
     with pytest.raises(ValueError, match="needs TLS"):

@@ -68,10 +68,13 @@ def _tags(items: list[str]) -> dict[str, str]:
 
 
 def _who() -> str:
+    """The local user, and who they were before sudo (`cli:applianced sudo:alice`)."""
     try:
-        return f"cli:{getpass.getuser()}"
+        who = f"cli:{getpass.getuser()}"
     except (KeyError, OSError):
-        return f"cli:uid {os.getuid()}"
+        who = f"cli:uid {os.getuid()}"
+    sudo = os.environ.get("SUDO_USER")
+    return f"{who} sudo:{sudo}" if sudo else who
 
 
 def _audit(state, action: str, params: dict, result: str) -> None:

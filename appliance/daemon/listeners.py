@@ -28,8 +28,9 @@ class TlsSetup:
         return self.api is not None
 
 
-def tls_setup(cfg: Config) -> TlsSetup:
-    """The contexts, loaded now; TlsError (one line) for a bad file, pair or CA."""
+def tls_setup(cfg: Config, on_change=None) -> TlsSetup:
+    """The contexts, loaded now; TlsError (one line) for a bad file, pair or CA.
+    `on_change(loaded, error)`: after each reload a change of the files caused."""
     s = cfg.server
     if not s.tls_cert:
         return TlsSetup()
@@ -43,7 +44,7 @@ def tls_setup(cfg: Config) -> TlsSetup:
     else:
         api = admin = server_context(pair, ca)
         contexts = [api]
-    return TlsSetup(api, admin, CertificateWatcher(pair, contexts))
+    return TlsSetup(api, admin, CertificateWatcher(pair, contexts, on_change=on_change))
 
 
 def is_loopback_host(host: str) -> bool:

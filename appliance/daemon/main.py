@@ -189,13 +189,17 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
     # First, before any child starts: inherited listening sockets and their variables.
     inherited = systemd.listen_sockets()
     state_dir.mkdir(parents=True, exist_ok=True)
+    audit = AuditLog.in_state_dir(state_dir,
+                                  journal=systemd.journal_sender("applianced-audit"))
+
+    def tls_changed(loaded: bool, error: str) -> None:
+        audit.record("tls.reload", "file watch", "reloaded" if loaded else
+                     f"kept the previous: {error}", params={"cert": cfg.server.tls_cert})
     try:                # before anything slow: a bad certificate or key fails at once
-        tls = tls_setup(cfg)
+        tls = tls_setup(cfg, tls_changed)
     except TlsError as exc:
         raise StartupError(str(exc)) from None
     auth, key_watcher = build_auth(cfg, state_dir)
-    audit = AuditLog.in_state_dir(state_dir,
-                                  journal=systemd.journal_sender("applianced-audit"))
     systemd.notify("STATUS=preparing the model")
     async with contextlib.AsyncExitStack() as stack:
         journal = open_journal(state_dir)

@@ -23,6 +23,7 @@ import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("applianced.tls")
 
@@ -75,11 +76,53 @@ class Pair:
         return tuple(out)
 
 
-def _load(ctx: ssl.SSLContext, pair: Pair) -> None:
+class _Encrypted(Exception):
+    pass
+
+
+def _no_password():
+    """OpenSSL would prompt on the terminal for an encrypted key; a daemon has none."""
+    raise _Encrypted()
+
+
+def _load(ctx: ssl.SSLContext, pair: Pair, cert: Path | None = None,
+          key: Path | None = None) -> None:
+    """Load `pair` (or the same bytes at `cert`/`key`) into `ctx`; TlsError: one line."""
     try:
-        ctx.load_cert_chain(pair.cert, pair.key)
+        ctx.load_cert_chain(cert or pair.cert, key or pair.key, password=_no_password)
+    except _Encrypted:
+        raise TlsError(f"TLS key {pair.key}: the private key is encrypted; give it "
+                       "unencrypted (mode 0600), or as a systemd credential") from None
     except (ssl.SSLError, OSError) as exc:
         raise TlsError(f"TLS certificate {pair.cert} / key {pair.key}: {_describe(exc)}") from None
+
+
+class _Snapshot:
+    """The pair's bytes as read once, behind /proc/self/fd paths of memory files: what
+    is checked is exactly what the live contexts then load, even if a writer replaces a
+    file in between; the key never touches a disk."""
+
+    def __init__(self, pair: Pair):
+        self.fds: list[int] = []
+        try:
+            self.cert = self._memfile(pair.cert)
+            self.key = self._memfile(pair.key)
+        except OSError as exc:
+            self.close()
+            raise TlsError(f"TLS certificate {pair.cert} / key {pair.key}: "
+                           f"{_describe(exc)}") from None
+
+    def _memfile(self, path: Path) -> Path:
+        data = path.read_bytes()
+        fd = os.memfd_create("applianced-tls", os.MFD_CLOEXEC)
+        self.fds.append(fd)
+        os.write(fd, data)
+        return Path(f"/proc/self/fd/{fd}")
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 class HandshakeLog:
@@ -157,24 +200,35 @@ class CertificateWatcher:
     """Keeps the listeners' contexts on the files' current pair: polled every `every`
     seconds (mtime/size/inode) and on `reload()` (SIGHUP)."""
 
-    def __init__(self, pair: Pair, contexts: list[ssl.SSLContext], every: float = 1.0):
+    def __init__(self, pair: Pair, contexts: list[ssl.SSLContext], every: float = 1.0,
+                 on_change: Callable[[bool, str], None] | None = None):
         self.pair = pair
         self.contexts = contexts
         self.every = every
+        self.on_change = on_change      # (loaded, why) after a reload the files caused
         self._stamp = pair.stamp()
         self.reloads = 0
+        self.last_error = ""
 
     def reload(self, why: str = "SIGHUP") -> bool:
         """Load the pair on disk into every live context, if it loads; else keep the old
         one and say why in one line."""
+        self.last_error = ""
         self._stamp = self.pair.stamp()
+        snap = None
         try:
-            _load(ssl.create_default_context(ssl.Purpose.CLIENT_AUTH), self.pair)
+            snap = _Snapshot(self.pair)
+            _load(ssl.create_default_context(ssl.Purpose.CLIENT_AUTH), self.pair,
+                  snap.cert, snap.key)
+            for ctx in self.contexts:
+                _load(ctx, self.pair, snap.cert, snap.key)
         except TlsError as exc:
+            self.last_error = str(exc)
             log.error("%s; still serving the previous certificate (%s)", exc, why)
             return False
-        for ctx in self.contexts:
-            ctx.load_cert_chain(self.pair.cert, self.pair.key)
+        finally:
+            if snap is not None:
+                snap.close()
         self.reloads += 1
         log.info("TLS certificate %s reloaded (%s); new connections get it", self.pair.cert, why)
         return True
@@ -186,4 +240,8 @@ class CertificateWatcher:
             if stamp != self._stamp:
                 # a writer may be half-way (cert replaced, key not yet): one more beat
                 await asyncio.sleep(min(self.every, 0.2))
-                self.reload("the file changed")
+                if self.pair.stamp() == self._stamp:
+                    continue            # a SIGHUP reloaded it meanwhile
+                loaded = self.reload("the file changed")
+                if self.on_change is not None:
+                    self.on_change(loaded, self.last_error)
