@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Callable
+
+from appliance.keystore import own_like_directory
+
+log = logging.getLogger("applianced.audit")
 
 AUDIT_FILE = "audit.jsonl"
 MAX_BYTES = 10 << 20
@@ -40,6 +45,16 @@ class AuditLog:
         entry = {"time": round(time.time(), 3), "identity": identity, "remote": remote,
                  "action": action, "params": params or {}, "result": result}
         line = json.dumps(entry, separators=(",", ":"), default=str) + "\n"
+        try:
+            self._append(line)
+        except OSError as exc:
+            # the action itself is not undone for it: say so, with the entry, in the log
+            log.error("audit log %s not written (%s): %s", self.path, exc.strerror, line.strip())
+        if self.journal is not None:
+            self.journal(entry, line.rstrip("\n"))
+        return entry
+
+    def _append(self, line: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = self._open_locked()
         try:
@@ -48,14 +63,12 @@ class AuditLog:
             os.write(fd, line.encode())
         finally:
             os.close(fd)
-        if self.journal is not None:
-            self.journal(entry, line.rstrip("\n"))
-        return entry
 
     def _open_locked(self) -> int:
         """The current file, locked; reopened if another writer rotated it meanwhile."""
         while True:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            own_like_directory(fd, self.path.parent)
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
@@ -74,6 +87,7 @@ class AuditLog:
                 os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
         os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
         new = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        own_like_directory(new, self.path.parent)
         fcntl.flock(new, fcntl.LOCK_EX)
         os.close(fd)
         return new

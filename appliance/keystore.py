@@ -80,12 +80,23 @@ def read(path: Path) -> list[KeyRecord]:
     return records
 
 
+def own_like_directory(fd: int, directory: Path) -> None:
+    """Run as root on a state directory another user owns (the daemon's `applianced`),
+    give the new file to that user: a root-owned 0600 file would lock the daemon out."""
+    if os.geteuid() != 0:
+        return
+    st = os.stat(directory)
+    if st.st_uid != 0:
+        os.fchown(fd, st.st_uid, st.st_gid)
+
+
 def _write(path: Path, records: list[KeyRecord]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     body = json.dumps({"version": 1, "keys": [asdict(r) for r in records]}, indent=1)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.fchmod(fd, 0o600)
+        own_like_directory(fd, path.parent)
         os.write(fd, body.encode())
         os.fsync(fd)
     finally:
@@ -105,6 +116,7 @@ def locked(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
+        own_like_directory(fd, path.parent)
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
@@ -169,6 +181,7 @@ def write_used(state_dir: Path, used: dict[str, float]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
+        own_like_directory(fd, path.parent)
         os.write(fd, json.dumps(used).encode())
     finally:
         os.close(fd)

@@ -156,3 +156,13 @@ def test_entries_go_to_the_journal_as_applianced_audit(tmp_path, monkeypatch):
     assert json.loads(message[len("MESSAGE="):]) == entry
     monkeypatch.setattr(systemd, "stderr_is_journal", lambda: False)
     assert systemd.journal_sender("applianced-audit") is None
+
+
+def test_an_unwritable_audit_log_does_not_fail_the_action(tmp_path, caplog):
+    (tmp_path / "not-a-dir").write_text("")
+    log = AuditLog(tmp_path / "not-a-dir" / "audit.jsonl")
+    with caplog.at_level("ERROR", logger="applianced.audit"):
+        entry = log.record("workflow.start", "ops", "started", params={"kind": "drain"})
+    assert entry["action"] == "workflow.start"
+    [line] = caplog.messages
+    assert "not written" in line and '"action":"workflow.start"' in line

@@ -75,6 +75,19 @@ def test_add_list_revoke_store_only_the_digest(tmp_path):
     assert "(admin)" in out.stdout and key not in out.stdout
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand files to another user")
+def test_as_root_the_files_go_to_the_state_directorys_owner(tmp_path):
+    """`sudo applianced keys add` on the daemon's state directory: a root-owned 0600 keys
+    file (or audit log) would lock the daemon's own user out."""
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chown(state, 65534, 65534)
+    assert keys_cli(state, "add", "k1", "--tenant", "t").returncode == 0
+    for name in ("keys.json", "keys.json.lock", "audit.jsonl"):
+        st = (state / name).stat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (65534, 65534, 0o600), name
+
+
 def test_a_config_key_name_is_not_taken_again(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text(f'[auth.keys]\n"{_digest(CONFIG_KEY)}" = {{ tenant = "search", '

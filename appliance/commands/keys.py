@@ -2,7 +2,8 @@
 
 These write the keys file in the state directory directly (see `appliance.keystore` for
 why not through the admin API); the running daemon picks a change up within a second.
-Run them as the daemon's user (`sudo -u applianced applianced keys …`), on the box.
+Run them on the box as root (`sudo applianced keys …`: files made in the daemon's state
+directory are given to its owner) or as the daemon's user with `--state-dir`.
 """
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ class KeyWatcher:
         self.used_every = used_every
         self._stamp: tuple | None = None
         self._used_written: dict[str, float] = {}
+        self._used_error = ""
 
     def _current_stamp(self) -> tuple | None:
         try:
@@ -65,7 +66,9 @@ class KeyWatcher:
             keystore.write_used(self.state_dir, {**keystore.read_used(self.state_dir), **used})
             self._used_written = used
         except OSError as exc:
-            log.warning("cannot write %s: %s", keystore.USED_FILE, exc.strerror)
+            if exc.strerror != self._used_error:       # once, not every few seconds
+                log.warning("cannot write %s: %s", keystore.USED_FILE, exc.strerror)
+            self._used_error = exc.strerror or ""
 
     async def run(self) -> None:
         since_used = 0.0
