@@ -137,15 +137,20 @@ def test_admin_api_needs_the_client_certificate_and_the_key(tls_daemon, pki):
                        headers={"Authorization": f"Bearer {TENANT_KEY}"})
     assert code == 200
     # refusals are audited; the certificate's subject is the operator's identity
-    code, _, _ = https("POST", tls_daemon.url + "/admin/v1/workflows/nope/cancel", alice,
-                       headers=admin)
-    assert code == 404
+    code, _, _ = https("POST", tls_daemon.url + "/admin/v1/workflows", alice,
+                       body=b'{"kind": "no-such-kind"}', headers=admin)
+    assert code == 400
     code, _, audit = https("GET", tls_daemon.url + "/admin/v1/audit?since=0", alice,
                            headers=admin)
     assert code == 200
     failures = [e for e in audit["data"] if e["action"] == "auth.failure"]
-    assert [e["result"].split()[0] for e in failures] == ["401", "401"]
+    assert [(e["identity"], e["result"].split()[0]) for e in failures] == [
+        ("a key", "401"),                          # the admin key without a certificate
+        ("anonymous cert=CN=admin-alice", "401")]  # the certificate without a key
     assert "client certificate" in failures[0]["result"]
+    [start] = [e for e in audit["data"] if e["action"] == "workflow.start"]
+    assert start["identity"] == f"admin:{_digest(ADMIN_KEY)[:8]} cert=CN=admin-alice"
+    assert start["result"].startswith("400 unknown workflow kind")
     assert all(ADMIN_KEY not in json.dumps(e) for e in audit["data"])
 
 

@@ -15,6 +15,7 @@ from appliance.config import parse_duration
 from appliance.daemon.auth import CALLER, require_admin
 from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import AUDIT, json_response
+from appliance.daemon.tls import subject
 
 
 def record(request: web.Request, action: str, params: dict, result: str) -> None:
@@ -30,7 +31,10 @@ def auth_failure(audit: AuditLog):
 
     def on_failure(request: web.Request, err: ApiError) -> None:
         bearer = request.headers.get("Authorization", "").startswith("Bearer ")
-        audit.record("auth.failure", "a key" if bearer else "anonymous",
+        who = "a key" if bearer else "anonymous"
+        transport = request.transport
+        cert = subject(transport.get_extra_info("peercert") if transport is not None else None)
+        audit.record("auth.failure", f"{who} cert={cert}" if cert else who,
                      f"{err.status} {err.message}", remote=request.remote,
                      params={"method": request.method, "path": request.path})
     return on_failure

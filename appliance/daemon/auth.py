@@ -96,10 +96,6 @@ class Auth:
         self.last_used: dict[str, float] = {}
         self.set_file_keys([])
 
-    @property
-    def config_names(self) -> set[str]:
-        return {i.name for _, i in self._config_keys + self._config_admin}
-
     def set_file_keys(self, records) -> None:
         """Swap in the keys file's records (keystore.KeyRecord). Revoked ones are left
         out; a name or digest the config file already has is refused (ValueError), and

@@ -30,10 +30,10 @@ from appliance.config import Config
 from appliance.daemon import planner_link, systemd
 from appliance.daemon.accounting_link import record_sink, start_accounting
 from appliance.daemon.auth import Auth
-from appliance.daemon.key_watch import KeyWatcher
-from appliance.daemon.listeners import TlsError, TlsSetup, is_loopback_host, tls_setup
 from appliance.daemon.control import Control, kill_orphans
 from appliance.daemon.http_parser_errors import ApplianceRunner
+from appliance.daemon.key_watch import KeyWatcher
+from appliance.daemon.listeners import TlsError, TlsSetup, is_loopback_host, tls_setup
 from appliance.daemon.metrics import Metrics
 from appliance.daemon.prepare import PreparePool
 from appliance.daemon.router import Router

@@ -188,11 +188,16 @@ def server_context(pair: Pair, client_ca: Path | None = None,
     return ctx
 
 
+_SHORT = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU",
+          "countryName": "C", "stateOrProvinceName": "ST", "localityName": "L",
+          "domainComponent": "DC", "userId": "UID"}
+
+
 def subject(peercert: dict | None) -> str | None:
     """A verified peer certificate's subject as "CN=alice,O=ops" (the admin's identity)."""
     if not peercert:
         return None
-    parts = [f"{k}={v}" for rdn in peercert.get("subject", ()) for k, v in rdn]
+    parts = [f"{_SHORT.get(k, k)}={v}" for rdn in peercert.get("subject", ()) for k, v in rdn]
     return ",".join(parts) or None
 
 
