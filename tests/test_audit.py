@@ -42,7 +42,7 @@ def test_each_admin_action_once_with_its_identity(daemon_factory, tiny_model):
     assert out.returncode == 0, out.stderr
     alice = out.stdout.strip()
     alice_auth = {"Authorization": f"Bearer {alice}"}
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 3
     refused = 0                     # each 401 while the daemon had not seen the key yet
     while http("GET", d.url + "/admin/v1/status", headers=alice_auth)[0] != 200:
         refused += 1

@@ -113,13 +113,14 @@ def test_a_name_defined_twice_stops_start_up(tmp_path, tiny_model):
 
 
 def _wait_status(url: str, key: str, want: int, limit: float) -> float:
-    """Seconds until GET /v1/models with `key` answers `want` (AssertionError past limit)."""
+    """The wall time GET /v1/models with `key` first answers `want` (AssertionError past
+    `limit` seconds)."""
     started = time.monotonic()
     while True:
         code, _, body = http("GET", url + "/v1/models",
                              headers={"Authorization": f"Bearer {key}"})
         if code == want:
-            return time.monotonic() - started
+            return time.time()
         assert time.monotonic() - started < limit, (code, body)
         time.sleep(0.02)
 
@@ -131,17 +132,20 @@ def test_keys_change_in_a_running_daemon(daemon_factory, tiny_model):
                        model=tiny_model, config=config)
     state = d.log.parent / "state"
     # a config key works from the start; an unknown one does not
-    assert _wait_status(d.url, CONFIG_KEY, 200, 1) < 1
+    _wait_status(d.url, CONFIG_KEY, 200, 1)
+    assert http("GET", d.url + "/v1/models",
+                headers={"Authorization": "Bearer sk-not-issued"})[0] == 401
     out = keys_cli(state, "add", "alpha-1", "--tenant", "alpha")
     assert out.returncode == 0, out.stderr
     alpha = out.stdout.strip()
-    took = _wait_status(d.url, alpha, 200, 1.5)     # polled twice a second; slack for load
-    print(f"key added -> first 200 in {took:.3f} s")
+    # polled twice a second; the limit has slack for a loaded box
+    took = _wait_status(d.url, alpha, 200, 3) - keystore.keys_path(state).stat().st_mtime
+    print(f"keys file written -> the new key's first 200 in {took:.3f} s")
     # a file admin key reaches the admin API besides the config's
     out = keys_cli(state, "add", "ops-bob", "--admin")
     bob = out.stdout.strip()
     _wait_status(d.url, alpha, 200, 1)
-    deadline = time.monotonic() + 1.5
+    deadline = time.monotonic() + 3
     while http("GET", d.url + "/admin/v1/status",
                headers={"Authorization": f"Bearer {bob}"})[0] != 200:
         assert time.monotonic() < deadline
@@ -165,18 +169,20 @@ def test_keys_change_in_a_running_daemon(daemon_factory, tiny_model):
                 finish.append(chunk.choices[0].finish_reason)
 
     runner = threading.Thread(target=stream)
+    stream_started = time.monotonic()
     runner.start()
     deadline = time.monotonic() + 20
     while not pieces:
         assert time.monotonic() < deadline, "the stream never started"
         time.sleep(0.01)
     assert keys_cli(state, "revoke", "alpha-1").returncode == 0
-    took = _wait_status(d.url, alpha, 401, 1.5)
-    print(f"key revoked -> first 401 in {took:.3f} s")
+    took = _wait_status(d.url, alpha, 401, 3) - keystore.keys_path(state).stat().st_mtime
+    print(f"keys file written -> the revoked key's first 401 in {took:.3f} s")
     code, _, body = http("GET", d.url + "/v1/models", headers={"Authorization": f"Bearer {alpha}"})
     assert code == 401 and body["error"]["code"] == "invalid_api_key"
     assert runner.is_alive(), "the stream ended before the revocation was seen: make it longer"
-    runner.join(60)
+    runner.join(120)
+    print(f"the stream on the other key ran {time.monotonic() - stream_started:.1f} s")
     assert finish == ["length"] and len(pieces) > 20
 
     # an expired key is told it expired
