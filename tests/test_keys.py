@@ -201,8 +201,14 @@ def test_keys_change_in_a_running_daemon(daemon_factory, tiny_model):
         d.client(api_key=short).models.list()
 
     # a broken keys file: the previous keys stay, one line says why
-    keystore.keys_path(state).write_text("{not json")
-    time.sleep(1.2)
+    broken = state / "broken.json"
+    broken.write_text("{not json")
+    os.replace(broken, keystore.keys_path(state))         # one change, as an editor saves
+    deadline = time.monotonic() + 5
+    while "keys file not loaded" not in d.log_text():
+        assert time.monotonic() < deadline, d.log_text()
+        time.sleep(0.05)
+    time.sleep(1.0)                                      # more polls: still one line
     assert http("GET", d.url + "/admin/v1/status",
                 headers={"Authorization": f"Bearer {bob}"})[0] == 200
     assert d.log_text().count("keys file not loaded, the previous keys stay") == 1
