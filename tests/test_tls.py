@@ -253,12 +253,14 @@ def test_a_certificate_replaced_on_disk_is_served_to_the_next_connection(tls_dae
                             headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         reloads = [(e["action"], e["identity"], e["result"].split(":")[0])
                    for e in audit["data"] if "reload" in e["action"]]
-        if len(reloads) >= 3 or time.monotonic() > deadline:
+        if (reloads and reloads[-1][0] == "reload") or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert reloads == [("tls.reload", "file watch", "reloaded"),
-                       ("tls.reload", "file watch", "kept the previous"),
-                       ("reload", "SIGHUP", "tls")], reloads
+    assert reloads[:2] == [("tls.reload", "file watch", "reloaded"),
+                           ("tls.reload", "file watch", "kept the previous")], reloads
+    assert reloads[-1] == ("reload", "SIGHUP", "tls"), reloads
+    # on a loaded box the watcher may see the last files before the signal lands
+    assert reloads[2:-1] in ([], [("tls.reload", "file watch", "reloaded")]), reloads
 
 
 def test_a_bad_pair_stops_start_up_in_one_line(pki, tiny_model, tmp_path):
