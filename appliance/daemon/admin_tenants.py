@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from appliance.config import ConfigError
+from appliance.daemon import admin_audit
 from appliance.daemon.auth import require_admin
 from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import SERVICE, json_response
@@ -39,10 +40,14 @@ async def reload(request: web.Request):
     require_admin(request)
     svc: Service = request.app[SERVICE]
     try:
-        return json_response(svc.reload())
+        done = svc.reload()
     except ConfigError as exc:
+        admin_audit.record(request, "reload", {"config": str(svc.config_path)}, f"400 {exc}")
         raise ApiError(400, f"reload refused, the old limits stay: {exc}",
                        code="invalid_config") from None
+    admin_audit.record(request, "reload", {"config": str(svc.config_path)},
+                       "reloaded [tenants] and [budgets]")
+    return json_response(done)
 
 
 def add_routes(app: web.Application) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from appliance.daemon import admin_audit
 from appliance.daemon.auth import require_admin
 from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import WORKFLOWS, json_response
@@ -49,13 +50,17 @@ async def start(request: web.Request):
         params = {}
     if not isinstance(params, dict):
         raise ApiError(400, "params must be a JSON object", param="params", code="invalid_value")
+    audited = {"kind": kind, "params": params}
     try:
         wf = engine.submit(kind, params)
     except Refused as exc:
+        admin_audit.record(request, "workflow.start", audited, f"409 {exc}")
         raise ApiError(409, str(exc), code="workflow_conflict") from None
     except ValueError as exc:
+        admin_audit.record(request, "workflow.start", audited, f"400 {exc}")
         raise ApiError(400, str(exc), param="kind" if "kind" in str(exc) else "params",
                        code="invalid_value") from None
+    admin_audit.record(request, "workflow.start", {**audited, "id": wf.id}, "started")
     return json_response({"id": wf.id, "kind": wf.kind, "status": wf.status}, status=201)
 
 
@@ -83,7 +88,9 @@ async def cancel(request: web.Request):
     try:
         wf = engine.cancel(wid)
     except Refused as exc:
+        admin_audit.record(request, "workflow.cancel", {"id": wid}, f"409 {exc}")
         raise ApiError(409, str(exc), code="workflow_finished") from None
+    admin_audit.record(request, "workflow.cancel", {"id": wid}, "cancel requested")
     return json_response({"id": wf.id, "kind": wf.kind, "status": wf.status,
                           "cancel_requested": wf.cancel_requested})
 

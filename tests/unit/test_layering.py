@@ -116,7 +116,8 @@ DAEMON = ROOT / "daemon"
 # The modules that serve HTTP: they reach the service and its subsystems through the
 # app's typed keys (`responses.SERVICE`, `PLANNER`, …), never through the module that
 # builds the daemon.
-HANDLERS = ("openai_routes", "admin", "admin_live", "admin_plan", "admin_tenants", "admin_usage",
+HANDLERS = ("openai_routes", "admin", "admin_audit", "admin_live", "admin_plan", "admin_tenants",
+            "admin_usage",
             "admin_workflows", "responses", "auth", "server", "http_parser_errors")
 # What builds the daemon: a handler never imports these.
 WIRING = {"main", "setup", "planner_link", "accounting_link", "supervisor", "control"}
