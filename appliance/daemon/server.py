@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from appliance.daemon import (
-    admin, admin_live, admin_plan, admin_usage, admin_workflows, openai_routes,
+    admin, admin_live, admin_plan, admin_usage, admin_workflows, openai_routes, openapi,
 )
 from appliance.daemon.auth import guard
 from appliance.daemon.responses import (
@@ -20,7 +20,8 @@ from appliance.daemon.responses import (
 if TYPE_CHECKING:
     from appliance.daemon.service import Service
 
-SURFACES = (openai_routes, admin, admin_live, admin_plan, admin_usage, admin_workflows)
+SURFACES = (openai_routes, admin, admin_live, admin_plan, admin_usage, admin_workflows,
+            openapi)
 
 
 def build_app(svc: Service, max_body_bytes: int) -> web.Application:
@@ -31,6 +32,11 @@ def build_app(svc: Service, max_body_bytes: int) -> web.Application:
     app[PLANNER] = svc.planner
     app[ACCOUNTING] = svc.accounting
     app.on_response_prepare.append(stamp_request_id)
+    add_surfaces(app)
+    return app
+
+
+def add_surfaces(app: web.Application) -> None:
+    """Every route, each declared (`api_schema.register`): /openapi.json shows them all."""
     for surface in SURFACES:
         surface.add_routes(app)
-    return app
