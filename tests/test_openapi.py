@@ -239,3 +239,16 @@ def test_absurd_planner_what_ifs_are_a_400_not_a_500(daemon):
     code, _, plan = http("GET", url + "traffic_x=1000&prompt_tokens=1048576&output_tokens="
                          "1048576&ttft_slo=1e-9&itl_slo=1e-9", headers=AUTH)
     assert code == 200, plan
+
+
+def test_integers_written_as_whole_floats_are_integers(daemon):
+    """Found by the fuzzer: JSON Schema's integers include 2.0, which the schema let
+    through and `range(n)` then failed on (a 500). They are read as the integers they are."""
+    code, _, body = daemon.post("/v1/completions", {
+        "model": MODEL, "prompt": [1.0, 2.0, 3.0], "n": 2.0, "max_tokens": 3.0, "seed": 7.0,
+        "top_k": 5.0, "stop_token_ids": [9.0], "min_tokens": 1.0})
+    assert code == 200, body
+    assert len(body["choices"]) == 2 and body["usage"]["prompt_tokens"] == 3
+    assert all(c["finish_reason"] in ("length", "stop") for c in body["choices"])
+    code, _, err = daemon.post("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2.5})
+    assert code == 400 and err["error"]["param"] == "n", err

@@ -73,6 +73,11 @@ def _value(body: dict, key: str, endpoint: str):
     return default(endpoint, key) if value is None else value
 
 
+def _int(value):
+    """JSON Schema's integers include 2.0 (as OpenAI's own server takes it): as an int."""
+    return None if value is None else int(value)
+
+
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     """OpenAI's map of token id (a JSON string key) to a bias in [-100, 100]. Ids beyond
     the vocabulary are refused by `completion.check_token_ids`, which knows it."""
@@ -86,8 +91,8 @@ def _logprobs(body: dict, endpoint: str) -> int | None:
         top = body.get("top_logprobs")
         if top is not None and not on:
             raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        return (top or 0) if on else None
-    return body.get("logprobs")
+        return _int(top or 0) if on else None
+    return _int(body.get("logprobs"))
 
 
 def _content_text(content) -> str:
@@ -109,7 +114,7 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
         prompt = prompt[0]           # a batch of one
     if isinstance(prompt, str):
         return prompt, None
-    return None, prompt
+    return None, [int(t) for t in prompt]
 
 
 def parse_body(raw: bytes, endpoint: str) -> GenerationRequest:
@@ -128,7 +133,7 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
             continue
         raise bad(f"'{unsupported}' is not supported", unsupported, "unsupported_parameter")
     BODIES[endpoint].check(body)
-    n = _value(body, "n", endpoint)
+    n = _int(_value(body, "n", endpoint))
     guided = parse_guided(body)
     if body.get("best_of") not in (None, n):
         raise bad("'best_of' other than n is not supported", "best_of",
@@ -142,9 +147,9 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
     echo = bool(body.get("echo"))
     if echo and endpoint == "chat":
         raise bad("'echo' is not supported", "echo", "unsupported_parameter")
-    max_tokens = body.get("max_completion_tokens")
+    max_tokens = _int(body.get("max_completion_tokens"))
     if max_tokens is None:
-        max_tokens = body.get("max_tokens")
+        max_tokens = _int(body.get("max_tokens"))
         if max_tokens == 0 and not echo:      # 0 with echo: score the prompt
             raise bad("'max_tokens' must be at least 1 (0 only with echo=true)", "max_tokens")
     ignore_eos = _value(body, "ignore_eos", endpoint)
@@ -152,20 +157,20 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         raise bad("'ignore_eos' cannot be combined with a structured output: the grammar "
                   "ends the output", "ignore_eos")
     stop = body.get("stop")
-    top_k = _value(body, "top_k", endpoint) or 0
+    top_k = _int(body.get("top_k")) or 0
     req = GenerationRequest(
         endpoint=endpoint, model=body["model"], stream=stream, include_usage=include_usage,
         max_tokens=max_tokens, temperature=float(_value(body, "temperature", endpoint)),
-        top_p=float(_value(body, "top_p", endpoint)), seed=body.get("seed"),
+        top_p=float(_value(body, "top_p", endpoint)), seed=_int(body.get("seed")),
         stop=[stop] if isinstance(stop, str) else list(stop or ()), ignore_eos=ignore_eos,
         top_k=max(top_k, 0),     # -1 is vLLM's "off", as 0
         frequency_penalty=float(_value(body, "frequency_penalty", endpoint)),
         presence_penalty=float(_value(body, "presence_penalty", endpoint)),
         logit_bias=_logit_bias(body), logprobs=_logprobs(body, endpoint), echo=echo, n=n,
-        guided=guided, min_tokens=body.get("min_tokens") or 0,
+        guided=guided, min_tokens=_int(body.get("min_tokens")) or 0,
         repetition_penalty=float(_value(body, "repetition_penalty", endpoint)),
         min_p=float(_value(body, "min_p", endpoint)),
-        stop_token_ids=tuple(sorted(set(body.get("stop_token_ids") or ()))),
+        stop_token_ids=tuple(sorted({int(t) for t in body.get("stop_token_ids") or ()})),
         skip_special_tokens=_value(body, "skip_special_tokens", endpoint),
         include_stop_str_in_output=_value(body, "include_stop_str_in_output", endpoint))
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:

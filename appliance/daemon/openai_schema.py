@@ -78,9 +78,8 @@ COMMON = {
                                      "description": "keys must be token ids"},
                    "additionalProperties": {"type": "number", "minimum": -100,
                                             "maximum": 100}},
-    "stop": {"anyOf": [{"type": ["string", "null"]},
-                       {"type": "array", "maxItems": MAX_STOP_STRINGS,
-                        "items": {"type": "string"}}],
+    "stop": {"type": ["string", "array", "null"], "maxItems": MAX_STOP_STRINGS,
+             "items": {"type": "string"},
              "description": f"Up to {MAX_STOP_STRINGS} strings that end the output "
                             "(not included unless include_stop_str_in_output)."},
     "stop_token_ids": {"type": ["array", "null"], "maxItems": MAX_STOP_TOKEN_IDS,
@@ -101,8 +100,7 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"enum": list(CHAT_ROLES)},
-    "content": {"anyOf": [{"type": ["string", "null"]},
-                          {"type": "array", "items": _TEXT_PART}],
+    "content": {"type": ["string", "array", "null"], "items": _TEXT_PART,
                 "description": "Text, or a list of text parts (no images or audio)."},
     "name": {"type": ["string", "null"]},
     **tool_calls.MESSAGE_FIELDS}, "allOf": tool_calls.MESSAGE_RULES}

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from appliance.daemon.completion import prepare_prompt
 from appliance.daemon.openai_protocol import ApiError, GenerationRequest, parse_body
+from appliance.daemon.openai_schema import BODIES
 from appliance.daemon.tokenizer import ServedTokenizer
 
 _tokenizer: ServedTokenizer | None = None
@@ -57,6 +58,14 @@ def _child_init(model_dir: str, tool_parser: str = "") -> None:
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     global _tokenizer
     _tokenizer = ServedTokenizer(Path(model_dir), tool_parser)
+    _compile_schemas()
+
+
+def _compile_schemas() -> None:
+    """The request schemas' checks are compiled once per process (~0.2 s each), before
+    the first request rather than in its time."""
+    for body in BODIES.values():
+        body.compile()
 
 
 def prepare_request(tok: ServedTokenizer, raw: bytes, endpoint: str, model_name: str,
@@ -97,6 +106,8 @@ class PreparePool:
         self._executor = self._new_executor()
         self.tokenizer = tokenizer
         self.inline_bytes = inline_bytes if tokenizer is not None else 0
+        if self.inline_bytes:
+            _compile_schemas()
         self.inline = 0             # how many were prepared here, and in the children
         self.pooled = 0
 
