@@ -44,7 +44,7 @@ DAEMON = ROOT / "daemon"
 # app's typed keys (`responses.SERVICE`, `PLANNER`, …), never through the module that
 # builds the daemon.
 HANDLERS = ("openai_routes", "admin", "admin_live", "admin_plan", "admin_usage",
-            "admin_workflows", "responses", "auth", "server", "http_parser_errors")
+            "admin_workflows", "responses", "auth", "server", "http_parser_errors", "openapi")
 
 
 def daemon_graph() -> dict[str, set[str]]:

@@ -3,9 +3,10 @@ what arrives and make `/openapi.json`.
 
 A request body is checked against its schema by `Body.check` (fastjsonschema compiles
 the schema to a Python function once, ~0.2 s; then ~50 µs for a small chat body, 20 ms
-for 5,000 messages), and a query string by `read_query`; whatever the schema refuses becomes a 400 in OpenAI's error shape
-that names the parameter. The parsers after it only convert and apply the rules a
-schema cannot say (one field's meaning depending on another's). `openapi.document`
+for 5,000 messages), and a query string by `read_query`; whatever the schema refuses
+becomes a 400 in OpenAI's error shape that names the parameter. The parsers after it
+only convert and apply the rules a schema cannot say (one field's meaning depending on
+another's). `openapi.document`
 renders the same `Operation`s, so the document cannot drift from what the daemon
 accepts: a route registered without one fails tests/test_openapi.py.
 """
@@ -75,9 +76,11 @@ class Operation:
     handler: Callable
     summary: str
     tag: str                                  # the document's grouping
-    access: str                               # "tenant" | "admin" | "tenant_or_admin" | "metrics" | "open"
+    access: str     # who may call: tenant | admin | tenant_or_admin | metrics | open
     body: Body | None = None
     params: tuple[Param, ...] = ()
+    # Success answers: "status" (or "status word", to give one status several media
+    # types) -> (media type, schema).
     ok: dict = field(default_factory=lambda: {"200": ("application/json", {"type": "object"})})
     errors: tuple[int, ...] = ()               # statuses beyond the ones its access implies
     description: str = ""
