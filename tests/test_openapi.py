@@ -133,7 +133,8 @@ def api(daemon, served):
     return schemathesis.openapi.from_dict(served)
 
 
-def _fuzz(api, url: str, method: str, path: str, mode: str, examples: int = EXAMPLES) -> int:
+def _fuzz(api, url: str, method: str, path: str, mode: str, examples: int = EXAMPLES,
+          body: dict | None = None) -> int:
     """Fuzz one operation with `examples` cases of `mode` (positive: bodies the schema
     allows; negative: bodies it refuses, which must be 4xx). Returns the calls made."""
     from hypothesis import HealthCheck, Phase, given, settings
@@ -164,6 +165,8 @@ def _fuzz(api, url: str, method: str, path: str, mode: str, examples: int = EXAM
             return
         if mode == "positive" and isinstance(case.body, dict) and "model" in case.body:
             case.body["model"] = MODEL      # the served one: a body that may reach a worker
+        if mode == "positive" and isinstance(case.body, dict) and body:
+            case.body.update(body)
         response = case.call(url, headers=AUTH, timeout=CALL_TIMEOUT_S)   # a hang raises
         key = response.status_code
         if key >= 400 and path.startswith("/v1/"):
@@ -218,8 +221,12 @@ def test_fuzzing_workflow_starts_on_a_throwaway_daemon(daemon_factory, tiny_mode
                        model=tiny_model, config=CONFIG)
     code, _, doc = http("GET", d.url + "/openapi.json")
     api = schemathesis.openapi.from_dict(doc)
+    from appliance.workflows.kinds import KINDS
     for mode in ("positive", "negative"):
         assert _fuzz(api, d.url, "POST", "/admin/v1/workflows", mode) > 0
+    for kind in KINDS:          # each real kind with the fuzzer's params
+        assert _fuzz(api, d.url, "POST", "/admin/v1/workflows", "positive",
+                     body={"kind": kind}) > 0
     assert d.proc.poll() is None
     code, _, listed = http("GET", d.url + "/admin/v1/workflows", headers=AUTH)
     assert code == 200, listed
