@@ -88,13 +88,16 @@ MESSAGE_FIELDS = {
     "tool_call_id": {"type": ["string", "null"],
                      "description": "the call a tool message answers (required on those)"},
 }
+TOOL_MESSAGE_ROLES = ("system", "developer", "user", "assistant")
 # Which role may carry them: a tool result names its call; only an assistant calls. As
 # `anyOf` whose first branch is the common case (no exception raised inside the compiled
 # check: fastjsonschema's failed branches cost ~50 µs each), not as if/then.
 MESSAGE_RULES = [
-    {"anyOf": [{"properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}}},
+    {"anyOf": [{"properties": {"role": {"enum": list(TOOL_MESSAGE_ROLES)}}},
                {"required": ["tool_call_id"],
-                "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}],
+                "properties": {"tool_call_id": {"type": "string", "minLength": 1}}},
+               # an unknown role: left to the role's own check, which names it
+               {"properties": {"role": {"not": {"enum": [*TOOL_MESSAGE_ROLES, "tool"]}}}}],
      "description": "a tool message needs its tool_call_id", "x-param": "tool_call_id"},
     {"anyOf": [{"properties": {"tool_calls": {"type": "null"}}},
                {"properties": {"tool_calls": {"maxItems": 0}}},
