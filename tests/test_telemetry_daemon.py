@@ -163,8 +163,12 @@ def test_cpu_daemon_reports_the_cpu_energy_source(daemon_factory, tiny_model):
     d.wait_for(lambda s: s["devices"][0].get("power_w") is not None, timeout=20,
                what="two CPU readings")
     client = d.client()
-    client.chat.completions.create(model="tiny-llama", max_tokens=8,
-                                   messages=[{"role": "user", "content": "Hello"}])
+    # ignore_eos: a sampled end-of-sequence as the first token would finish the request on
+    # the prefill worker, and the decode figures waited for below would never come.
+    r = client.chat.completions.create(model="tiny-llama", max_tokens=8,
+                                       messages=[{"role": "user", "content": "Hello"}],
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 8
     # Wait for every figure asserted below, not for one of them: on a loaded machine the
     # groups' windows fill a tick apart.
     def ready(s):
