@@ -12,9 +12,10 @@ from aiohttp import web
 
 from appliance.audit import AuditLog
 from appliance.config import parse_duration
+from appliance.daemon.api_schema import Operation, Param, read_query, register
 from appliance.daemon.auth import CALLER, require_admin
 from appliance.daemon.openai_protocol import ApiError
-from appliance.daemon.responses import AUDIT, json_response
+from appliance.daemon.responses import AUDIT, OPERATIONS, json_response
 from appliance.daemon.tls import subject
 
 
@@ -61,16 +62,24 @@ def _since(text: str) -> float:
 
 async def audit(request: web.Request):
     require_admin(request)
-    since = _since(request.query.get("since", "0"))
-    try:
-        limit = int(request.query.get("limit", "1000"))
-    except ValueError:
-        raise ApiError(400, "limit must be a whole number", param="limit") from None
-    if not 1 <= limit <= 10000:
-        raise ApiError(400, "limit must be within 1..10000", param="limit")
+    q = read_query(request.query, (SINCE, LIMIT))
+    since = _since(q.get("since", "0"))
+    limit = q.get("limit", 1000)
     entries = request.app[AUDIT].read(since, limit)
     return json_response({"object": "list", "data": entries})
 
 
+SINCE = Param("since", {"type": "string"}, "Entries from: unix seconds, an ISO 8601 time or a "
+              "span back from now (90m, 24h, 7d); default: the oldest kept.")
+LIMIT = Param("limit", {"type": "integer", "minimum": 1, "maximum": 10000, "default": 1000},
+              "How many entries at most, oldest first.")
+OPERATIONS_HERE = (
+    Operation("GET", "/admin/v1/audit", audit, "The audit log: admin actions and refused "
+              "admin logins", "Security", "admin", params=(SINCE, LIMIT), errors=(400,),
+              description="Each entry: time, identity (key name or certificate subject, "
+              "never the key), remote address, action, parameters, result."),
+)
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/v1/audit", audit)
+    register(app, OPERATIONS_HERE, OPERATIONS)

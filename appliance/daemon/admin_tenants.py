@@ -11,9 +11,10 @@ from aiohttp import web
 
 from appliance.config import ConfigError
 from appliance.daemon import admin_audit
+from appliance.daemon.api_schema import Operation, register
 from appliance.daemon.auth import require_admin
 from appliance.daemon.openai_protocol import ApiError
-from appliance.daemon.responses import SERVICE, json_response
+from appliance.daemon.responses import OPERATIONS, SERVICE, json_response
 
 if TYPE_CHECKING:
     from appliance.daemon.service import Service
@@ -50,6 +51,18 @@ async def reload(request: web.Request):
     return json_response(done)
 
 
+OPERATIONS_HERE = (
+    Operation("GET", "/admin/v1/tenants", tenants, "Each tenant's share, limits, live rate "
+              "and budget state", "Tenants", "admin",
+              description="Weight, priority (and the effective one while a deprioritizing "
+              "budget is spent), max_concurrent, rate limits and what is left of each bucket, "
+              "the last minute's rate, in flight, queue depth, refusals, budgets."),
+    Operation("POST", "/admin/v1/reload", reload, "Re-read [tenants] and [budgets] from the "
+              "config file", "Tenants", "admin", errors=(400,),
+              description="Validated first: a bad file answers 400 invalid_config and the old "
+              "limits stay. As SIGHUP."),
+)
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/v1/tenants", tenants)
-    app.router.add_post("/admin/v1/reload", reload)
+    register(app, OPERATIONS_HERE, OPERATIONS)

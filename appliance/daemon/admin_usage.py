@@ -18,14 +18,27 @@ from collections import Counter
 
 from appliance.accounting import focus, reports
 from appliance.accounting.ledger import ReportTimeout
+from appliance.daemon.api_schema import Operation, Param, read_query, register
 from appliance.daemon.auth import CALLER, Caller, require_admin
 from appliance.daemon.openai_protocol import ApiError
-from appliance.daemon.responses import ACCOUNTING, json_response
+from appliance.daemon.responses import ACCOUNTING, OPERATIONS, json_response
 
 if TYPE_CHECKING:
     from appliance.daemon.accounting_link import AccountingLink
 
 DEFAULT_SPAN_S = 86400.0
+_WHEN = ("an ISO 8601 time (UTC unless it says), a Unix time, or a duration before now "
+         "such as 2h")
+SINCE = Param("since", {"type": "string"}, f"Start of the window: {_WHEN} (default: a day "
+                                           "before until).")
+UNTIL = Param("until", {"type": "string"}, f"End of the window: {_WHEN} (default: now).")
+FORMAT = Param("format", {"enum": ["json", "csv", "focus"], "default": "json"},
+               "json, csv, or focus (the FOCUS 1.2 CSV export; admin key only).")
+
+
+def _group(dims) -> Param:
+    return Param("group_by", {"type": "string"}, "Comma-separated dimensions out of "
+                                                 + ", ".join(dims) + ".")
 
 
 def _accountant(request: web.Request) -> AccountingLink:
@@ -70,10 +83,7 @@ def _group_by(request: web.Request, allowed, default) -> list[str]:
 async def usage(request: web.Request):
     caller: Caller = request[CALLER]
     acc = _accountant(request)
-    fmt = request.query.get("format", "json")
-    if fmt not in ("json", "csv", "focus"):
-        raise ApiError(400, f"format must be json, csv or focus, got {fmt!r}", param="format",
-                       code="invalid_format")
+    fmt = read_query(request.query, (FORMAT,)).get("format", "json")
     group_by = _group_by(request, reports.USAGE_DIMS, reports.USAGE_DIMS)
     since, until = _span(request)
     tenant = None if caller.admin else caller.tenant
@@ -162,7 +172,21 @@ async def rates(request: web.Request):
     return json_response(acc.prices.describe(models))
 
 
+_CSV = ("text/csv", {"type": "string"})
+OPERATIONS_HERE = (
+    Operation("GET", "/admin/v1/usage", usage, "Usage and chargeback over a window",
+              "Accounting", "tenant_or_admin",
+              params=(SINCE, UNTIL, _group(reports.USAGE_DIMS), FORMAT),
+              ok={"200": ("application/json", {"type": "object"}), "200 csv": _CSV},
+              errors=(400, 404, 503), description="A tenant key reads its own tenant's rows "
+              "only. 503 report_timeout: the report ran past [accounting] report_timeout_s."),
+    Operation("GET", "/admin/v1/carbon", carbon, "Energy and emissions over a window",
+              "Accounting", "admin", params=(SINCE, UNTIL, _group(reports.CARBON_DIMS)),
+              errors=(400, 404, 503)),
+    Operation("GET", "/admin/v1/rates", rates, "The rate cards, resolved per device model",
+              "Accounting", "admin", errors=(404,)),
+)
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/v1/usage", usage)
-    app.router.add_get("/admin/v1/carbon", carbon)
-    app.router.add_get("/admin/v1/rates", rates)
+    register(app, OPERATIONS_HERE, OPERATIONS)

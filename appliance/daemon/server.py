@@ -11,7 +11,7 @@ from aiohttp import web
 
 from appliance.daemon import (
     admin, admin_audit, admin_live, admin_plan, admin_tenants, admin_usage, admin_workflows,
-    openai_routes,
+    openai_routes, openapi,
 )
 from appliance.daemon.auth import guard
 from appliance.daemon.responses import (
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from appliance.audit import AuditLog
     from appliance.daemon.service import Service
 
-SURFACES = (openai_routes, admin, admin_audit, admin_live, admin_plan, admin_tenants, admin_usage,
-            admin_workflows)
+    admin, admin_audit, admin_live, admin_plan, admin_tenants, admin_usage, admin_workflows,
+    openai_routes, openapi,
 
 
 def build_app(svc: Service, max_body_bytes: int, audit: AuditLog) -> web.Application:
@@ -36,6 +36,11 @@ def build_app(svc: Service, max_body_bytes: int, audit: AuditLog) -> web.Applica
     app[PLANNER] = svc.planner
     app[ACCOUNTING] = svc.accounting
     app.on_response_prepare.append(stamp_request_id)
+    add_surfaces(app)
+    return app
+
+
+def add_surfaces(app: web.Application) -> None:
+    """Every route, each declared (`api_schema.register`): /openapi.json shows them all."""
     for surface in SURFACES:
         surface.add_routes(app)
-    return app

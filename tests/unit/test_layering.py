@@ -122,7 +122,7 @@ DAEMON = ROOT / "daemon"
 # builds the daemon.
 HANDLERS = ("openai_routes", "admin", "admin_audit", "admin_live", "admin_plan", "admin_tenants",
             "admin_usage",
-            "admin_workflows", "responses", "auth", "server", "http_parser_errors")
+            "admin_workflows", "responses", "auth", "server", "http_parser_errors", "openapi")
 # What builds the daemon: a handler never imports these.
 WIRING = {"main", "setup", "planner_link", "accounting_link", "supervisor", "control"}
 
