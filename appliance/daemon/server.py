@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from appliance.audit import AuditLog
     from appliance.daemon.service import Service
 
-    admin, admin_audit, admin_live, admin_plan, admin_tenants, admin_usage, admin_workflows,
-    openai_routes, openapi,
+SURFACES = (openai_routes, admin, admin_audit, admin_live, admin_plan, admin_tenants,
+            admin_usage, admin_workflows, openapi)
 
 
 def build_app(svc: Service, max_body_bytes: int, audit: AuditLog) -> web.Application:
