@@ -48,7 +48,8 @@ def pattern(block):
     return torch.randn((SHAPE[0], SHAPE[1], SHAPE[3], SHAPE[4], SHAPE[5]), generator=g)
 
 role = sys.argv[1]
-pool = torch.zeros(SHAPE)
+# Each box sizes its own pool: the decode side's has more blocks (another row stride).
+pool = torch.zeros(SHAPE if role == "prefill" else (2, 4, 80, 16, 2, 64))
 if role == "prefill":
     for b in range(SHAPE[2]):
         pool[:, :, b] = pattern(b)
@@ -80,7 +81,7 @@ else:
                 print("ERR Mismatch", f"block {s}->{d} differs", flush=True)
                 break
         else:
-            others = [b for b in range(SHAPE[2]) if b not in dst]
+            others = [b for b in range(pool.shape[2]) if b not in dst]
             untouched = torch.equal(pool[:, :, others], before[:, :, others])
             print("OK" if untouched else "ERR Overwrote", n, time.monotonic() - t0, flush=True)
 agent.close()
@@ -143,7 +144,7 @@ def test_decode_process_pulls_prefill_blocks_byte_exact(boxes):
     assert out[0] == "OK", out
     assert int(out[1]) == 4 * 2 * 4 * 16 * 2 * 64 * 4
     # ... and a long run (one descriptor per row): the whole prompt of a 1k-token request.
-    out = pull(pre, dec, list(range(0, 64)), list(range(0, 64)))
+    out = pull(pre, dec, list(range(0, 64)), list(range(16, 80)))
     assert out[0] == "OK", out
     assert int(out[1]) == 64 * 65536
 
@@ -176,22 +177,38 @@ def test_a_dead_prefill_peer_gives_a_clean_error_not_a_hang(fresh_boxes):
 # ---- without nixl: descriptors and the wire format --------------------------------
 
 def test_block_descriptors_pair_rows_and_merge_runs():
-    pool = torch.zeros(SHAPE)
     rows, row_block = 2 * 4, 16 * 2 * 64 * 4
-    src, dst = block_descriptors(1000, 5_000_000, SHAPE, torch.float32, [3, 4, 5, 9], [0, 1, 2, 7])
+    src, dst = block_descriptors(1000, 64, 5_000_000, 64, SHAPE, torch.float32,
+                                 [3, 4, 5, 9], [0, 1, 2, 7])
     # Two runs (3..5 -> 0..2, and 9 -> 7), one descriptor per row each.
     assert len(src) == len(dst) == 2 * rows
     assert src[0] == (1000 + 3 * row_block, 3 * row_block)
     assert dst[0] == (5_000_000, 3 * row_block)
-    # Row r of block b sits at (r * blocks + b) * row_block: check against torch's own view.
-    view = pool.view(rows, SHAPE[2], -1)
-    base = pool.data_ptr()
-    s, _ = block_descriptors(base, base, SHAPE, torch.float32, [9], [9])
-    assert [a for a, _ in s] == [view[r, 9].data_ptr() for r in range(rows)]
-    with pytest.raises(ValueError, match="out of range"):
-        block_descriptors(0, 0, SHAPE, torch.float32, [64], [0])
+    with pytest.raises(ValueError, match="source block id 64 out of range"):
+        block_descriptors(0, 64, 0, 64, SHAPE, torch.float32, [64], [0])
+    with pytest.raises(ValueError, match="destination block id 40 out of range"):
+        block_descriptors(0, 64, 0, 40, SHAPE, torch.float32, [50], [40])
     with pytest.raises(ValueError, match="duplicate"):
-        block_descriptors(0, 0, SHAPE, torch.float32, [1, 2], [0, 0])
+        block_descriptors(0, 64, 0, 64, SHAPE, torch.float32, [1, 2], [0, 0])
+
+
+def test_block_descriptors_address_the_blocks_torch_sees_in_pools_of_different_sizes():
+    """Source and destination pools differ in block count (each box sizes its own): each
+    side's row stride is its own. Copying by the descriptors equals torch's block copy."""
+    src_pool = torch.randn(SHAPE)
+    dst_pool = torch.zeros((2, 4, 40, 16, 2, 64))
+    src_ids, dst_ids = [63, 2, 3, 4, 10], [39, 0, 1, 2, 20]
+    s, d = block_descriptors(src_pool.data_ptr(), 64, dst_pool.data_ptr(), 40, SHAPE,
+                             torch.float32, src_ids, dst_ids)
+    src_bytes = src_pool.view(torch.uint8).view(-1)
+    dst_bytes = dst_pool.view(torch.uint8).view(-1)
+    for (sa, n), (da, m) in zip(s, d):
+        assert n == m
+        so, do = sa - src_pool.data_ptr(), da - dst_pool.data_ptr()
+        dst_bytes[do:do + n] = src_bytes[so:so + n]
+    expect = torch.zeros_like(dst_pool)
+    expect[:, :, dst_ids] = src_pool[:, :, src_ids]
+    assert torch.equal(dst_pool, expect)
 
 
 def test_pool_info_and_handle_round_trip_as_json_and_bad_input_is_refused():

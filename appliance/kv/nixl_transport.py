@@ -45,15 +45,17 @@ import os
 import sys
 import time
 import uuid
+import importlib.util
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a pool is handled: the daemon checks
+    import torch   # `nixl_installed` at start-up without loading either.
 
 __all__ = [
     "INSTALL_HINT", "KvHandleExpired", "KvTransferError", "NixlKvAgent", "NixlKvHandle",
     "NixlPoolInfo", "NixlUnavailable", "block_descriptors", "from_json", "import_nixl",
-    "nixl_available", "to_json",
+    "nixl_available", "nixl_installed", "to_json",
 ]
 
 INSTALL_HINT = ("NIXL is not installed: pip install 'applianced[cluster]' "
@@ -100,11 +102,17 @@ def _quiet_nixl_logger() -> None:
 
 
 def nixl_available() -> bool:
+    """Whether nixl imports (loads it, and torch)."""
     try:
         import_nixl()
     except NixlUnavailable:
         return False
     return True
+
+
+def nixl_installed() -> bool:
+    """Whether a nixl package is installed, without importing it (for start-up checks)."""
+    return any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu12"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +189,8 @@ def _row_layout(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, int, int
     """(rows, blocks per row, bytes of one block in one row)."""
     if len(shape) != 6:
         raise ValueError("KV pools must be 6-d [2, layers, blocks, block_size, kv_heads, head_dim]")
+    import torch
+
     elem = torch.empty((), dtype=dtype).element_size()
     return shape[0] * shape[1], shape[2], shape[3] * shape[4] * shape[5] * elem
 
@@ -197,16 +207,20 @@ def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def block_descriptors(src_base: int, dst_base: int, shape: Sequence[int], dtype: torch.dtype,
+def block_descriptors(src_base: int, src_blocks: int, dst_base: int, dst_blocks: int,
+                      shape: Sequence[int], dtype: torch.dtype,
                       src_ids: Sequence[int], dst_ids: Sequence[int],
                       ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The (address, length) pairs for moving ``src_ids`` of the pool at ``src_base`` into
-    ``dst_ids`` of an equal-layout pool at ``dst_base``: element i of one list pairs with
-    element i of the other. One pair per row and run of consecutive ids."""
+    """The (address, length) pairs for moving ``src_ids`` of the pool at ``src_base``
+    (``src_blocks`` blocks) into ``dst_ids`` of the pool at ``dst_base`` (``dst_blocks``
+    blocks), both laid out as ``shape`` but for their block counts: element i of one list
+    pairs with element i of the other. One pair per K/V layer row and run of consecutive
+    ids (a row of a pool is all its blocks of one layer's K or V)."""
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
-    rows, nblocks, row_block = _row_layout(shape, dtype)
-    for name, ids in (("source", src_ids), ("destination", dst_ids)):
+    rows, _, row_block = _row_layout(shape, dtype)
+    for name, ids, nblocks in (("source", src_ids, src_blocks),
+                               ("destination", dst_ids, dst_blocks)):
         for b in ids:
             if not 0 <= b < nblocks:
                 raise ValueError(f"{name} block id {b} out of range [0, {nblocks})")
@@ -216,9 +230,8 @@ def block_descriptors(src_base: int, dst_base: int, shape: Sequence[int], dtype:
     dst_d: list[tuple[int, int]] = []
     for s0, d0, n in _runs(src_ids, dst_ids):
         for r in range(rows):
-            row = r * nblocks
-            src_d.append((src_base + (row + s0) * row_block, n * row_block))
-            dst_d.append((dst_base + (row + d0) * row_block, n * row_block))
+            src_d.append((src_base + (r * src_blocks + s0) * row_block, n * row_block))
+            dst_d.append((dst_base + (r * dst_blocks + d0) * row_block, n * row_block))
     return src_d, dst_d
 
 
@@ -347,8 +360,9 @@ class NixlKvAgent:
             raise KvHandleExpired(
                 f"KV handle for {handle.request_id} expired "
                 f"{time.time() - handle.expires_at:.3f} s ago; recompute the prompt")
-        src, dst = block_descriptors(peer.base_addr, int(self.pool.data_ptr()), peer.shape,
-                                     self.pool.dtype, handle.block_ids, list(dst_block_ids))
+        src, dst = block_descriptors(peer.base_addr, peer.shape[2], int(self.pool.data_ptr()),
+                                     self.pool.shape[2], peer.shape, self.pool.dtype,
+                                     handle.block_ids, list(dst_block_ids))
         if not src:
             return 0
         give_up = handle.expires_at + self.margin_s
