@@ -13,10 +13,11 @@ contiguous ("run": a fresh allocator) or shuffled on both sides ("scattered": on
 descriptor per block and K/V layer row, the worst case). Each cell is the median of
 --reps requests after one warm-up read (the first read from a peer maps its memory: its
 cost is printed once). Every transfer is checked byte-exact. The control-channel hop
-that carries the handle is not included (it is the same for both). ~3 min here.
+that carries the handle is not included (it is the same for both). 75 s on this
+2-core machine when quiet, ~6 min at load average 18.
 
     .venv/bin/python bench/bench_kv_transfer.py   # -> bench/results/kv_transfer.json; needs nixl-cu12
-    .venv/bin/python bench/bench_kv_transfer.py --big-tokens 1024 8192 --reps 9   # ~6 GiB of shm
+    .venv/bin/python bench/bench_kv_transfer.py --big-tokens 1024 8192 --reps 9   # ~5 GiB of shm
 """
 from __future__ import annotations
 
