@@ -26,6 +26,7 @@ from appliance.kv.nixl_transport import (
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+STDERR = subprocess.DEVNULL
 SHAPE = (2, 4, 64, 16, 2, 64)          # the tiny preset's layout, 64 blocks (4 MiB)
 
 needs_nixl = pytest.mark.skipif(
@@ -63,6 +64,7 @@ if role == "prefill":
 else:
     agent.connect(from_json(NixlPoolInfo, sys.stdin.readline()))
     print("READY", flush=True)
+    quarantined = set()     # destination blocks of reads given up on while in flight
     for line in sys.stdin:
         text, dst = line.rstrip("\n").split("\t")
         h = from_json(NixlKvHandle, text)
@@ -74,6 +76,8 @@ else:
         except KvTransferError as exc:
             # A refused pull must not have written anything (it read nothing).
             kept = "kept" if torch.equal(pool, before) else "WROTE"
+            if exc.dst_unsafe:
+                quarantined.update(dst)
             print("ERR", type(exc).__name__, kept, str(exc).replace("\n", " "), flush=True)
             continue
         for s, d in zip(h.block_ids, dst):
@@ -81,7 +85,7 @@ else:
                 print("ERR Mismatch", f"block {s}->{d} differs", flush=True)
                 break
         else:
-            others = [b for b in range(pool.shape[2]) if b not in dst]
+            others = [b for b in range(pool.shape[2]) if b not in dst and b not in quarantined]
             untouched = torch.equal(pool[:, :, others], before[:, :, others])
             print("OK" if untouched else "ERR Overwrote", n, time.monotonic() - t0, flush=True)
 agent.close()
@@ -91,10 +95,10 @@ agent.close()
 class Box:
     """One worker process, line-driven, with a bounded wait for each answer."""
 
-    def __init__(self, role: str):
+    def __init__(self, role: str, env: dict | None = None):
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER, role], env=ENV, cwd=ROOT, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            [sys.executable, "-c", WORKER, role], env={**ENV, **(env or {})}, cwd=ROOT, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=STDERR)
 
     def ask(self, line: str | None = None, timeout: float = 60.0) -> str:
         if line is not None:
@@ -114,8 +118,8 @@ class Box:
         self.proc.wait(10)
 
 
-def _pair():
-    pre, dec = Box("prefill"), Box("decode")
+def _pair(env: dict | None = None):
+    pre, dec = Box("prefill", env), Box("decode", env)
     try:
         info = pre.ask()
         assert dec.ask(info) == "READY"
@@ -172,6 +176,35 @@ def test_a_dead_prefill_peer_gives_a_clean_error_not_a_hang(fresh_boxes):
     # Bounded by the handle's deadline (3 s) plus the margin (2 s), with slack for load.
     assert elapsed < 3 + 2 + 15, elapsed
     assert dec.proc.poll() is None, "the decode worker must survive its peer's death"
+
+
+@needs_nixl
+def test_an_unresponsive_peer_is_given_up_on_at_the_deadline_plus_margin():
+    """A peer that is alive but answers nothing (stopped; over TCP a read needs its
+    progress thread): the read is cancelled at deadline + margin, no hang."""
+    pair = _pair({"UCX_TLS": "tcp"})
+    pre, dec = next(pair)
+    try:
+        assert pull(pre, dec, [7], [7])[0] == "OK"
+        t0 = time.time()                    # before the handle's deadline is set
+        handle = pre.ask("handle 1 10,11,12")
+        pre.proc.send_signal(signal.SIGSTOP)
+        out = dec.ask(f"{handle}\t20,21,22", timeout=60).split(" ", 3)
+        elapsed = time.time() - t0
+        assert out[:3] == ["ERR", "KvTransferError", "kept"], out
+        assert "did not finish by the handle's deadline + 2 s" in out[3]
+        assert "do not reuse them" in out[3]       # dst_unsafe: the read may still land
+        # Not before deadline (1 s) + margin (2 s); soon after, with slack for load.
+        assert 1 + 2 <= elapsed < 1 + 2 + 15, elapsed
+        # Once the peer answers again, reads work; the given-up read may land meanwhile
+        # (seen over TCP), but only in its quarantined blocks: the worker checks that
+        # nothing else of its pool changed.
+        pre.proc.send_signal(signal.SIGCONT)
+        again = pull(pre, dec, [8], [8])
+        assert again[0] == "OK", again
+    finally:
+        pre.proc.send_signal(signal.SIGCONT)
+        pair.close()
 
 
 # ---- without nixl: descriptors and the wire format --------------------------------

@@ -70,7 +70,16 @@ class NixlUnavailable(RuntimeError):
 
 
 class KvTransferError(RuntimeError):
-    """A KV pull failed (peer gone, refused, layout differs); the request must recompute."""
+    """A KV pull failed (peer gone, refused, layout differs); the request must recompute.
+
+    ``dst_unsafe``: the read was given up on while in flight, so its destination blocks
+    may still be written later: the caller must not hand them to another request (leak
+    them until the worker restarts rather than corrupt another request's KV). Releasing
+    the NIXL request does not prevent that: seen here over UCX TCP, a read given up on
+    while its peer was stopped landed after the release, once the peer resumed
+    (tests/test_nixl_transport.py). A read that ended in an error state is not in flight."""
+
+    dst_unsafe: bool = False
 
 
 class KvHandleExpired(KvTransferError):
@@ -374,26 +383,33 @@ class NixlKvAgent:
             xfer = self._agent.initialize_xfer("READ", local, remote, handle.agent)
         except Exception as exc:
             raise KvTransferError(f"cannot start the KV read from {handle.agent}: {exc}") from None
+        failure: KvTransferError | None = None
         try:
             state = self._agent.transfer(xfer)
             while state == "PROC":
                 if time.time() > give_up:
-                    raise KvTransferError(
+                    failure = KvTransferError(
                         f"KV read from {handle.agent} did not finish by the handle's "
-                        f"deadline + {self.margin_s:g} s (peer unreachable?)")
+                        f"deadline + {self.margin_s:g} s (peer unreachable?); its "
+                        "destination blocks may still be written: do not reuse them")
+                    failure.dst_unsafe = True
+                    break
                 time.sleep(poll_s)
                 state = self._agent.check_xfer_state(xfer)
-            if state != "DONE":
-                raise KvTransferError(f"KV read from {handle.agent} failed (peer gone?)")
-        except KvTransferError:
-            raise
-        except Exception as exc:
-            raise KvTransferError(f"KV read from {handle.agent} failed: {exc}") from None
-        finally:
-            try:
-                self._agent.release_xfer_handle(xfer)
-            except Exception:  # noqa: BLE001 - could not cancel: nixl keeps it, logs it
-                pass
+            if failure is None and state != "DONE":
+                failure = KvTransferError(f"KV read from {handle.agent} failed (peer gone?)")
+        except Exception as exc:  # nixlBind raises its own exception types
+            failure = KvTransferError(f"KV read from {handle.agent} failed: {exc}")
+        try:
+            # NIXL tries to cancel an active read here (see `dst_unsafe`).
+            self._agent.release_xfer_handle(xfer)
+        except Exception:  # noqa: BLE001 - not cancellable: NIXL keeps the request
+            if failure is not None and not failure.dst_unsafe:
+                failure = KvTransferError(f"{failure}; the read could not be cancelled: do "
+                                          "not reuse its destination blocks")
+                failure.dst_unsafe = True
+        if failure is not None:
+            raise failure
         if time.time() > give_up:
             raise KvHandleExpired(
                 f"KV read for {handle.request_id} finished after the source may have freed "
