@@ -27,9 +27,10 @@ must be NTP-synchronised, and their clock skew eats into the margin. The decode 
 refuses a handle already past its deadline before reading, and checks deadline + margin
 after the read: a read that raced the source freeing its blocks is detected, not used.
 
-Failure: a peer that died or became unreachable ends the read with an error state, or
-never completes; the read waits at most until the handle's deadline plus the margin,
-then cancels and raises `KvTransferError`. It never hangs.
+Failure: a peer that died ends the read with an error state (UCX sees the disconnect);
+one that hangs never completes it: the read waits at most until the handle's deadline
+plus the margin, then releases it and raises `KvTransferError` with ``dst_unsafe`` set,
+because a read released in flight may still land (see `KvTransferError`). It never hangs.
 
 The package (``nixl-cu12``, the ``cluster`` extra) is imported on first use: a box that
 never joins another never loads it. NOT RUN ON HARDWARE: VRAM pools (GPU boxes, RDMA)
