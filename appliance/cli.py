@@ -110,6 +110,15 @@ def cmd_serve(args) -> int:
     from appliance import config
     from appliance.daemon.main import serve
     cfg = _config(args)
+    if cfg.cluster.role != "both":
+        # A box that joins another moves KV with NIXL: found here without importing it.
+        from appliance.kv.nixl_transport import INSTALL_HINT, nixl_installed
+        if not nixl_installed():
+            raise config.ConfigError(f"cluster.role = {cfg.cluster.role!r} moves KV between "
+                                     f"boxes with NIXL. {INSTALL_HINT}")
+        print(f"applianced: cluster.role = {cfg.cluster.role!r} is not yet served across "
+              "boxes; this box serves every phase itself (docs/operations/cluster.md)",
+              file=sys.stderr)
     path = args.config or (config.DEFAULT_CONFIG_PATH if config.DEFAULT_CONFIG_PATH.exists()
                            else None)
     return serve(cfg, config.state_dir(cfg, args.state_dir),

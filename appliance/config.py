@@ -227,6 +227,20 @@ class TuiConfig:
 
 
 @dataclass
+class ClusterConfig:
+    # Two boxes as one (docs/operations/cluster.md). "both": today's single box (prefill
+    # and decode workers here); "prefill": the front, its decodes go to `peers`;
+    # "decode": takes decodes from `peers`. Roles other than "both" need the cluster
+    # extra (nixl-cu12): the KV moves between boxes by NIXL READ.
+    role: str = "both"
+    peers: list[str] = field(default_factory=list)   # the other boxes' base URLs
+    key: str = ""       # the key boxes present to each other (keep the file 0600)
+
+
+CLUSTER_ROLES = ("both", "prefill", "decode")
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
@@ -241,6 +255,7 @@ class Config:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     tui: TuiConfig = field(default_factory=TuiConfig)
     workflows: WorkflowsConfig = field(default_factory=WorkflowsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     state_dir: str = ""
 
 
@@ -305,6 +320,7 @@ def validate(cfg: Config) -> Config:
     for url in cfg.tui.urls:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"config: tui.urls: {url!r} is not an http:// or https:// URL")
+    _validate_cluster(cfg.cluster)
     if cfg.devices.mode not in ("disagg", "agg"):
         raise ConfigError(f"config: devices.mode must be disagg or agg, got {cfg.devices.mode!r}")
     if cfg.engine.tool_parser not in ("", "hermes", "llama3_json", "mistral", "none"):
@@ -367,6 +383,24 @@ def validate(cfg: Config) -> Config:
     except ValueError as exc:
         raise ConfigError(f"config: planner.horizon: {exc}") from None
     return cfg
+
+
+def _validate_cluster(c: ClusterConfig) -> None:
+    if c.role not in CLUSTER_ROLES:
+        raise ConfigError(f"config: cluster.role must be both, prefill or decode, got {c.role!r}")
+    for url in c.peers:
+        if not re.fullmatch(r"https?://[^/\s]+/?", url):
+            raise ConfigError(f"config: cluster.peers: {url!r} is not a base URL like "
+                              "https://host:port")
+    if len(set(u.rstrip("/") for u in c.peers)) != len(c.peers):
+        raise ConfigError("config: cluster.peers lists a box twice")
+    if c.role != "both":
+        if not c.peers:
+            raise ConfigError(f"config: cluster.role = {c.role!r} needs cluster.peers (the "
+                              f"{'decode' if c.role == 'prefill' else 'prefill'} boxes)")
+        if len(c.key) < 16:
+            raise ConfigError(f"config: cluster.role = {c.role!r} needs cluster.key, at least "
+                              "16 characters, the same on every box of the cluster")
 
 
 TAG_KEYS = ("team", "project", "cost_center")

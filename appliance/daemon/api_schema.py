@@ -8,7 +8,7 @@ becomes a 400 in OpenAI's error shape that names the parameter. The parsers afte
 only convert and apply the rules a schema cannot say (one field's meaning depending on
 another's). `openapi.document`
 renders the same `Operation`s, so the document cannot drift from what the daemon
-accepts: a route registered without one fails tests/test_openapi.py.
+accepts: a route registered without one fails tests/integration/test_openapi.py.
 """
 from __future__ import annotations
 
