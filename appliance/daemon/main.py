@@ -333,15 +333,16 @@ def reload_on_sighup(svc: Service, tls: TlsSetup, keys: KeyWatcher, audit: Audit
     Audited as `reload`."""
     from appliance.config import ConfigError
     results = {}
-    try:
-        svc.reload()
-        results["tenants and budgets"] = "reloaded"
-    except ConfigError as exc:
-        log.error("reload refused, the old limits stay: %s", exc)
-        results["tenants and budgets"] = f"kept the previous: {exc}"
     if tls.watcher is not None:
         results["tls"] = "reloaded" if tls.watcher.reload("SIGHUP") else "kept the previous"
     results["keys"] = "reloaded" if keys.poll(force=True) else "kept the previous"
+    if svc.config_path is not None:      # started on the defaults: no [tenants] to re-read
+        try:
+            svc.reload()
+            results["tenants and budgets"] = "reloaded"
+        except ConfigError as exc:
+            log.error("reload refused, the old limits stay: %s", exc)
+            results["tenants and budgets"] = f"kept the previous: {exc}"
     audit.record("reload", "SIGHUP", ", ".join(f"{k}: {v}" for k, v in results.items()),
                  params={"signal": "SIGHUP"})
 
