@@ -111,6 +111,10 @@ def test_chat_renders_through_the_harmony_template_and_splits_channels(served, t
 
 def test_forcing_a_call_on_a_harmony_model_is_a_clear_400(served):
     ckpt, d, _, _ = served
+    (info,) = d.client().models.list().data
+    caps = info.model_extra["capabilities"]
+    assert caps["tool_parser"] == "harmony" and caps["tools"] is True
+    assert caps["tool_choice_required"] is False
     import openai
     with pytest.raises(openai.BadRequestError) as err:
         d.client().chat.completions.create(model=ckpt.name, messages=MESSAGES, tools=TOOLS,
