@@ -152,3 +152,62 @@ def test_forcing_a_call_is_refused_with_a_clear_error():
     with pytest.raises(ApiError) as err:
         forced_grammar("harmony", req)
     assert err.value.status == 400 and "harmony" in str(err.value)
+
+
+# ---- the daemon's response shapes on a harmony answer --------------------------------
+
+MODEL = "tiny-gpt-oss"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def _completion(tools):
+    from types import SimpleNamespace
+
+    from appliance.daemon.completion import Completion
+    from appliance.daemon.openai_protocol import parse_request
+    body = {"model": MODEL, "messages": USER} | ({"tools": tools} if tools else {})
+    svc = SimpleNamespace(tokenizer=SimpleNamespace(tool_parser="harmony"), model_name=MODEL,
+                          simulated=False, fingerprint="f", next_request_id=lambda: "r1")
+    comp = Completion(svc, parse_request(body, "chat"), "t")
+    comp.choices[0].finish_reason = "stop"
+    comp.choices[0].trace.cached_tokens = 0
+    return comp
+
+
+@pytest.mark.parametrize("case", ["reasoning+final", "reasoning+calls"])
+def test_response_shapes_whole_and_streamed(harmony_tok, case):
+    """`message.reasoning_content` / `delta.reasoning_content`, content, `tool_calls` and
+    finish_reason "tool_calls", from the text a harmony model writes (its end token too)."""
+    answer = ANSWERS[case]
+    text = assistant_output(_render(harmony_tok), USER, answer) + "<|return|>"
+    want_content, want_calls, want_reasoning = _expected(answer)
+    tools = [WEATHER] if "calls" in case else None
+
+    body = _completion(tools).full([text], [[]])
+    choice = body["choices"][0]
+    msg = choice["message"]
+    assert msg.get("reasoning_content") == want_reasoning
+    assert (msg["content"] or "") == want_content
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in msg.get("tool_calls", [])]
+    assert calls == want_calls
+    assert choice["finish_reason"] == ("tool_calls" if want_calls else "stop")
+
+    comp = _completion(tools)
+    out = b"".join(comp.chunk(0, text[k:k + 5], None, first=k == 0)
+                   for k in range(0, len(text), 5)) + comp.chunk(0, None, "stop")
+    events = [json.loads(line[6:]) for line in out.decode().split("\n\n") if line]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == want_reasoning
+    assert "".join(d.get("content") or "" for d in deltas) == want_content
+    streamed = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            entry = streamed.setdefault(c["index"], ["", ""])
+            entry[0] += c.get("function", {}).get("name", "")
+            entry[1] += c.get("function", {}).get("arguments", "")
+    assert [(n, json.loads(a)) for n, a in streamed.values()] == want_calls
+    assert events[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert all("<|" not in json.dumps(d) for d in deltas)
