@@ -69,7 +69,7 @@ class EngineConfig:
     prefill_chunk_tokens: int = 0     # >0: prefill in chunks of this many tokens, decodes between
     fair_queuing: bool = True         # tenants share prefill steps by [tenants] weight, not arrival order
     conditional_disagg_tokens: int = 0  # >0: prompts shorter than this skip the prefill worker
-    tool_parser: str = ""             # "" = from the chat template; hermes | llama3_json | mistral | none
+    tool_parser: str = ""             # "" = from the chat template; hermes | llama3_json | mistral | harmony | none
     dtype: str = "auto"               # torch weights and KV: auto | float32 | bfloat16 | float16
 
 
@@ -323,8 +323,8 @@ def validate(cfg: Config) -> Config:
     _validate_cluster(cfg.cluster)
     if cfg.devices.mode not in ("disagg", "agg"):
         raise ConfigError(f"config: devices.mode must be disagg or agg, got {cfg.devices.mode!r}")
-    if cfg.engine.tool_parser not in ("", "hermes", "llama3_json", "mistral", "none"):
-        raise ConfigError(f"config: engine.tool_parser must be hermes, llama3_json, mistral, "
+    if cfg.engine.tool_parser not in ("", "hermes", "llama3_json", "mistral", "harmony", "none"):
+        raise ConfigError(f"config: engine.tool_parser must be hermes, llama3_json, mistral, harmony, "
                           f"none or empty (from the chat template), got {cfg.engine.tool_parser!r}")
     if cfg.engine.kind not in ("auto", "sim", "torch", "trtllm"):
         raise ConfigError(f"config: engine.kind must be auto, sim, torch or trtllm, got {cfg.engine.kind!r}")

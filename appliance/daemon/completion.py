@@ -127,17 +127,21 @@ class Choice:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         tools = comp.req.tools
-        # Streamed output goes through the tool-call parser of the model's family.
-        self.parser = (new_parser(comp.svc.tokenizer.tool_parser, tools.names)
-                       if tools is not None and tools.active
-                       and comp.svc.tokenizer.tool_parser else None)
+        family = comp.svc.tokenizer.tool_parser
+        active = tools is not None and tools.active
+        # Streamed output goes through the tool-call parser of the model's family; a
+        # harmony model's chat output always does, for its channels (reasoning, answer).
+        self.harmony = family == "harmony" and comp.req.endpoint == "chat"
+        self.parser = (new_parser(family, tools.names if active else [], tools=active)
+                       if family and (active or self.harmony) else None)
 
     async def run(self, comp: Completion) -> AsyncIterator[tuple[str, list]]:
         """Yield (text delta, logprob entries) until this choice finishes; sets
         finish_reason and counts. Entries are (token id, TokenLogprob) of the tokens
         behind the text, when the request asked for logprobs (else always empty)."""
         req = comp.req
-        detok = comp.svc.tokenizer.stream(req.skip_special_tokens)
+        # Harmony's channels are special tokens: its parser reads them, the client never.
+        detok = comp.svc.tokenizer.stream(req.skip_special_tokens and not self.harmony)
         stops = StopMatcher(req.stop)
         # max_tokens 0 (echo only): the engine still runs the prompt, for its logprobs,
         # and the one token it samples is dropped.
@@ -380,13 +384,19 @@ class Completion:
             content, calls = content + rest, calls + more
             if parser.calls and finish == "stop":
                 finish = choice.finish_reason = "tool_calls"
+        reasoning = parser.take_reasoning()
         out = b""
+        if reasoning:
+            delta = {"role": "assistant"} if first else {}
+            delta["reasoning_content"] = reasoning
+            out += self._event(index, delta, None)
+            first = False
         if first or content or logprobs is not None:
             delta: dict = {"role": "assistant"} if first else {}
             delta["content"] = content
             out += self._event(index, delta, None, logprobs)
         first_index = parser.calls_sent - len(calls)
-        if not self.req.tools.parallel:     # one call at most: the first
+        if self.req.tools is not None and not self.req.tools.parallel:     # the first only
             calls = calls[:max(0, 1 - first_index)]
         for d in call_deltas(calls, first_index):
             out += self._event(index, {"tool_calls": [d]}, None)
@@ -409,14 +419,18 @@ class Completion:
                 message = {"role": "assistant", "content": text}
                 finish = c.finish_reason
                 if c.parser is not None:
-                    content, calls = c.parser.parse(text)
-                    if not self.req.tools.parallel:
+                    content, calls, reasoning = c.parser.split(text)
+                    if self.req.tools is not None and not self.req.tools.parallel:
                         calls = calls[:1]
                     if calls:
                         message = {"role": "assistant", "content": content.strip() or None,
                                    "tool_calls": [call.openai() for call in calls]}
                         if finish == "stop":
                             finish = c.finish_reason = "tool_calls"
+                    elif c.harmony:
+                        message = {"role": "assistant", "content": content}
+                    if reasoning:
+                        message["reasoning_content"] = reasoning
                 choices.append({"index": c.index, "message": message,
                                 "logprobs": logprobs, "finish_reason": finish})
             else:

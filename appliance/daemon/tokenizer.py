@@ -6,6 +6,7 @@ add seconds of start-up and hundreds of MB to the daemon for the same result.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -31,6 +32,44 @@ def _token_text(value) -> str | None:
     return value
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+
+
+def chat_templates(model_dir: Path, cfg: dict) -> dict[str, str]:
+    """The checkpoint's chat templates by name, read as transformers reads them:
+    `tokenizer_config.json`'s `chat_template` (one string, or a list of named ones), then
+    `chat_template.jinja` beside it (how transformers >= 4.43 saves a template; it wins
+    over the JSON key) and `additional_chat_templates/NAME.jinja`."""
+    found: dict[str, str] = {}
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        found.update({t["name"]: t["template"] for t in template
+                      if isinstance(t, dict) and "name" in t and "template" in t})
+    elif isinstance(template, str):
+        found["default"] = template
+    jinja = model_dir / CHAT_TEMPLATE_FILE
+    if jinja.is_file():
+        found["default"] = jinja.read_text(encoding="utf-8")
+    extra = model_dir / CHAT_TEMPLATE_DIR
+    if extra.is_dir():
+        for f in sorted(extra.glob("*.jinja")):
+            found[f.stem] = f.read_text(encoding="utf-8")
+    return found
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _model_type(model_dir: Path) -> str:
+    try:
+        return json.loads((model_dir / "config.json").read_text()).get("model_type", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
 class ServedTokenizer:
     def __init__(self, model_dir: Path, tool_parser: str = ""):
         self.model_dir = Path(model_dir)
@@ -39,16 +78,27 @@ class ServedTokenizer:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         self.bos_token = _token_text(cfg.get("bos_token")) or ""
         self.eos_token = _token_text(cfg.get("eos_token")) or ""
-        template = cfg.get("chat_template")
-        if isinstance(template, list):   # HF allows named templates; take "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        templates = chat_templates(self.model_dir, cfg)
+        template = templates.get("default")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        # What transformers' template environment adds, so a template renders as there:
+        # a `tojson` that keeps key order and does not escape HTML, the date, errors.
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = self._raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(template) if template else None
+        # A checkpoint may keep a separate template for requests with tools, as
+        # transformers' `get_chat_template` picks it.
+        tool_template = templates.get("tool_use")
+        self._tool_template = env.from_string(tool_template) if tool_template else None
         # The tool-call format the template teaches (None: it renders no tools), unless
         # [engine] tool_parser names one ("none": no tool calling).
         from appliance.daemon.tool_calls import detect_parser
-        self.tool_parser = (detect_parser(template) if not tool_parser else
+        detected = detect_parser(tool_template or template)
+        if detected is None and template and _model_type(self.model_dir) == "gpt_oss":
+            detected = "harmony"        # gpt-oss is trained on harmony whatever renders it
+        self.tool_parser = (detected if not tool_parser else
                             None if tool_parser == "none" else tool_parser)
         self.vocab_size = self.tok.get_vocab_size()
         # The most characters one token can stand for (special tokens included): a text of
@@ -77,7 +127,8 @@ class ServedTokenizer:
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
-        return self._template.render(messages=messages, add_generation_prompt=True,
+        template = self._tool_template if tools and self._tool_template else self._template
+        return template.render(messages=messages, add_generation_prompt=True,
                                      bos_token=self.bos_token, eos_token=self.eos_token,
                                      tools=tools or None)
 

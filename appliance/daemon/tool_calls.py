@@ -7,7 +7,10 @@ them; a parser per family reads it back:
   generated tiny model);
 - "llama3_json": the whole answer is `{"name", "parameters"}` (Llama 3.1+; several joined
   by `;`), optionally after `<|python_tag|>`;
-- "mistral": `[TOOL_CALLS][{"name", "arguments"}, ...]`.
+- "mistral": `[TOOL_CALLS][{"name", "arguments"}, ...]`;
+- "harmony": OpenAI's harmony format (gpt-oss): messages on channels, `analysis` read
+  back as `reasoning_content`, `final` as content, and a `commentary` message addressed
+  `to=functions.NAME` as a call of NAME (see `HarmonyParser`).
 The family comes from the chat template (what it tells the model to write) unless
 configured. `tool_choice: "required"` or a named function is enforced by a grammar for
 that format (the output must be one call of an allowed tool with arguments valid for
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 from appliance.daemon.api_error import bad
 from appliance.engines.messages import GuidedDecoding
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = ("hermes", "llama3_json", "mistral", "harmony")
 MAX_TOOLS = 128
 ARGUMENT_FRAGMENT = 24      # characters per streamed `arguments` delta
 
@@ -171,7 +174,11 @@ def message_fields(m: dict) -> dict:
 
 def detect_parser(template: str | None) -> str | None:
     """The tool-call format a chat template teaches its model, or None (no tools)."""
-    if not template or "tools" not in template:
+    if not template:
+        return None
+    if "<|channel|>" in template:       # harmony: the format is the whole answer's
+        return "harmony"
+    if "tools" not in template:
         return None
     if "<tool_call>" in template:
         return "hermes"
@@ -187,6 +194,9 @@ def detect_parser(template: str | None) -> str | None:
 def forced_grammar(parser: str, tools: ToolRequest) -> GuidedDecoding:
     """The grammar that makes the output one call, in `parser`'s format, of one of the
     allowed tools with arguments valid for its parameters."""
+    if parser == "harmony":
+        raise bad("'tool_choice' 'required' or a named function is not supported for "
+                  "harmony-format models (gpt-oss); use 'auto'", "tool_choice")
     args_key = "parameters" if parser == "llama3_json" else "arguments"
     options = [{"type": "object", "properties": {"name": {"const": name}, args_key: params},
                 "required": ["name", args_key], "additionalProperties": False}
@@ -294,6 +304,15 @@ class ToolParser:
     def _complete_calls(self) -> list[ToolCall]:
         return []
 
+    def take_reasoning(self) -> str:
+        """Reasoning text read since the last call (only harmony has a channel for it)."""
+        return ""
+
+    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
+        """A whole output: (content, calls, reasoning)."""
+        content, calls = self.parse(text)
+        return content, calls, ""
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the end of the output: the rest of the content and the calls not sent.
         Text that looked like the start of calls but does not parse goes out as content."""
@@ -382,7 +401,171 @@ class MistralParser(ToolParser):
         return [] if not calls or None in calls else calls
 
 
-def new_parser(family: str, names: list[str]) -> ToolParser:
+class HarmonyParser(ToolParser):
+    """OpenAI's harmony format, as gpt-oss writes it after the prompt's
+    `<|start|>assistant`: messages of the form `<|channel|>CHANNEL[ to=RECIPIENT]
+    [<|constrain|>json]<|message|>TEXT` closed by `<|end|>`, `<|call|>` or `<|return|>`,
+    the next one opened by `<|start|>assistant`. The output must be decoded with its
+    special tokens kept. `analysis` is the chain of thought: it goes to
+    `reasoning_content`, as vLLM does for gpt-oss; `final` (and a `commentary` message
+    to no one, a preamble meant for the user) is content; a message addressed
+    `to=functions.NAME` is a call of NAME whose arguments are its text. Text that never
+    opens a message (a model not following the format) is content, at the end.
+
+    A state machine over the text rather than OpenAI's `openai-harmony` parser: that
+    needs the o200k vocabulary file, fetched from the network on first use, and the
+    daemon has the text already."""
+
+    START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+    ENDS = ("<|end|>", "<|call|>", "<|return|>")
+    MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, *ENDS)
+    LONGEST = 24                # a special token's text is shorter
+
+    def __init__(self, names: list[str], tools: bool = True):
+        super().__init__(names)
+        self.tools = tools          # whether calls are read back (else their text is dropped)
+        self.header = ""            # the current message's header, until <|message|>
+        self.in_body = False
+        self.channel = ""
+        self.recipient = ""
+        self.body = ""              # a call's arguments, until it closes
+        self.content = ""
+        self.reasoning = ""
+        self.reasoning_sent = 0
+        self.pending = ""           # text not yet read: may be the start of a marker
+
+    # the state machine ---------------------------------------------------------
+    def _read(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """Advance over `text`; (content, calls) that it completes."""
+        buf = self.pending + text
+        content, calls = [], []
+        i = 0
+        while i < len(buf):
+            at = buf.find("<|", i)
+            if at < 0:
+                # a trailing "<" may begin a marker: keep it for the next chunk
+                end = len(buf) - 1 if buf.endswith("<") and not final else len(buf)
+                self._text(buf[i:end], content)
+                i = end
+                break
+            self._text(buf[i:at], content)
+            i = at
+            close = buf.find("|>", at, at + self.LONGEST)
+            if close < 0:
+                if len(buf) - at < self.LONGEST and not final:
+                    break               # a marker cut by the chunk: wait for the rest
+                self._text("<|", content)   # not a marker: text
+                i = at + 2
+                continue
+            marker = buf[at:close + 2]
+            i = close + 2
+            if marker == self.MESSAGE and not self.in_body:
+                self._open()
+            elif marker in self.ENDS and self.in_body:
+                call = self._close()
+                if call is not None:
+                    calls.append(call)
+            elif marker == self.START:
+                if self.in_body:        # an unclosed message: close it
+                    call = self._close()
+                    if call is not None:
+                        calls.append(call)
+                self.header = ""
+            elif not self.in_body:
+                self.header += marker
+            elif marker not in self.MARKERS and not self._special(marker):
+                self._text(marker, content)
+        self.pending = buf[i:]
+        if final:
+            if self.in_body:
+                call = self._close()
+                if call is not None:
+                    calls.append(call)
+            elif self.header.strip() and not self.calls and not self.content:
+                # never a message: whatever the model wrote is the answer
+                content.append(self._plain(self.header))
+            self.header = ""
+        out = "".join(content)
+        self.content += out
+        return out, calls
+
+    @staticmethod
+    def _special(marker: str) -> bool:
+        """`<|word|>`: another special token (an end of text): never shown as text."""
+        return marker[2:-2].replace("_", "").isalnum()
+
+    @classmethod
+    def _plain(cls, text: str) -> str:
+        for m in cls.MARKERS:
+            text = text.replace(m, "")
+        return text
+
+    def _text(self, text: str, content: list[str]) -> None:
+        if not text:
+            return
+        if not self.in_body:
+            self.header += text
+        elif self.recipient:
+            self.body += text
+        elif self.channel == "analysis":
+            self.reasoning += text
+        else:                           # final, or a commentary preamble
+            content.append(text)
+
+    def _open(self) -> None:
+        header = self.header
+        channel = ""
+        if self.CHANNEL in header:
+            channel = header.split(self.CHANNEL, 1)[1].split(self.CONSTRAIN, 1)[0]
+            channel = channel.split()[0] if channel.split() else ""
+        recipient = next((w[3:] for w in header.replace(self.CONSTRAIN, " ").replace(
+            self.CHANNEL, " ").split() if w.startswith("to=")), "")
+        self.channel, self.recipient = channel, recipient
+        self.in_body, self.header, self.body = True, "", ""
+
+    def _close(self) -> ToolCall | None:
+        recipient, body = self.recipient, self.body.strip()
+        self.in_body, self.channel, self.recipient, self.body = False, "", "", ""
+        if not recipient or not self.tools:
+            return None
+        name = recipient.removeprefix("functions.")
+        if self.names and name not in self.names:
+            return None
+        try:
+            args = json.dumps(json.loads(body)) if body else "{}"
+        except ValueError:
+            args = body                 # as written: the client sees what the model said
+        call = ToolCall(name, args)
+        self.calls.append(call)
+        self.calls_sent += 1
+        return call
+
+    # the ToolParser interface ----------------------------------------------------
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        return self._read(text)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        return self._read("", final=True)
+
+    def take_reasoning(self) -> str:
+        out = self.reasoning[self.reasoning_sent:]
+        self.reasoning_sent = len(self.reasoning)
+        return out
+
+    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
+        fresh = HarmonyParser(self.names, self.tools)
+        fresh._read(text)
+        fresh._read("", final=True)
+        return fresh.content, fresh.calls, fresh.reasoning
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        content, calls, _ = self.split(text)
+        return content, calls
+
+
+def new_parser(family: str, names: list[str], tools: bool = True) -> ToolParser:
+    if family == "harmony":
+        return HarmonyParser(names, tools)
     return {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
             "mistral": MistralParser}[family](names)
 

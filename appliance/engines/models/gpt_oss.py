@@ -54,6 +54,25 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
     return values.flatten(-2).to(dtype)
 
 
+class BiasAfter:
+    """An expert's ``x @ W + b`` as gpt-oss's reference (`transformers`) computes it: the
+    product rounded to the activations' dtype, then the bias added. A bias fused into the
+    matmul rounds once instead of twice, which in bf16 moves an expert's output by a unit
+    in the last place, enough to flip a later router's choice at a near-tie."""
+
+    __slots__ = ("linear", "bias")
+
+    def __init__(self, linear: Linear, bias: torch.Tensor) -> None:
+        self.linear = linear
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.bias
+
+    def dense(self) -> torch.Tensor:
+        return self.linear.dense()
+
+
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
     """Rows (or entries) gate0, up0, gate1, up1, ... -> all gates, then all ups."""
     return torch.cat((t[0::2], t[1::2]))
@@ -91,9 +110,9 @@ def load_moe(get: Get, shape: LlamaShape, prefix: str, device: torch.device,
         def down_of(e: int) -> torch.Tensor:
             return dn_all[e].T
 
-    gate_up = [Linear(_deinterleave(gate_up_of(e)).contiguous(), _deinterleave(gu_bias[e]))
-               for e in range(E)]
-    down = [Linear(down_of(e).contiguous(), down_bias[e].clone()) for e in range(E)]
+    gate_up = [BiasAfter(Linear(_deinterleave(gate_up_of(e)).contiguous()),
+                         _deinterleave(gu_bias[e])) for e in range(E)]
+    down = [BiasAfter(Linear(down_of(e).contiguous()), down_bias[e].clone()) for e in range(E)]
     return SparseMoE(router, gate_up, down, clamped_swiglu(shape.swiglu_limit,
                                                            shape.swiglu_alpha))
 
