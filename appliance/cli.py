@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "and a BPE tokenizer trained offline.")
     q.add_argument("dir")
     q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--preset", choices=["tiny", "20m"], default="tiny")
+    q.add_argument("--preset", choices=["tiny", "20m", "82m"], default="tiny")
     q = msub.add_parser("ensure-default", help="(internal) create the default model in a state dir",
                         description="Internal: `serve` runs this once to build its default model.")
     q.add_argument("state_dir")

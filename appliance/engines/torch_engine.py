@@ -18,6 +18,7 @@ seeded request gives the same tokens whatever shares its batch.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -426,8 +427,9 @@ def profile_activation(model: LlamaModel, tokens: int, seqs: int, block_size: in
 def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     """The engine a WorkerSpec with engine="torch" names.
 
-    CPU: fp32 (`[engine] dtype` may ask for bf16 or fp16: used where the processor has
-    the instructions, else fp32 with one line on stderr; `engines.dtypes`), spec.cpu_threads torch threads (on the cores the worker is pinned to), pool
+    CPU: fp32, or the checkpoint's own bf16/fp16 where the processor has the instructions
+    (`[engine] dtype` may ask for bf16 or fp16: used where the processor has them, else
+    fp32 with one line on stderr; `engines.dtypes`), spec.cpu_threads torch threads (on the cores the worker is pinned to), pool
     sized from spec.kv_cache_bytes (in /dev/shm), SDPA attention.
     GPU (NOT RUN ON HARDWARE): bf16 (or the configured dtype) on cuda:0 (the worker's own first device; the daemon
     lists its devices first in CUDA_VISIBLE_DEVICES); attention through FlashInfer's paged
@@ -455,7 +457,12 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
             torch.set_num_interop_threads(1)
         except RuntimeError:        # already set (or parallel work already ran)
             pass
-    dtype, note = dtypes.resolve(spec.dtype, spec.device_kind)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}            # load_model names the missing or broken file
+    dtype, note = dtypes.resolve(spec.dtype, spec.device_kind,
+                                 stored=dtypes.checkpoint_dtype(config))
     if note:
         print(f"applianced worker {spec.worker}: {note}", file=sys.stderr, flush=True)
     model = load_model(model_dir, device=device, dtype=dtype)

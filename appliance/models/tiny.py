@@ -57,6 +57,9 @@ PRESETS: dict[str, dict[str, int]] = {
                  num_key_value_heads=2, intermediate_size=688),
     "20m": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
                 num_key_value_heads=4, intermediate_size=1376),
+    # The shape issue 26 measures against vLLM's CPU build (81.8M parameters).
+    "82m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                num_key_value_heads=4, intermediate_size=2048),
 }
 VOCAB_SIZE = 4096
 MAX_POSITIONS = 4096

@@ -2,6 +2,9 @@
 run in bf16."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -36,6 +39,23 @@ def test_resolve_by_device_and_cpu_flags():
     assert dtypes.resolve("float16", "gpu", plain) == (torch.float16, None)
     with pytest.raises(ValueError, match="unknown dtype 'bf16'"):
         dtypes.resolve("bf16", "cpu", plain)
+
+
+def test_auto_follows_the_checkpoints_dtype_where_the_cpu_has_it():
+    bf16_cpu = frozenset({"avx512f", "avx512_bf16"})
+    plain = frozenset({"avx2", "avx512f"})
+    bf16 = dtypes.checkpoint_dtype({"torch_dtype": "bfloat16"})
+    assert bf16 == torch.bfloat16
+    assert dtypes.checkpoint_dtype({"dtype": "torch.float16"}) == torch.float16  # 5.x spelling
+    assert dtypes.checkpoint_dtype({"torch_dtype": "float32"}) == torch.float32
+    assert dtypes.checkpoint_dtype({}) is None
+    assert dtypes.checkpoint_dtype({"torch_dtype": "int8"}) is None
+    assert dtypes.resolve("auto", "cpu", bf16_cpu, stored=torch.bfloat16) == (torch.bfloat16, None)
+    # No instructions: fp32, and no note (nothing was asked for).
+    assert dtypes.resolve("auto", "cpu", plain, stored=torch.bfloat16) == (torch.float32, None)
+    assert dtypes.resolve("auto", "cpu", bf16_cpu, stored=torch.float16) == (torch.float32, None)
+    assert dtypes.resolve("auto", "cpu", bf16_cpu, stored=torch.float32) == (torch.float32, None)
+    assert dtypes.resolve("float32", "cpu", bf16_cpu, stored=torch.bfloat16) == (torch.float32, None)
 
 
 def test_cpu_flags_read_from_cpuinfo(tmp_path):
@@ -77,6 +97,22 @@ def test_worker_loads_weights_and_kv_in_the_configured_dtype(tiny_model, monkeyp
     err = capfd.readouterr().err.strip().splitlines()
     assert err == ["applianced worker agg0: dtype bfloat16 asked for, but this CPU lacks "
                    "AVX512-BF16/AMX-BF16 (Arm: BF16): running in float32"]
+
+
+def test_auto_worker_runs_a_bf16_checkpoint_in_bf16(tiny_model, tmp_path, monkeypatch):
+    """A checkpoint whose config.json says bfloat16 (as released ones do) loads in bf16
+    under `auto` on a CPU with the instructions, in fp32 on one without."""
+    model = tmp_path / "bf16-model"
+    shutil.copytree(tiny_model, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    (model / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx512_bf16"}))
+    e = build_torch_engine(_spec(model, "auto"), model)
+    assert e.model.dtype == torch.bfloat16 and e.kv.dtype == torch.bfloat16
+    assert build_torch_engine(_spec(tiny_model, "auto"), tiny_model).model.dtype == torch.float32
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx2"}))
+    assert build_torch_engine(_spec(model, "auto"), model).model.dtype == torch.float32
 
 
 # --------------------------------------------------------------------------- bf16 parity

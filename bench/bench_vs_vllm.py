@@ -1,0 +1,251 @@
+"""applianced against vLLM's CPU build on the same checkpoint, each server with its
+defaults: streaming completions, P-token prompts (token ids, so both servers see exactly P
+tokens), N output tokens with `ignore_eos`, at concurrency 8 and 32. Not a test: prints a
+table (and --json writes it).
+
+    .venv/bin/python bench/bench_vs_vllm.py --quick            # ~2 min on a quiet 2-core box
+    .venv/bin/python bench/bench_vs_vllm.py --vllm /work/wt/_vllm-venv/bin/vllm \
+        --requests 4 --rounds 2                                 # issue 26's cells, A B A B
+
+The checkpoint is `applianced model init-tiny --preset 82m` (random Llama, hidden 768,
+12 layers, 81.8M parameters, fp32 on disk) unless --model names one. vLLM runs from its
+own venv (`--vllm`, the `vllm` script there; skipped when absent); both servers are up
+at once and are measured ALTERNATELY (A B A B ...: `--rounds`), so load from other jobs
+on the machine falls on both alike; the table gives each cell's median over the rounds.
+
+Per cell, the client (aiohttp, this process) keeps C requests in flight until C ×
+`--requests` have finished, after one warm-up wave of C:
+  req/s   finished requests / wall time from the first send to the last byte;
+  TTFT    time from send to the first streamed token, p50 over requests;
+  ITL     (last token time - first token time) / (tokens - 1) per request, p50 — what
+          aiperf calls inter-token latency. NVIDIA's aiperf is the reference client
+          (`--aiperf PATH` also runs it against each server once per cell and prints its
+          req/s and p50s beside ours).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from daemon_process import ROOT, free_port, pct, start_daemon  # noqa: E402
+
+
+def make_model(cache: Path) -> Path:
+    target = cache / "bench-82m"
+    if not (target / "model.safetensors").exists():
+        subprocess.run([sys.executable, "-m", "appliance", "model", "init-tiny", str(target),
+                        "--preset", "82m", "--seed", "1"], check=True, cwd=ROOT)
+    return target
+
+
+def start_vllm(vllm: str, model: Path, log: Path, timeout: float = 900):
+    port = free_port()
+    # Defaults but for memory: vLLM's CPU backend reserves 92% of RAM at start and refuses
+    # to start where other jobs use more than 8%; 1 GiB of KV, as applianced's workers have.
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.Popen([vllm, "serve", str(model), "--host", "127.0.0.1", "--port",
+                             str(port), "--served-model-name", model.name,
+                             "--gpu-memory-utilization", "0.5"],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"vLLM exited: {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(1)
+    stop(proc)
+    raise SystemExit("vLLM did not become ready")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def one_request(session, url: str, body: dict) -> tuple[float, list[float]]:
+    """(send time, arrival time of each streamed token)."""
+    t0 = time.perf_counter()
+    times: list[float] = []
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:300]}")
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                times.append(time.perf_counter())
+    return t0, times
+
+
+async def cell(url: str, model: str, concurrency: int, total: int, prompt_tokens: int,
+               output_tokens: int, vocab: int, seed: int) -> dict:
+    rng = random.Random(seed)
+
+    def body() -> dict:
+        # Random ids above the special tokens: no prefix is shared between requests.
+        return {"model": model, "prompt": [rng.randrange(16, vocab) for _ in range(prompt_tokens)],
+                "max_tokens": output_tokens, "min_tokens": output_tokens, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        await asyncio.gather(*(one_request(session, url, body()) for _ in range(concurrency)))
+        results: list[tuple[float, list[float]]] = []
+        left = total
+
+        async def worker():
+            nonlocal left
+            while left > 0:
+                left -= 1
+                results.append(await one_request(session, url, body()))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    ttft = [times[0] - t0 for t0, times in results if times]
+    itl = [(times[-1] - times[0]) / (len(times) - 1) for _, times in results if len(times) > 1]
+    tokens = sum(len(t) for _, t in results)
+    return {"req_s": len(results) / wall, "ttft_p50_s": pct(ttft, 0.5),
+            "itl_p50_ms": 1e3 * pct(itl, 0.5), "tokens": tokens, "requests": len(results),
+            "wall_s": wall}
+
+
+def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
+               prompt_tokens: int, output_tokens: int, out: Path) -> dict | None:
+    """aiperf's own numbers for one cell (None when it fails: its CLI moves between releases)."""
+    cmd = [aiperf, "profile", "--model", model.name, "--tokenizer", str(model), "--url", url,
+           "--endpoint-type", "completions", "--streaming", "--concurrency", str(concurrency),
+           "--request-count", str(total), "--synthetic-input-tokens-mean", str(prompt_tokens),
+           "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(output_tokens),
+           "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
+           "--extra-inputs", f"min_tokens:{output_tokens}", "--artifact-dir", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    found = list(out.rglob("profile_export_aiperf.json"))
+    if r.returncode != 0 or not found:
+        print(f"  aiperf failed ({r.returncode}): {(r.stderr or r.stdout)[-500:]}")
+        return None
+    data = json.loads(found[0].read_text())
+    get = lambda k, f: (data.get(k) or {}).get(f)  # noqa: E731
+    return {"req_s": get("request_throughput", "avg"),
+            "ttft_p50_s": (get("time_to_first_token", "p50") or 0) / 1e3,
+            "itl_p50_ms": get("inter_token_latency", "p50")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, help="checkpoint dir (default: the 82m preset)")
+    ap.add_argument("--vllm", default="/work/wt/_vllm-venv/bin/vllm",
+                    help="vLLM's `vllm` script in its own venv ('' to skip)")
+    ap.add_argument("--vllm-url", default="",
+                    help="a vLLM already serving the same checkpoint (skips starting one)")
+    ap.add_argument("--aiperf", default="", help="aiperf's script, to run it beside the client")
+    ap.add_argument("--concurrency", default="8,32")
+    ap.add_argument("--requests", type=int, default=3, help="requests per cell = C × this")
+    ap.add_argument("--rounds", type=int, default=2, help="A B rounds per cell (median)")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--applianced-args", default="", help="extra `applianced serve` flags")
+    ap.add_argument("--dtypes", default="auto",
+                    help="applianced's `[engine] dtype`, one server each (e.g. auto,bfloat16)")
+    ap.add_argument("--quick", action="store_true", help="c=8 only, 2 requests each, 1 round")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if args.quick:
+        args.concurrency, args.requests, args.rounds = "8", 2, 1
+    levels = [int(c) for c in args.concurrency.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="bench-vs-vllm-"))
+    model = args.model or make_model(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                                     / "applianced-bench")
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        names = {"vLLM CPU": model.name}
+        for dtype in args.dtypes.split(","):
+            name = "applianced" if dtype == "auto" else f"applianced {dtype}"
+            state = tmp / f"state-{dtype}"
+            state.mkdir()
+            (state / "config.toml").write_text(f'[engine]\ndtype = "{dtype}"\n')
+            servers[name] = start_daemon(state, ["--model", str(model), "--engine", "torch",
+                                                 "--config", str(state / "config.toml"),
+                                                 *args.applianced_args.split()])
+            names[name] = model.name
+        if args.vllm_url:
+            servers["vLLM CPU"] = (None, args.vllm_url.rstrip("/"))
+        elif args.vllm and Path(args.vllm).exists():
+            servers["vLLM CPU"] = start_vllm(args.vllm, model, tmp / "vllm.log")
+        else:
+            print(f"vLLM not found at {args.vllm!r}: measuring applianced alone")
+        rows = []
+        for c in levels:
+            samples: dict[str, list[dict]] = {n: [] for n in servers}
+            for r in range(args.rounds):
+                for name, (_, url) in servers.items():       # A B A B
+                    s = asyncio.run(cell(url, names[name], c, c * args.requests,
+                                         args.prompt_tokens, args.output_tokens, vocab,
+                                         seed=1000 * r + c))
+                    print(f"  c={c} round {r + 1} {name}: {s['req_s']:.2f} req/s, TTFT p50 "
+                          f"{s['ttft_p50_s']:.2f} s, ITL p50 {s['itl_p50_ms']:.1f} ms", flush=True)
+                    samples[name].append(s)
+            for name, ss in samples.items():
+                row = {"concurrency": c, "server": name, "rounds": len(ss),
+                       **{k: statistics.median(s[k] for s in ss)
+                          for k in ("req_s", "ttft_p50_s", "itl_p50_ms")}}
+                if args.aiperf:
+                    row["aiperf"] = run_aiperf(args.aiperf, servers[name][1], model, c,
+                                               c * args.requests, args.prompt_tokens,
+                                               args.output_tokens, tmp / f"aiperf-{name}-{c}")
+                rows.append(row)
+        print(f"\n{model.name}: {args.prompt_tokens}-token prompts, {args.output_tokens} output "
+              f"tokens, medians of {args.rounds} alternating round(s)")
+        print("| concurrency | server | req/s | TTFT p50 | ITL p50 |\n|---|---|---:|---:|---:|")
+        for row in rows:
+            print(f"| {row['concurrency']} | {row['server']} | {row['req_s']:.2f} | "
+                  f"{row['ttft_p50_s']:.2f} s | {row['itl_p50_ms']:.1f} ms |")
+        by = {(r["concurrency"], r["server"]): r for r in rows}
+        for c in levels:
+            v = by.get((c, "vLLM CPU"))
+            for name in servers:
+                a = by.get((c, name))
+                if a and v and a is not v:
+                    print(f"c={c} {name}: req/s ×{a['req_s'] / v['req_s']:.2f} of vLLM's, "
+                          f"ITL ×{v['itl_p50_ms'] / a['itl_p50_ms']:.2f} (vLLM's / ours)")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+    finally:
+        for proc, _ in servers.values():
+            if proc is not None:
+                stop(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
