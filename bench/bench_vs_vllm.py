@@ -14,7 +14,7 @@ at once and are measured ALTERNATELY (A B A B ...: `--rounds`), so load from oth
 on the machine falls on both alike; the table gives each cell's median over the rounds.
 
 Per cell, the client (aiohttp, this process) keeps C requests in flight until C ×
-`--requests` have finished, after one warm-up wave of C:
+`--requests` have finished, after two warm-up requests:
   req/s   finished requests / wall time from the first send to the last byte;
   TTFT    time from send to the first streamed token, p50 over requests;
   ITL     (last token time - first token time) / (tokens - 1) per request, p50 — what
@@ -118,7 +118,7 @@ async def cell(url: str, model: str, concurrency: int, total: int, prompt_tokens
     conn = aiohttp.TCPConnector(limit=concurrency)
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        await asyncio.gather(*(one_request(session, url, body()) for _ in range(concurrency)))
+        await asyncio.gather(*(one_request(session, url, body()) for _ in range(2)))  # warm-up
         results: list[tuple[float, list[float]]] = []
         left = total
 
