@@ -365,8 +365,24 @@ def test_reload_from_the_file_on_disk_admin_cli_and_sighup(tiny_model, tmp_path)
         assert d.proc.poll() is None
         line = next(x for x in d.log_text().splitlines() if "reload refused" in x)
         assert "tenants.alpha" in line
+        # 5. `systemctl reload`: the unit's ExecReload line, as systemd would run it
+        path.write_text(_config("9"))
+        exec_reload = _unit_exec_reload().replace("$MAINPID", str(d.proc.pid)).split()
+        assert exec_reload[0] == "/opt/applianced/applianced"
+        out = subprocess.run([sys.executable, "-m", "appliance", *exec_reload[1:]],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert out.returncode == 0, out.stderr
+        _wait(lambda: _tenant(d, "alpha")["limits"]["requests_per_minute"] == 9)
+        out = subprocess.run([sys.executable, "-m", "appliance", "reload", "--pid", "999999999"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1 and "no process" in out.stderr
     finally:
         d.stop(signal.SIGKILL)
+
+
+def _unit_exec_reload() -> str:
+    text = (ROOT / "systemd" / "applianced.service").read_text()
+    return re.search(r"^ExecReload=(.+)$", text, re.M).group(1)
 
 
 def _wait(predicate, timeout: float = 20.0) -> None:
