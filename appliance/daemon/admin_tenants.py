@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 # The router's queues are the per-tenant ones the daemon holds; prompts waiting in a
 # worker's fair queue are ordered there, but counted per worker, not per tenant.
-QUEUE_NOTE = ("queue: requests waiting at the router (for a max_concurrent slot, or for "
-              "a worker with room)")
+QUEUE_NOTE = ("queue: requests waiting at the router, for a max_concurrent slot or (in "
+              "fair queuing order) for a worker with room")
 
 
 async def tenants(request: web.Request):
