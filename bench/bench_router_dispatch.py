@@ -8,6 +8,10 @@ token on the next loop turn. The figure is the whole request through
 - `fast, 8 tenants`: the same, eight tenants.
 - `saturated, 2 tenants`: `max_seqs = 4` per worker, 64 in flight: most requests wait
   in the router's fair queue (the slow path; absent before it existed).
+- `placement`: the worker choice alone on the fast path (before the router's fair
+  queue: the least-queued ready worker; with it: the same, checked for room, after a
+  test that nobody waits), best of 15 passes of 200,000. The whole-request figures
+  move by more than this on a shared machine; this one is the added cost itself.
 
     .venv/bin/python bench/bench_router_dispatch.py            # ~20 s
     PYTHONPATH=/path/to/an/older/checkout .venv/bin/python bench/bench_router_dispatch.py
@@ -67,8 +71,33 @@ async def measure(workers: int, max_seqs: int, tenants: list[str], repeats: int 
     return min([await one_pass(router, tenants, N) for _ in range(repeats)])
 
 
+def placement(repeats: int = 15, n: int = 200_000) -> float:
+    async def run() -> float:
+        router = make_router(2, 256)
+        if hasattr(router, "dispatch"):
+            from appliance.daemon.dispatch import pick_with_room
+
+            def choose():
+                if not router.dispatch.queue:
+                    return pick_with_room(router._first(), 64)
+        else:
+            from appliance.routing import least_queued
+
+            def choose():
+                return least_queued(router._ready(router.agg, "aggregated"))
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                choose()
+            best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        return best
+    return asyncio.run(run())
+
+
 def main() -> None:
     rows = {
+        "placement": placement(),
         "fast, 1 tenant": asyncio.run(measure(2, 256, ["a"])),
         "fast, 8 tenants": asyncio.run(measure(2, 256, [f"t{i}" for i in range(8)])),
         "saturated, 2 tenants": asyncio.run(measure(2, 4, ["flood", "polite"])),
