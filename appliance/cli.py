@@ -13,7 +13,7 @@ from appliance.commands.client import AdminClient, AdminError, add_client_args
 from appliance.tui.views.overview import core_ranges  # noqa: F401  (tests and scripts import it here)
 
 # Subcommand modules under appliance/commands/ (see its __init__): one line per area.
-AREAS: tuple[str, ...] = ("plan", "tenants", "tui", "usage", "workflow")
+AREAS: tuple[str, ...] = ("keys", "plan", "tenants", "tui", "usage", "workflow")
 
 
 def _serve_overrides(p: argparse.ArgumentParser) -> None:

@@ -33,6 +33,14 @@ class ServerConfig:
     drain_timeout_s: float = 30.0     # SIGTERM: how long in-flight requests may finish
     log_requests: bool = False        # one JSON line per finished request on stderr
     prepare_inline_bytes: int = 4096  # bodies up to this are prepared on the event loop
+    # TLS: PEM files, or "credential:NAME" for a systemd credential (LoadCredential=NAME:...)
+    # read from $CREDENTIALS_DIRECTORY. Both or neither. Re-read when changed, or on SIGHUP.
+    tls_cert: str = ""
+    tls_key: str = ""
+    # A separate listener for /admin/ and /metrics (e.g. loopback or a management network);
+    # admin_port = 0: the admin API shares host:port with the OpenAI API.
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 0
 
 
 @dataclass
@@ -93,8 +101,14 @@ class AuthConfig:
     # Who may scrape /metrics: "open" (anyone), "loopback" (loopback clients; others need
     # an admin key), "admin" (an admin key, even on loopback).
     metrics_access: str = "loopback"
+    # PEM CA bundle (or "credential:NAME"): with it, /admin/ needs a client certificate
+    # signed by this CA (mutual TLS) besides the admin key; needs server.tls_cert.
+    admin_client_ca: str = ""
     # Derived, not a key: tenant -> its tags, collected from the [auth.keys] tables.
     tenant_tags: dict = field(default_factory=dict, metadata={"derived": True})
+    # Derived: digest -> the key's name in logs and the audit log (a table's `name`, else
+    # "config:" and the digest's first 8 hex digits).
+    key_names: dict = field(default_factory=dict, metadata={"derived": True})
 
 
 @dataclass
@@ -145,7 +159,9 @@ class AccountingConfig:
     rate_cards: list = field(default_factory=list, metadata={"tables": True})
     calibration_min_iterations: int = 50   # per model x device x phase before weights are fitted
     retention_days: float = 90.0      # request and window rows; 0 = keep forever
-    rollup_retention_days: float = 730.0   # hour/day rollups; 0 = keep forever
+    rollup_retention_days: float = 730.0   # hour rollups (never below the raw rows); 0 = forever
+    retention_mb: float = 0.0         # raw rows also bounded by size (MB of the file); 0 = no bound
+    report_timeout_s: float = 30.0    # a report query is stopped after this (HTTP 503); 0 = never
 
 
 @dataclass
@@ -280,6 +296,7 @@ def validate(cfg: Config) -> Config:
         if not _DIGEST.match(digest):
             raise ConfigError(f"config: auth.admin_keys: {digest!r} is not a lowercase SHA-256 hex "
                               f"digest (make one with: applianced key digest KEY)")
+    _validate_tls(cfg)
     if cfg.auth.metrics_access not in ("open", "loopback", "admin"):
         raise ConfigError(f"config: auth.metrics_access must be open, loopback or admin, "
                           f"got {cfg.auth.metrics_access!r}")
@@ -355,11 +372,28 @@ def validate(cfg: Config) -> Config:
 TAG_KEYS = ("team", "project", "cost_center")
 
 
+def _validate_tls(cfg: Config) -> None:
+    s = cfg.server
+    if bool(s.tls_cert) != bool(s.tls_key):
+        raise ConfigError("config: server.tls_cert and server.tls_key go together (set both "
+                          "for TLS, neither for plain HTTP)")
+    if cfg.auth.admin_client_ca and not s.tls_cert:
+        raise ConfigError("config: auth.admin_client_ca needs TLS (server.tls_cert and "
+                          "server.tls_key): client certificates only exist inside TLS")
+    if not 0 <= s.admin_port < 65536:
+        raise ConfigError(f"config: server.admin_port must be 0 (shared) or 1-65535, "
+                          f"got {s.admin_port}")
+    if s.admin_port and s.admin_port == s.port and s.admin_host == s.host:
+        raise ConfigError("config: server.admin_port equals server.port on the same host; "
+                          "use 0 to share the listener")
+
+
 def _split_key_tags(auth: AuthConfig) -> None:
     """`[auth.keys]` entries are a tenant name or a table with the tenant and its tags.
     Normalised here: `keys` maps digest -> tenant (what Auth matches), `tenant_tags`
     tenant -> tags. Tags belong to the tenant: two keys of one tenant must not disagree."""
     keys: dict[str, str] = {}
+    names: dict[str, str] = dict(auth.key_names)
     tags: dict[str, dict[str, str]] = dict(auth.tenant_tags)
     for digest, entry in auth.keys.items():
         if not _DIGEST.match(digest):
@@ -367,17 +401,24 @@ def _split_key_tags(auth: AuthConfig) -> None:
                               f"(make one with: applianced key digest KEY)")
         where = f"auth.keys.{digest[:12]}…"
         if isinstance(entry, dict):
-            unknown = sorted(set(entry) - {"tenant", *TAG_KEYS})
+            unknown = sorted(set(entry) - {"tenant", "name", *TAG_KEYS})
             if unknown:
                 raise ConfigError(f"config: unknown key {where}.{unknown[0]} (known here: tenant, "
-                                  f"{', '.join(TAG_KEYS)})")
+                                  f"name, {', '.join(TAG_KEYS)})")
             tenant = entry.get("tenant")
+            name = entry.get("name", f"config:{digest[:8]}")
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"config: {where}.name must be a non-empty string, got {name!r}")
+            if name in names.values():
+                raise ConfigError(f"config: {where}.name {name!r} names two keys")
+            names[digest] = name
             own = {k: entry[k] for k in TAG_KEYS if k in entry}
             for k, v in own.items():
                 if not isinstance(v, str) or not v:
                     raise ConfigError(f"config: {where}.{k} must be a non-empty string, got {v!r}")
         else:
             tenant, own = entry, {}
+            names.setdefault(digest, f"config:{digest[:8]}")
         if not isinstance(tenant, str) or not tenant:
             raise ConfigError(f"config: {where} must name a tenant (a string, or a table with "
                               f"tenant = \"...\")")
@@ -389,6 +430,7 @@ def _split_key_tags(auth: AuthConfig) -> None:
             have[k] = v
         keys[digest] = tenant
     auth.keys = keys
+    auth.key_names = names
     auth.tenant_tags = {t: v for t, v in tags.items() if v}
 
 
@@ -423,6 +465,8 @@ def _validate_accounting(cfg: Config) -> None:
     for key, value in [("accounting.usd_per_kwh", acc.usd_per_kwh),
                        ("accounting.retention_days", acc.retention_days),
                        ("accounting.rollup_retention_days", acc.rollup_retention_days),
+                       ("accounting.retention_mb", acc.retention_mb),
+                       ("accounting.report_timeout_s", acc.report_timeout_s),
                        ("accounting.calibration_min_iterations", acc.calibration_min_iterations)]:
         if value < 0:
             raise ConfigError(f"config: {key} must be 0 or more, got {value}")

@@ -5,7 +5,9 @@ attributed, idle and unattributed; per request its GPU-seconds and joules per ph
 report over `[since, until)` prices them then:
 
 - the **pots** (`window_pots`) come from the device windows, each clipped to the query
-  window (a window that straddles an edge counts with the part inside): capacity cost
+  window (a window that straddles an edge counts with the part inside; whole hours
+  come from the window rollups, which hold the same windows clipped to the hour,
+  rollups.py): capacity cost
   = every device-second × the device model's rate + facility energy (IT energy × PUE,
   plus the stated node overhead) × the energy price, each piece at the rate card in
   force then; operational carbon = that facility energy × the grid intensity then;
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from appliance.accounting import rollups
 from appliance.accounting.carbon import CarbonIntensity, EmbodiedCarbon
 from appliance.accounting.cost import PriceBook
 
@@ -208,35 +211,61 @@ def window_pots(query, since: float, until: float, m: Method) -> Pots:
     cards = [a for a, _ in m.prices.pieces(since, until)][1:]
     cuts = sorted(set(cards) | set(m.intensity.cuts(since, until)))
     edges = [since, *cuts, until]
+    node = m.node_overhead_w > 0
     for b0, b1 in zip(edges, edges[1:]):
         acc = _Acc(p, m, b0, b1)
-        for (model, n, meas_s, att_s, idle_s, unatt_s, meas_j, att_j, idle_j, unatt_j, j_null,
-             wall, used_wall) in query(_INSIDE, (b0, b1, b1)):
-            acc.add(model, n, meas_s or 0.0, att_s or 0.0, idle_s or 0.0, unatt_s or 0.0,
-                    meas_j or 0.0, att_j or 0.0, idle_j or 0.0, unatt_j or 0.0, j_null or 0,
-                    wall or 0.0, used_wall or 0.0, emb(model))
         covered = 0.0
-        if m.node_overhead_w > 0:
-            ((covered,),) = query(_INSIDE_SPANS, (b0, b1, b1))
-            covered = covered or 0.0
-        spans: set[tuple[float, float]] = set()
-        for (start, end, model, meas_s, att_s, idle_s, unatt_s, meas_j, att_j, idle_j,
-             unatt_j) in query(_STRADDLING, (max(lo, b0 - longest) if longest is not None
-                                             else lo, b1, b0, b0, b1)):
-            a, b = max(start, b0), min(end, b1)
-            if b <= a or end <= start:
-                continue
-            f = (b - a) / (end - start)
-            used = att_s / meas_s if meas_s > 0 else 0.0
-            first = start >= b0 or b0 == since     # count a window once, where it begins
-            acc.add(model, int(first), meas_s * f, att_s * f, idle_s * f, unatt_s * f,
-                    (meas_j or 0.0) * f, (att_j or 0.0) * f, (idle_j or 0.0) * f,
-                    (unatt_j or 0.0) * f, int(first and meas_j is None), b - a, (b - a) * used,
-                    emb(model))
-            spans.add((a, b))
-        acc.node(covered + sum(b - a for a, b in spans))
+        # whole rolled hours from the window rollups, the rest from the windows
+        for kind, a, b in rollups.window_segments(query, b0, b1):
+            if kind == "hour":
+                for (model, n, meas_s, att_s, idle_s, unatt_s, meas_j, att_j, idle_j, unatt_j,
+                     j_null, wall, used_wall) in query(rollups.WINDOW_HOURS_SQL, (a, b)):
+                    acc.add(model, n or 0, meas_s or 0.0, att_s or 0.0, idle_s or 0.0,
+                            unatt_s or 0.0, meas_j or 0.0, att_j or 0.0, idle_j or 0.0,
+                            unatt_j or 0.0, j_null or 0, wall or 0.0, used_wall or 0.0, emb(model))
+                if a == since:
+                    for model, carried, unmeasured in query(rollups.CARRIED_SQL, (a,)):
+                        acc.add(model, carried, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                                unmeasured, 0.0, 0.0, 0.0)
+                if node:
+                    ((c,),) = query(rollups.COVER_SQL, (a, b))
+                    covered += c or 0.0
+            else:
+                covered += _raw(query, acc, a, b, since, lo, longest, emb, node)
+        acc.node(covered)
         acc.close()
     return p
+
+
+def _raw(query, acc: _Acc, b0: float, b1: float, since: float, lo: float,
+         longest: float | None, emb, node: bool) -> float:
+    """Add the device windows of [b0, b1) to `acc`, each clipped to it; the wall-clock
+    time they cover."""
+    for (model, n, meas_s, att_s, idle_s, unatt_s, meas_j, att_j, idle_j, unatt_j, j_null,
+         wall, used_wall) in query(_INSIDE, (b0, b1, b1)):
+        acc.add(model, n, meas_s or 0.0, att_s or 0.0, idle_s or 0.0, unatt_s or 0.0,
+                meas_j or 0.0, att_j or 0.0, idle_j or 0.0, unatt_j or 0.0, j_null or 0,
+                wall or 0.0, used_wall or 0.0, emb(model))
+    covered = 0.0
+    if node:
+        ((covered,),) = query(_INSIDE_SPANS, (b0, b1, b1))
+        covered = covered or 0.0
+    spans: set[tuple[float, float]] = set()
+    for (start, end, model, meas_s, att_s, idle_s, unatt_s, meas_j, att_j, idle_j,
+         unatt_j) in query(_STRADDLING, (max(lo, b0 - longest) if longest is not None
+                                         else lo, b1, b0, b0, b1)):
+        a, b = max(start, b0), min(end, b1)
+        if b <= a or end <= start:
+            continue
+        f = (b - a) / (end - start)
+        used = att_s / meas_s if meas_s > 0 else 0.0
+        first = start >= b0 or b0 == since     # count a window once, where it begins
+        acc.add(model, int(first), meas_s * f, att_s * f, idle_s * f, unatt_s * f,
+                (meas_j or 0.0) * f, (att_j or 0.0) * f, (idle_j or 0.0) * f,
+                (unatt_j or 0.0) * f, int(first and meas_j is None), b - a, (b - a) * used,
+                emb(model))
+        spans.add((a, b))
+    return covered + sum(b - a for a, b in spans)
 
 
 def fractions(weights: list[float], fallback: list[float], counts: list[float]) -> list[float]:

@@ -16,8 +16,10 @@ finished but are not final yet, one row per batch holding that batch's provision
 the durability of a finished request without a second write of its row; a batch's
 `pending` row is deleted in the transaction that writes the last of its final rows, and
 a restart turns what is left into `incomplete` request rows), `device_windows` (one row
-per device per window), `rollups` (hour and day sums of request rows, added once an hour
-has been over for 10 minutes; kept longer than the raw rows).
+per device per window), and the 10-s slice and hour rollups reports read for whole hours
+(rollups.py: `usage_rollups`, `window_rollups`; kept longer than the raw rows, which
+are bounded by days and by size). A row or window that lands in an hour already rolled
+up is added to (or marks for recomputing) the rollups in the transaction that writes it.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
+
+from appliance.accounting import rollups
 
 log = logging.getLogger("applianced.ledger")
 
@@ -120,6 +124,7 @@ WINDOW_COLUMNS = WindowRow._fields
 # Each field's position, by name, for rows kept as plain tuples: row[COL.request_id]
 COL = RequestRow._make(range(len(REQUEST_COLUMNS)))
 _ID = COL.request_id
+_FINISH = COL.finish
 _CO2E = (COL.prefill_co2e_op_g, COL.decode_co2e_op_g, COL.prefill_co2e_emb_g,
          COL.decode_co2e_emb_g)
 
@@ -154,13 +159,7 @@ CREATE TABLE IF NOT EXISTS pending (batch INTEGER PRIMARY KEY, rows BLOB);
 CREATE TABLE IF NOT EXISTS device_windows ({", ".join(f'"{c}" {_coltype(c)}' for c in WINDOW_COLUMNS)},
     PRIMARY KEY (device, start));
 CREATE INDEX IF NOT EXISTS device_windows_start ON device_windows(start);
-CREATE TABLE IF NOT EXISTS rollups (
-    period TEXT, bucket REAL, tenant TEXT, model TEXT, site TEXT,
-    requests INTEGER, prompt_tokens INTEGER, output_tokens INTEGER,
-    prefill_gpu_s REAL, decode_gpu_s REAL, prefill_j REAL, decode_j REAL,
-    cost_usage REAL, cost_allocation REAL, co2e_g REAL,
-    PRIMARY KEY (period, bucket, tenant, model, site));
-"""
+""" + rollups.SCHEMA
 
 _REQ_CONFLICT = (" ON CONFLICT(request_id) DO UPDATE SET "
                  + ", ".join(f'"{c}" = excluded."{c}"' for c in REQUEST_COLUMNS[1:])
@@ -223,50 +222,6 @@ def unpack_rows(blob: bytes) -> list[RequestRow]:
     return [RequestRow._make(r if len(r) == n else (tuple(r) + (None,) * n)[:n])
             for r in marshal.loads(blob)]
 
-# Hour and day sums of final request rows, for whole hours that ended a while ago (rows
-# are final seconds after they finish): one GROUP BY per hour of traffic in the writer
-# thread, not an upsert per request.
-_ROLLUP = """INSERT INTO rollups
-SELECT ?, CAST(finish / ? AS INTEGER) * ?, tenant, model, site, count(*), sum(prompt_tokens),
-    sum(output_tokens), sum(prefill_gpu_s), sum(decode_gpu_s), sum(prefill_j), sum(decode_j),
-    sum(prefill_cost_usage + decode_cost_usage),
-    sum(prefill_cost_allocation + decode_cost_allocation),
-    sum(coalesce(prefill_co2e_op_g, 0) + coalesce(decode_co2e_op_g, 0)
-        + prefill_co2e_emb_g + decode_co2e_emb_g)
-FROM requests WHERE finish >= ? AND finish < ? GROUP BY 2, 3, 4, 5
-ON CONFLICT(period, bucket, tenant, model, site) DO UPDATE SET
-    requests = requests + excluded.requests,
-    prompt_tokens = prompt_tokens + excluded.prompt_tokens,
-    output_tokens = output_tokens + excluded.output_tokens,
-    prefill_gpu_s = prefill_gpu_s + excluded.prefill_gpu_s,
-    decode_gpu_s = decode_gpu_s + excluded.decode_gpu_s,
-    prefill_j = coalesce(prefill_j, 0) + coalesce(excluded.prefill_j, 0),
-    decode_j = coalesce(decode_j, 0) + coalesce(excluded.decode_j, 0),
-    cost_usage = cost_usage + excluded.cost_usage,
-    cost_allocation = cost_allocation + excluded.cost_allocation,
-    co2e_g = co2e_g + excluded.co2e_g"""
-ROLLUP_LAG_S = 600.0
-
-
-def roll_up(conn: sqlite3.Connection, now: float) -> None:
-    """Add every whole hour from `rolled_until` to (now - lag) to the rollups, once."""
-    row = conn.execute("SELECT value FROM meta WHERE key = 'rolled_until'").fetchone()
-    if row is None:
-        first = conn.execute("SELECT min(finish) FROM requests").fetchone()[0]
-        if first is None:
-            return
-        start = (first // 3600) * 3600
-    else:
-        start = float(row[0])
-    until = ((now - ROLLUP_LAG_S) // 3600) * 3600
-    if until <= start:
-        return
-    with conn:
-        for period, size in (("hour", 3600), ("day", 86400)):
-            conn.execute(_ROLLUP, (period, size, size, start, until))
-        conn.execute("INSERT OR REPLACE INTO meta VALUES ('rolled_until', ?)", (until,))
-
-
 def connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), timeout=30, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
@@ -274,14 +229,39 @@ def connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
+ROLL_EVERY_S = 10.0         # the writer rolls up the 10-s slices this often
+PRUNE_EVERY_S = 600.0       # and applies retention this often
+
+
+def _late_table(conn: sqlite3.Connection) -> None:
+    """A per-connection scratch table with the requests' columns, for late rows."""
+    conn.execute("CREATE TEMP TABLE IF NOT EXISTS late_requests AS SELECT * FROM requests WHERE 0")
+
+
+def _add_late(conn: sqlite3.Connection, rows: list, h: rollups.Horizons) -> None:
+    """Add request rows that finished in slices (hours) already rolled up to those
+    rollups, in the caller's transaction, before it writes them to `requests`: a row
+    whose id is there already is left out (the writes keep an existing final row, so
+    it is not new and was rolled up with its hour)."""
+    rows = [r for r in rows if h.slices is not None and r[_FINISH] < h.slices]
+    if not rows:
+        return
+    write_rows(conn, "INSERT", "temp.late_requests", REQUEST_COLUMNS, rows)
+    conn.execute("DELETE FROM temp.late_requests WHERE request_id IN "
+                 "(SELECT request_id FROM main.requests)")
+    rollups.add_late(conn, "temp.late_requests", h)
+    conn.execute("DELETE FROM temp.late_requests")
+
+
 class Ledger:
     def __init__(self, path: Path, flush_interval_s: float = 1.0, retention_days: float = 90.0,
-                 rollup_retention_days: float = 730.0):
+                 rollup_retention_days: float = 730.0, retention_mb: float = 0.0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.flush_interval_s = flush_interval_s
         self.retention_days = retention_days
         self.rollup_retention_days = rollup_retention_days
+        self.retention_mb = retention_mb
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -308,8 +288,9 @@ class Ledger:
                              (SCHEMA_VERSION,))
             self._longest = self._longest_window(conn)
             self.recovered = self._recover(conn)
-            roll_up(conn, time.time())      # before pruning: raw rows roll up first
+            rollups.roll_up(conn, time.time())     # before pruning: raw rows roll up first
             self._prune(conn, time.time())
+            self._horizons = rollups.horizons(conn)
         finally:
             conn.close()
         self.reader = LedgerReader(self.path)
@@ -336,8 +317,12 @@ class Ledger:
         what ledgers written before the `pending` table hold for the same case.)"""
         with conn:
             n = conn.execute("UPDATE requests SET final = 1, incomplete = 1 WHERE final = 0").rowcount
+            rolled = rollups.horizons(conn)
+            _late_table(conn)
             for (blob,) in conn.execute("SELECT rows FROM pending ORDER BY batch").fetchall():
                 rows = [row._replace(final=1, incomplete=1) for row in unpack_rows(blob)]
+                # a recovered row in an hour already rolled up is added to it
+                _add_late(conn, rows, rolled)
                 before = conn.total_changes
                 # a request that did become final keeps its final row
                 write_rows(conn, "INSERT OR IGNORE", "requests", REQUEST_COLUMNS, rows)
@@ -348,15 +333,57 @@ class Ledger:
                         "device windows closing; kept, marked incomplete", n)
         return n
 
+    def _size_cut(self, conn: sqlite3.Connection) -> float | None:
+        """The finish time below which raw rows must go for the file to hold at most
+        `retention_mb` (to 90 % of it, so pruning is not redone every pass): raw request
+        rows are nearly all of a busy ledger, so the oldest fraction of them that is over."""
+        if self.retention_mb <= 0:
+            return None
+        (ps,), (pc,), (free,) = (conn.execute(f"PRAGMA {p}").fetchone()
+                                 for p in ("page_size", "page_count", "freelist_count"))
+        used, limit = (pc - free) * ps, self.retention_mb * 1e6
+        if used <= limit:
+            return None
+        lo, hi = conn.execute("SELECT min(rowid), max(rowid) FROM requests").fetchone()
+        if lo is None:
+            return None
+        n = hi - lo + 1
+        drop = min(n - 1, int(n * (used - 0.9 * limit) / used) + 1)
+        row = conn.execute("SELECT finish FROM requests ORDER BY finish LIMIT 1 OFFSET ?",
+                           (max(drop, 0),)).fetchone()
+        return None if row is None else float(row[0])
+
     def _prune(self, conn: sqlite3.Connection, now: float) -> None:
+        """Raw rows older than `retention_days`, or the oldest beyond `retention_mb`,
+        but never a row not rolled up yet: requests only below the hours rolled
+        (slices roll into hours), windows only below the windows rolled and the first
+        dirty hour. Slice rollups go with the raw rows (they are a report's edges to
+        10 s); hour rollups after `rollup_retention_days`. Deleted pages are reused
+        (the file does not shrink below its high-water mark)."""
+        cuts = [now - self.retention_days * 86400] if self.retention_days > 0 else []
+        size = self._size_cut(conn)
+        if size is not None:
+            cuts.append(size)
+        _, hours, _, windows = rollups.horizons(conn)
         with conn:
-            if self.retention_days > 0:
-                cut = now - self.retention_days * 86400
-                conn.execute("DELETE FROM requests WHERE finish < ?", (cut,))
-                conn.execute("DELETE FROM device_windows WHERE start < ?", (cut,))
+            req_cut = float("-inf")
+            if cuts:
+                cut = max(cuts)
+                req_cut = min(cut, hours if hours is not None else float("-inf"))
+                (dirty,) = conn.execute("SELECT min(hour) FROM dirty_hours").fetchone()
+                win_cut = min(cut, windows if windows is not None else float("-inf"),
+                              dirty if dirty is not None else float("inf"))
+                conn.execute("DELETE FROM requests WHERE finish < ?", (req_cut,))
+                conn.execute("DELETE FROM usage_rollups WHERE period = 'slice' "
+                             "AND bucket + ? <= ?", (rollups.SLICE, req_cut))
+                conn.execute('DELETE FROM device_windows WHERE "end" <= ?', (win_cut,))
             if self.rollup_retention_days > 0:
-                conn.execute("DELETE FROM rollups WHERE bucket < ?",
-                             (now - self.rollup_retention_days * 86400,))
+                # never below the raw rows still kept: a report reads those hours raw
+                # only if they are not rolled, so their rollups stay as long as they do
+                old = min(now - self.rollup_retention_days * 86400, req_cut)
+                conn.execute("DELETE FROM usage_rollups WHERE bucket < ?", (old,))
+                conn.execute("DELETE FROM window_rollups WHERE hour < ?", (old,))
+                conn.execute("DELETE FROM window_cover WHERE hour < ?", (old,))
 
     # ---- writing (any thread; never blocks) ----------------------------------
     def start(self) -> None:
@@ -393,7 +420,8 @@ class Ledger:
 
     def _run(self) -> None:
         conn = connect(self.path)
-        last_prune = time.monotonic()
+        _late_table(conn)
+        last_prune = last_roll = time.monotonic()
         try:
             while True:
                 try:
@@ -413,13 +441,16 @@ class Ledger:
                     except queue.Empty:
                         break
                 self._commit(conn, batch, covered)
-                if time.monotonic() - last_prune > 600:
+                if time.monotonic() - last_roll > ROLL_EVERY_S:
                     try:
-                        roll_up(conn, time.time())
-                        self._prune(conn, time.time())
+                        rollups.roll_up(conn, time.time())
+                        if time.monotonic() - last_prune > PRUNE_EVERY_S:
+                            self._prune(conn, time.time())
+                            last_prune = time.monotonic()
+                        self._horizons = rollups.horizons(conn)
                     except sqlite3.Error as exc:
                         log.error("ledger: rollup/retention failed: %s", exc)
-                    last_prune = time.monotonic()
+                    last_roll = time.monotonic()
                 if self._stopping.is_set() and self._queue.empty():
                     break
         finally:
@@ -453,9 +484,16 @@ class Ledger:
         longest = max((w[2] - w[1] for w in wins), default=0.0)    # WindowRow end - start
         try:
             if reqs or wins or pend:
+                rolled = self._horizons
                 with conn:
+                    late = ([r for r in reqs if r[_FINISH] < rolled.slices]
+                            if rolled.slices is not None else [])
+                    if late:
+                        _add_late(conn, late, rolled)
                     write_rows(conn, "INSERT", "requests", REQUEST_COLUMNS, reqs, _REQ_CONFLICT)
                     write_rows(conn, "INSERT OR REPLACE", "device_windows", WINDOW_COLUMNS, wins)
+                    if wins:
+                        rollups.mark_dirty(conn, wins, rolled.windows)
                     if longest > self._longest:
                         conn.execute("INSERT OR REPLACE INTO meta VALUES ('max_window_s', ?)",
                                      (longest,))
@@ -491,18 +529,47 @@ class Ledger:
         return self.reader.query(sql, args)
 
 
+class ReportTimeout(Exception):
+    """A report's query ran past the reader's timeout and was interrupted."""
+
+
+PROGRESS_OPS = 100_000      # SQLite VM steps between deadline checks (~1 ms of work each)
+
+
 class LedgerReader:
     """A read connection: the daemon's reports read the file the accounting process
-    writes (WAL: readers never wait for the writer)."""
+    writes (WAL: readers never wait for the writer).
 
-    def __init__(self, path: Path):
+    Each query runs under a deadline (`timeout_s`; 0 = none): a reader holds its WAL
+    snapshot for as long as it reads, and a checkpoint cannot pass a snapshot still in
+    use, so a report that scans for minutes would let the WAL grow and the writer's
+    checkpoints stall for that long. SQLite's progress handler checks the deadline every
+    `PROGRESS_OPS` steps (a check takes the GIL, so not more often) and interrupts the
+    query: `ReportTimeout`, which the API returns as a 503 error."""
+
+    def __init__(self, path: Path, timeout_s: float = 30.0):
         self.path = Path(path)
+        self.timeout_s = timeout_s
         self._conn = connect(self.path)
         self._lock = threading.Lock()
 
     def query(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._lock:
-            return self._conn.execute(sql, args).fetchall()
+            if self.timeout_s <= 0:
+                return self._conn.execute(sql, args).fetchall()
+            deadline = time.monotonic() + self.timeout_s
+            self._conn.set_progress_handler(lambda: time.monotonic() > deadline, PROGRESS_OPS)
+            try:
+                return self._conn.execute(sql, args).fetchall()
+            except sqlite3.OperationalError as exc:
+                if "interrupt" in str(exc):
+                    raise ReportTimeout(
+                        f"the ledger query ran past {self.timeout_s:g} s and was stopped "
+                        "(accounting.report_timeout_s); ask for a shorter window or fewer "
+                        "group-by dimensions") from None
+                raise
+            finally:
+                self._conn.set_progress_handler(None, 0)
 
     def close(self) -> None:
         self._conn.close()

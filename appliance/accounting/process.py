@@ -72,6 +72,7 @@ class AccountingSpec:
     flush_interval_s: float = 1.0
     retention_days: float = 90.0
     rollup_retention_days: float = 730.0
+    retention_mb: float = 0.0
     window_s: float = 10.0
     calibration_min_iterations: int = 50
     metered: bool = True                # the daemon has an energy meter to ask
@@ -227,7 +228,7 @@ class Host:
         self.eof = False
         self._lock = take_lock(lock_path(spec.ledger_path))
         self.ledger = Ledger(Path(spec.ledger_path), spec.flush_interval_s, spec.retention_days,
-                             spec.rollup_retention_days)
+                             spec.rollup_retention_days, spec.retention_mb)
         self.totals: dict[str, TenantUsage] = {}
         start = resume_point(self.ledger, [d.id for d in spec.devices]) if spec.resume else None
         self.acc = Accountant(

@@ -133,6 +133,9 @@ LEDGER_SQL = (
     'FROM device_windows WHERE "end" > ? AND start < ?')
 
 
+FIRST_WINDOW_SQL = "SELECT min(start) FROM device_windows WHERE start >= ? AND start < ?"
+
+
 def ledger_side(rows, t0: float, t1: float) -> tuple[float, float | None, set[str]]:
     """(device-seconds in iterations, measured joules or None if no window had a
     reading, devices) of the ledger's
@@ -197,10 +200,17 @@ def reconcile(query, counters: Counters, devices, since: float, until: float, no
     lo = since
     first = counters.covered_from(devices)
     notes = []
-    if first is not None and first > lo:
-        lo = first
-        notes.append("the daemon's counters start later")
     hi = min(until, now - lag_s)
+    if first is not None and first > lo:
+        # The counters start inside a ledger window: the ledger side of that window
+        # would be prorated over its overlap as if its busy time were spread evenly,
+        # and a run that starts busy (the engine busy from mid-window on) then shows
+        # a gap that is only that edge. Both sides start at the next window boundary.
+        lo = first
+        ((start,),) = query(FIRST_WINDOW_SQL, (first, hi))
+        if start is not None:
+            lo = float(start)
+        notes.append("the daemon's counters start later")
     if hi < until:
         notes.append(f"the last {lag_s:g} s are not closed in the ledger yet")
     if first is None or hi <= lo:

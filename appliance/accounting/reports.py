@@ -2,7 +2,9 @@
 `/admin/v1/carbon` return (the daemon only adds HTTP around them).
 
 Rows come from request rows (by the request's finish time); totals from the device
-windows overlapping the query window (each clipped to it). Money and carbon are
+windows overlapping the query window (each clipped to it). Whole hours (and at the
+edges whole minutes) that are rolled up are read from the rollups (rollups.py), which
+keep the same quantities summed, so a report over a month reads thousands of rows. Money and carbon are
 computed here, at query time (`allocation.py`): the rows' quantities are their usage,
 the device windows' capacity is the pot, and Σ rows' allocation (+ the `(idle)` row)
 = the devices' capacity cost of the window; the same for carbon. Requests still
@@ -17,6 +19,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from appliance.accounting import rollups
 from appliance.accounting.allocation import Method, Pots, fractions, window_pots
 from appliance.accounting.carbon import EmbodiedCarbon, parse_time
 from appliance.accounting.cost import PriceBook
@@ -75,13 +78,6 @@ def iso(t: float) -> str:
 
 
 
-def _phase_select(phase: str) -> str:
-    p = phase
-    return (f"{p}_gpu_s AS gpu_s, {p}_j AS j, {p}_cost_usage AS cu, "
-            f"{p}_co2e_op_g AS op, {p}_co2e_emb_g AS emb, '{p}' AS phase, "
-            + ("prompt_tokens AS pt, 0 AS ot" if p == "prefill" else "0 AS pt, output_tokens AS ot"))
-
-
 _BOTH = ("prefill_gpu_s + decode_gpu_s AS gpu_s, "
          "CASE WHEN prefill_j IS NULL AND decode_j IS NULL THEN NULL "
          "ELSE coalesce(prefill_j, 0) + coalesce(decode_j, 0) END AS j, "
@@ -95,10 +91,7 @@ _BASE = ("request_id, tenant, model, site, finish, simulated, energy_source, "
          "intensity_g_per_kwh, intensity_source, intensity_kind, intensity_estimated, pue")
 
 
-def _source(by_phase: bool, where: str) -> str:
-    if by_phase:
-        return (f"SELECT {_BASE}, {_phase_select('prefill')} FROM requests WHERE {where} "
-                f"UNION ALL SELECT {_BASE}, {_phase_select('decode')} FROM requests WHERE {where}")
+def _source(where: str) -> str:
     return f"SELECT {_BASE}, {_BOTH} FROM requests WHERE {where}"
 
 
@@ -133,30 +126,92 @@ class _Group:
     f_emb: float = 0.0
 
 
+_SHARED = ("min(energy_source = 'measured'), max(simulated), min(intensity_g_per_kwh), "
+           "max(intensity_g_per_kwh), group_concat(DISTINCT intensity_source), "
+           "group_concat(DISTINCT intensity_kind), max(intensity_estimated)")
+
+
+def _phase_sums(p: str) -> str:
+    return (f"sum({p}_gpu_s), sum({p}_j), sum({p}_j IS NULL AND {p}_gpu_s > 0), "
+            f"sum({p}_cost_usage), sum(coalesce({p}_co2e_op_g, 0)), sum({p}_co2e_emb_g)")
+
+
+def _raw_sql(keys: list[str], by_phase: bool) -> str:
+    """The request rows of [?, ?) per `keys`, in one pass over them: with `phase`, both
+    phases' sums side by side (split by `_split_phases`); a UNION ALL of the two phases
+    read every row twice, and the raw rows are what a report's time goes to."""
+    where = "finish >= ? AND finish < ?"
+    if by_phase:
+        k = ", ".join(d for d in keys if d != "phase")
+        return (f"SELECT {k}, count(*), sum(prompt_tokens), sum(output_tokens), "
+                f"{_phase_sums('prefill')}, {_phase_sums('decode')}, {_SHARED} "
+                f"FROM requests WHERE {where} GROUP BY {k}")
+    return (f"SELECT {', '.join(keys)}, count(*), sum(pt), sum(ot), sum(gpu_s), sum(j), "
+            f"sum(j IS NULL AND gpu_s > 0), sum(cu), sum(coalesce(op, 0)), sum(emb), {_SHARED} "
+            f"FROM ({_source(where)}) GROUP BY {', '.join(keys)}")
+
+
+def _split_phases(rows: list[tuple], keys: list[str]) -> list[tuple]:
+    """`_raw_sql`'s rows with both phases as one row per phase, in `keys` order."""
+    i = keys.index("phase")
+    n = len(keys) - 1
+    out = []
+    for r in rows:
+        k, (count, pt, ot), pre, dec, shared = (r[:n], r[n:n + 3], r[n + 3:n + 9],
+                                                 r[n + 9:n + 15], r[n + 15:])
+        for phase, sums, toks in (("prefill", pre, (pt, 0)), ("decode", dec, (0, ot))):
+            out.append((*k[:i], phase, *k[i:], count, *toks, *sums, *shared))
+    return out
+
+
+def _merge(a: list, r: tuple) -> None:
+    """Add a piece's figures (n, pt, ot, gpu, j, j_null, cu, op, emb, measured, simulated,
+    imin, imax, sources, kinds, est) to a group's."""
+    for i in (0, 1, 2, 3, 5, 6, 7, 8):
+        a[i] = (a[i] or 0) + (r[i] or 0)
+    a[4] = a[4] if r[4] is None else (a[4] or 0.0) + r[4]
+    a[9], a[11] = _min(a[9], r[9]), _min(a[11], r[11])
+    a[10], a[12], a[15] = _max(a[10], r[10]), _max(a[12], r[12]), _max(a[15], r[15])
+    for i in (13, 14):
+        if r[i]:
+            a[i] = ",".join(sorted(set(filter(None, f"{a[i] or ''},{r[i]}".split(",")))))
+
+
 def _groups(ledger: Ledger, dims: list[str], since: float, until: float,
             tenant_tags: dict | None = None) -> list[_Group]:
     """Request rows that finished in [since, until), grouped by `dims` and always by
     tenant (a tenant's own view needs every tenant's weights for its shares). Tag
-    dimensions are the tenant's tags, looked up here (query time) from `tenant_tags`."""
+    dimensions are the tenant's tags, looked up here (query time) from `tenant_tags`.
+    Whole rolled hours and minutes are read from the rollups, the rest from the rows
+    (rollups.usage_segments); the pieces are summed per group."""
     by_phase = "phase" in dims
     tags = tag_dims(dims)
     keys = list(dict.fromkeys([*(d for d in dims if d not in tags), "tenant"]))
-    where = "finish >= ? AND finish < ?"
-    args = (since, until) * (2 if by_phase else 1)
-    sql = (f"SELECT {', '.join(keys)}, count(DISTINCT request_id), sum(pt), sum(ot), sum(gpu_s), "
-           f"sum(j), sum(j IS NULL AND gpu_s > 0), sum(cu), sum(coalesce(op, 0)), sum(emb), "
-           f"min(energy_source = 'measured'), max(simulated), min(intensity_g_per_kwh), "
-           f"max(intensity_g_per_kwh), group_concat(DISTINCT intensity_source), "
-           f"group_concat(DISTINCT intensity_kind), max(intensity_estimated) "
-           f"FROM ({_source(by_phase, where)}) GROUP BY {', '.join(keys)}")
+    raw = _raw_sql(keys, by_phase)
+    rolled = rollups.usage_sql(keys, by_phase)
+    sums: dict[tuple, list] = {}
+    for kind, a, b in rollups.usage_segments(ledger.query, since, until):
+        if kind == "raw":
+            got = ledger.query(raw, (a, b))
+            if by_phase:
+                got = _split_phases(got, keys)
+        else:
+            got = ledger.query(rolled, (kind, a, b))
+        for r in got:
+            key = tuple(r[:len(keys)])
+            acc = sums.get(key)
+            if acc is None:
+                sums[key] = list(r[len(keys):])
+            else:
+                _merge(acc, r[len(keys):])
     out = []
-    for r in ledger.query(sql, args):
-        vals = dict(zip(keys, r[:len(keys)]))
+    for key, r in sums.items():
+        vals = dict(zip(keys, key))
         own = (tenant_tags or {}).get(vals["tenant"], {})
         for d in tags:
             vals[d] = own.get(d[4:])
         (n, pt, ot, gpu, j, j_null, cu, op, emb, measured, simulated, imin, imax, sources,
-         kinds, est) = r[len(keys):]
+         kinds, est) = r
         if not n:
             continue
         # a request that ran nothing (rejected) has no energy to read and lacks none

@@ -7,7 +7,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from appliance.commands.client import DEFAULT_URL, AdminClient, AdminError, add_client_args
+from appliance.commands.client import (
+    DEFAULT_URL, AdminClient, AdminError, add_client_args, tls_from_args,
+)
 
 
 def add_parsers(sub) -> None:
@@ -80,8 +82,8 @@ def cmd_plan(args) -> int:
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
     urls = resolve_urls(args.url or [DEFAULT_URL], None)
     if len(urls) > 1:
-        return cmd_fleet_plan(urls, args.admin_key, params, args.json)
-    data = AdminClient(urls[0], args.admin_key).get("/admin/v1/plan", params)
+        return cmd_fleet_plan(urls, args.admin_key, params, args.json, tls_from_args(args))
+    data = AdminClient.from_args(args, urls[0]).get("/admin/v1/plan", params)
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -89,21 +91,22 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def fetch_plans(urls: list[str], admin_key: str | None, params: dict):
+def fetch_plans(urls: list[str], admin_key: str | None, params: dict, tls=None):
     """(url, plan or None, one-line error or None) per appliance, fetched in parallel:
     one slow or dead appliance costs its own timeout, not the sum."""
     def one(url: str):
         try:
-            return url, AdminClient(url, admin_key).get("/admin/v1/plan", params), None
+            return url, AdminClient(url, admin_key, tls=tls).get("/admin/v1/plan", params), None
         except AdminError as exc:
             return url, None, str(exc)
     with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
         return list(pool.map(one, urls))
 
 
-def cmd_fleet_plan(urls: list[str], admin_key: str | None, params: dict, as_json: bool) -> int:
+def cmd_fleet_plan(urls: list[str], admin_key: str | None, params: dict, as_json: bool,
+                   tls=None) -> int:
     from appliance.planner.fleet import fleet_plan
-    fleet = fleet_plan(fetch_plans(urls, admin_key, params))
+    fleet = fleet_plan(fetch_plans(urls, admin_key, params, tls))
     if as_json:
         print(json.dumps(fleet, indent=2))
     else:

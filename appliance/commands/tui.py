@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from appliance.commands.client import ADMIN_KEY_ENV, DEFAULT_URL, add_client_args
+from appliance.commands.client import ADMIN_KEY_ENV, DEFAULT_URL, add_client_args, tls_from_args
 
 
 def add_parsers(sub) -> None:
@@ -37,4 +37,4 @@ def cmd_tui(args) -> int:
     except ImportError as exc:            # textual missing from a stripped install
         raise ValueError(f"the console needs textual ({exc})") from None
     key = args.admin_key if args.admin_key is not None else os.environ.get(ADMIN_KEY_ENV)
-    return run(urls, key)
+    return run(urls, key, tls_from_args(args))

@@ -125,6 +125,7 @@ class AccountingLink:
         self.metrics = metrics
         self.state_dir = state_dir
         self.ledger: LedgerReader | None = None
+        self.report_timeout_s = 30.0        # [accounting] report_timeout_s (LedgerReader)
         self.proc: asyncio.subprocess.Process | None = None
         self.writer: asyncio.StreamWriter | None = None
         self._frames: list[bytes] = []
@@ -196,7 +197,7 @@ class AccountingLink:
         self._apply(first.report)
         self._exited.clear()
         if self.ledger is None:
-            self.ledger = LedgerReader(self.state_dir / LEDGER_FILE)
+            self.ledger = LedgerReader(self.state_dir / LEDGER_FILE, self.report_timeout_s)
         loop_tasks = [asyncio.create_task(self._read(reader), name="accounting-read")]
         if not self._tasks:
             loop_tasks.append(asyncio.create_task(self._forward(), name="accounting-forward"))
@@ -463,7 +464,8 @@ async def start_accounting(cfg: Config, setup: Setup, state: ServingState, pool:
         ledger_path=str(state_dir / LEDGER_FILE), prices=prices, embodied=embodied,
         budgets=budgets, labelled_tenants=frozenset(set(tenants) | budgets.tenants()),
         flush_interval_s=a.flush_interval_s, retention_days=a.retention_days,
-        rollup_retention_days=a.rollup_retention_days, window_s=a.window_s,
+        rollup_retention_days=a.rollup_retention_days, retention_mb=a.retention_mb,
+        window_s=a.window_s,
         calibration_min_iterations=a.calibration_min_iterations,
         metered=telemetry is not None)
     link = AccountingLink(spec, lambda: telemetry, TenantMetrics(metrics.registry, setup.simulated),
@@ -472,6 +474,7 @@ async def start_accounting(cfg: Config, setup: Setup, state: ServingState, pool:
                           gauge=ReconciliationGauge(metrics.registry, setup.simulated),
                           serving=serving_of(setup, state, pool))
     link.method = method_of(cfg, site, prices, embodied)
+    link.report_timeout_s = a.report_timeout_s
     try:
         await link.start()
     except OSError as exc:

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from appliance.daemon.api_schema import Operation, register
 from appliance.daemon.auth import require_admin
-from appliance.daemon.responses import SERVICE, json_response
+from appliance.daemon.responses import OPERATIONS, SERVICE, json_response
 
 if TYPE_CHECKING:
     from appliance.daemon.service import Service
@@ -28,6 +29,14 @@ async def metrics(request: web.Request):
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+OPERATIONS_HERE = (
+    Operation("GET", "/admin/v1/status", status, "The appliance's live status snapshot",
+              "Admin", "admin"),
+    Operation("GET", "/metrics", metrics, "Prometheus metrics", "Metrics", "metrics",
+              ok={"200": ("text/plain", {"type": "string"})},
+              description="Open to the clients `[auth] metrics_access` allows."),
+)
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/v1/status", status)
-    app.router.add_get("/metrics", metrics)
+    register(app, OPERATIONS_HERE, OPERATIONS)

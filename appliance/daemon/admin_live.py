@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 
+from appliance.daemon.api_schema import Operation, Param, read_query, register
 from appliance.daemon.auth import require_admin
-from appliance.daemon.openai_protocol import ApiError
-from appliance.daemon.responses import SERVICE
+from appliance.daemon.responses import OPERATIONS, SERVICE
 
 if TYPE_CHECKING:
     from appliance.daemon.service import Service
@@ -27,19 +27,13 @@ DEFAULT_INTERVAL_S = 0.5
 KEEPALIVE_S = 15.0
 
 
+INTERVAL = Param("interval", {"type": "number", "minimum": MIN_INTERVAL_S,
+                              "maximum": MAX_INTERVAL_S, "default": DEFAULT_INTERVAL_S},
+                 "Seconds between snapshots (1-4 per second).")
+
+
 def _interval(request: web.Request) -> float:
-    raw = request.query.get("interval")
-    if raw is None:
-        return DEFAULT_INTERVAL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not MIN_INTERVAL_S <= value <= MAX_INTERVAL_S:   # also false for nan
-        raise ApiError(400, f"interval must be a number of seconds within {MIN_INTERVAL_S}.."
-                            f"{MAX_INTERVAL_S} (1-4 snapshots per second), got {raw!r}",
-                       param="interval", code="invalid_interval")
-    return value
+    return read_query(request.query, (INTERVAL,)).get("interval", DEFAULT_INTERVAL_S)
 
 
 async def stream(request: web.Request):
@@ -65,5 +59,12 @@ async def stream(request: web.Request):
     return resp
 
 
+OPERATIONS_HERE = (
+    Operation("GET", "/admin/v1/stream", stream, "The live status as server-sent events",
+              "Admin", "admin", params=(INTERVAL,),
+              ok={"200": ("text/event-stream", {"type": "string"})}, errors=(400,)),
+)
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/v1/stream", stream)
+    register(app, OPERATIONS_HERE, OPERATIONS)

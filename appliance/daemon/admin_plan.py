@@ -13,12 +13,32 @@ import socket
 from aiohttp import web
 
 from appliance.config import parse_duration
+from appliance.daemon.api_schema import Operation, Param, read_query, register
 from appliance.daemon.auth import require_admin
 from appliance.daemon.openai_protocol import ApiError
-from appliance.daemon.responses import PLANNER, SERVICE, json_response
+from appliance.daemon.responses import OPERATIONS, PLANNER, SERVICE, json_response
 
-QUERY_PARAMS = {"horizon", "gpu", "ttft_slo", "itl_slo", "traffic_x", "prompt_tokens",
-                "output_tokens"}
+
+def _positive(at_most: float) -> dict:
+    """A what-if within sense: past these the plan's arithmetic leaves 64-bit integers
+    (a traffic_x of 1e300 once made the answer unserializable: a 500)."""
+    return {"type": "number", "exclusiveMinimum": 0, "maximum": at_most}
+
+
+MAX_TOKENS_WHATIF = 1 << 20
+PARAMS = (
+    Param("horizon", {"type": "string"}, "How far ahead to plan: a duration such as 2h, 7d "
+                                         "(at most 8 weeks; default: the planner's)."),
+    Param("gpu", {"type": "string"}, "What if the box had this GPU model (e.g. L40S)."),
+    Param("ttft_slo", _positive(600), "What if the time-to-first-token goal were this (s)."),
+    Param("itl_slo", _positive(60), "What if the inter-token-latency goal were this (s)."),
+    Param("traffic_x", _positive(1000), "What if traffic were this many times today's."),
+    Param("prompt_tokens", _positive(MAX_TOKENS_WHATIF),
+          "What if prompts were this long on average."),
+    Param("output_tokens", _positive(MAX_TOKENS_WHATIF),
+          "What if answers were this long on average."),
+)
+QUERY_PARAMS = {p.name for p in PARAMS}
 
 
 async def plan(request: web.Request):
@@ -34,6 +54,7 @@ async def plan(request: web.Request):
         raise ApiError(400, f"unknown parameter {unknown[0]!r}; known: "
                             f"{', '.join(sorted(QUERY_PARAMS))}", param=unknown[0],
                        code="invalid_parameter")
+    read_query(q, PARAMS)
     horizon = None
     if "horizon" in q:
         try:
@@ -55,5 +76,12 @@ async def plan(request: web.Request):
     return json_response(result)
 
 
+OPERATIONS_HERE = (
+    Operation("GET", "/admin/v1/plan", plan, "The capacity planner's plan (and what-ifs)",
+              "Admin", "admin", params=PARAMS, errors=(400, 503),
+              description="Unknown query parameters are refused (400)."),
+)
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/v1/plan", plan)
+    register(app, OPERATIONS_HERE, OPERATIONS)

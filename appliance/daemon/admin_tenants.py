@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from appliance.config import ConfigError
+from appliance.daemon import admin_audit
+from appliance.daemon.api_schema import Operation, register
 from appliance.daemon.auth import require_admin
 from appliance.daemon.openai_protocol import ApiError
-from appliance.daemon.responses import SERVICE, json_response
+from appliance.daemon.responses import OPERATIONS, SERVICE, json_response
 
 if TYPE_CHECKING:
     from appliance.daemon.service import Service
@@ -40,12 +42,28 @@ async def reload(request: web.Request):
     require_admin(request)
     svc: Service = request.app[SERVICE]
     try:
-        return json_response(svc.reload())
+        done = svc.reload()
     except ConfigError as exc:
+        admin_audit.record(request, "reload", {"config": str(svc.config_path)}, f"400 {exc}")
         raise ApiError(400, f"reload refused, the old limits stay: {exc}",
                        code="invalid_config") from None
+    admin_audit.record(request, "reload", {"config": str(svc.config_path)},
+                       "reloaded [tenants] and [budgets]")
+    return json_response(done)
+
+
+OPERATIONS_HERE = (
+    Operation("GET", "/admin/v1/tenants", tenants, "Each tenant's share, limits, live rate "
+              "and budget state", "Tenants", "admin",
+              description="Weight, priority (and the effective one while a deprioritizing "
+              "budget is spent), max_concurrent, rate limits and what is left of each bucket, "
+              "the last minute's rate, in flight, queue depth, refusals, budgets."),
+    Operation("POST", "/admin/v1/reload", reload, "Re-read [tenants] and [budgets] from the "
+              "config file", "Tenants", "admin", errors=(400,),
+              description="Validated first: a bad file answers 400 invalid_config and the old "
+              "limits stay. As SIGHUP."),
+)
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/v1/tenants", tenants)
-    app.router.add_post("/admin/v1/reload", reload)
+    register(app, OPERATIONS_HERE, OPERATIONS)

@@ -17,14 +17,28 @@ from aiohttp import web
 from collections import Counter
 
 from appliance.accounting import focus, reports
+from appliance.accounting.ledger import ReportTimeout
+from appliance.daemon.api_schema import Operation, Param, read_query, register
 from appliance.daemon.auth import CALLER, Caller, require_admin
 from appliance.daemon.openai_protocol import ApiError
-from appliance.daemon.responses import ACCOUNTING, json_response
+from appliance.daemon.responses import ACCOUNTING, OPERATIONS, json_response
 
 if TYPE_CHECKING:
     from appliance.daemon.accounting_link import AccountingLink
 
 DEFAULT_SPAN_S = 86400.0
+_WHEN = ("an ISO 8601 time (UTC unless it says), a Unix time, or a duration before now "
+         "such as 2h")
+SINCE = Param("since", {"type": "string"}, f"Start of the window: {_WHEN} (default: a day "
+                                           "before until).")
+UNTIL = Param("until", {"type": "string"}, f"End of the window: {_WHEN} (default: now).")
+FORMAT = Param("format", {"enum": ["json", "csv", "focus"], "default": "json"},
+               "json, csv, or focus (the FOCUS 1.2 CSV export; admin key only).")
+
+
+def _group(dims) -> Param:
+    return Param("group_by", {"type": "string"}, "Comma-separated dimensions out of "
+                                                 + ", ".join(dims) + ".")
 
 
 def _accountant(request: web.Request) -> AccountingLink:
@@ -49,6 +63,16 @@ def _span(request: web.Request) -> tuple[float, float]:
     return since, until
 
 
+async def _report(fn, *args):
+    """Run a report in a thread; one that outruns `[accounting] report_timeout_s` (its
+    query is interrupted, so it holds no WAL snapshot longer) is a 503 the client may
+    retry with a shorter window."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except ReportTimeout as exc:
+        raise ApiError(503, str(exc), code="report_timeout") from None
+
+
 def _group_by(request: web.Request, allowed, default) -> list[str]:
     try:
         return reports.parse_group_by(request.query.get("group_by"), allowed, default)
@@ -59,17 +83,14 @@ def _group_by(request: web.Request, allowed, default) -> list[str]:
 async def usage(request: web.Request):
     caller: Caller = request[CALLER]
     acc = _accountant(request)
-    fmt = request.query.get("format", "json")
-    if fmt not in ("json", "csv", "focus"):
-        raise ApiError(400, f"format must be json, csv or focus, got {fmt!r}", param="format",
-                       code="invalid_format")
+    fmt = read_query(request.query, (FORMAT,)).get("format", "json")
     group_by = _group_by(request, reports.USAGE_DIMS, reports.USAGE_DIMS)
     since, until = _span(request)
     tenant = None if caller.admin else caller.tenant
     if fmt == "focus":
         return await _focus(request, acc, caller, since, until)
-    report = await asyncio.to_thread(reports.usage, acc.ledger, group_by, since, until, tenant,
-                                     acc.prices.idle_policy, acc.method)
+    report = await _report(reports.usage, acc.ledger, group_by, since, until, tenant,
+                           acc.prices.idle_policy, acc.method)
     if fmt == "csv":
         return web.Response(text=reports.usage_csv(report), content_type="text/csv")
     report["budgets"] = acc.budget_report(tenant)
@@ -121,8 +142,8 @@ async def _focus(request: web.Request, acc: AccountingLink, caller: Caller, sinc
                             "(one report per hour); ask for several windows",
                        param="since", code="invalid_time")
     method = acc.method or reports.default_method(acc.prices.idle_policy)
-    rows = await asyncio.to_thread(focus.rows, acc.ledger, since, until, method, _source(acc),
-                                   acc.prices.idle_policy)
+    rows = await _report(focus.rows, acc.ledger, since, until, method, _source(acc),
+                         acc.prices.idle_policy)
     return web.Response(text=focus.to_csv(rows), content_type="text/csv",
                         headers={"X-FOCUS-Version": focus.FOCUS_VERSION})
 
@@ -132,8 +153,7 @@ async def carbon(request: web.Request):
     acc = _accountant(request)
     group_by = _group_by(request, reports.CARBON_DIMS, ("site", "tenant"))
     since, until = _span(request)
-    report = await asyncio.to_thread(reports.carbon, acc.ledger, group_by, since, until,
-                                     acc.method)
+    report = await _report(reports.carbon, acc.ledger, group_by, since, until, acc.method)
     site = acc.site
     m = acc.method
     report["site"] = {"name": site.name, "appliance": site.appliance, "region": site.region,
@@ -152,7 +172,21 @@ async def rates(request: web.Request):
     return json_response(acc.prices.describe(models))
 
 
+_CSV = ("text/csv", {"type": "string"})
+OPERATIONS_HERE = (
+    Operation("GET", "/admin/v1/usage", usage, "Usage and chargeback over a window",
+              "Accounting", "tenant_or_admin",
+              params=(SINCE, UNTIL, _group(reports.USAGE_DIMS), FORMAT),
+              ok={"200": ("application/json", {"type": "object"}), "200 csv": _CSV},
+              errors=(400, 404, 503), description="A tenant key reads its own tenant's rows "
+              "only. 503 report_timeout: the report ran past [accounting] report_timeout_s."),
+    Operation("GET", "/admin/v1/carbon", carbon, "Energy and emissions over a window",
+              "Accounting", "admin", params=(SINCE, UNTIL, _group(reports.CARBON_DIMS)),
+              errors=(400, 404, 503)),
+    Operation("GET", "/admin/v1/rates", rates, "The rate cards, resolved per device model",
+              "Accounting", "admin", errors=(404,)),
+)
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/v1/usage", usage)
-    app.router.add_get("/admin/v1/carbon", carbon)
-    app.router.add_get("/admin/v1/rates", rates)
+    register(app, OPERATIONS_HERE, OPERATIONS)

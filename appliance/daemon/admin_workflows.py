@@ -8,11 +8,25 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from appliance.daemon import admin_audit
+from appliance.daemon.api_schema import Body, Operation, Param, read_query, register
 from appliance.daemon.auth import require_admin
 from appliance.daemon.openai_protocol import ApiError
-from appliance.daemon.responses import WORKFLOWS, json_response
+from appliance.daemon.responses import OPERATIONS, WORKFLOWS, json_response
 from appliance.workflows.engine import WorkflowEngine
 from appliance.workflows.journal import NotFound, Refused
+from appliance.workflows.kinds import KINDS
+
+START = Body({"type": "object", "required": ["kind"], "additionalProperties": False,
+              "properties": {
+                  "kind": {"type": "string", "description": "One of: " + ", ".join(KINDS)
+                           + " (see docs/admin-api.md for each one's params)."},
+                  "params": {"type": ["object", "null"],
+                             "description": "The kind's parameters."}}},
+             "A workflow to start.")
+LIMIT = Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50},
+              "How many workflows, newest first.")
+ID = Param("id", {"type": "string"}, "A workflow id (wf-…).", where="path")
 
 
 def _engine(request: web.Request) -> WorkflowEngine:
@@ -33,40 +47,24 @@ async def start(request: web.Request):
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object {\"kind\", \"params\"}",
-                       code="invalid_value")
-    unknown = set(body) - {"kind", "params"}
-    if unknown:
-        raise ApiError(400, f"unknown fields {sorted(unknown)} (expected kind, params)",
-                       param=sorted(unknown)[0], code="invalid_value")
-    kind = body.get("kind")
-    if not isinstance(kind, str):
-        raise ApiError(400, "kind must be one of: " + ", ".join(engine.kinds), param="kind",
-                       code="invalid_value")
-    params = body.get("params", {})
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise ApiError(400, "params must be a JSON object", param="params", code="invalid_value")
+    START.check(body)
+    audited = {"kind": body["kind"], "params": body.get("params") or {}}
     try:
-        wf = engine.submit(kind, params)
+        wf = engine.submit(body["kind"], body.get("params") or {})
     except Refused as exc:
+        admin_audit.record(request, "workflow.start", audited, f"409 {exc}")
         raise ApiError(409, str(exc), code="workflow_conflict") from None
     except ValueError as exc:
+        admin_audit.record(request, "workflow.start", audited, f"400 {exc}")
         raise ApiError(400, str(exc), param="kind" if "kind" in str(exc) else "params",
                        code="invalid_value") from None
+    admin_audit.record(request, "workflow.start", {**audited, "id": wf.id}, "started")
     return json_response({"id": wf.id, "kind": wf.kind, "status": wf.status}, status=201)
 
 
 async def list_(request: web.Request):
     engine = _engine(request)
-    try:
-        limit = int(request.query.get("limit", "50"))
-    except ValueError:
-        raise ApiError(400, "limit must be a whole number", param="limit") from None
-    if not 1 <= limit <= 1000:
-        raise ApiError(400, "limit must be within 1..1000", param="limit")
+    limit = read_query(request.query, (LIMIT,)).get("limit", 50)
     return json_response({"object": "list",
                           "data": [w.to_json() for w in engine.journal.list(limit)]})
 
@@ -83,13 +81,26 @@ async def cancel(request: web.Request):
     try:
         wf = engine.cancel(wid)
     except Refused as exc:
+        admin_audit.record(request, "workflow.cancel", {"id": wid}, f"409 {exc}")
         raise ApiError(409, str(exc), code="workflow_finished") from None
+    admin_audit.record(request, "workflow.cancel", {"id": wid}, "cancel requested")
     return json_response({"id": wf.id, "kind": wf.kind, "status": wf.status,
                           "cancel_requested": wf.cancel_requested})
 
 
+OPERATIONS_HERE = (
+    Operation("POST", "/admin/v1/workflows", start, "Start a durable admin workflow",
+              "Workflows", "admin", body=START,
+              ok={"201": ("application/json", {"type": "object"})}, errors=(400, 409)),
+    Operation("GET", "/admin/v1/workflows", list_, "List workflows, newest first",
+              "Workflows", "admin", params=(LIMIT,), errors=(400,)),
+    Operation("GET", "/admin/v1/workflows/{id}", show, "One workflow and its steps",
+              "Workflows", "admin", params=(ID,), errors=(404,)),
+    Operation("POST", "/admin/v1/workflows/{id}/cancel", cancel, "Cancel a workflow (it "
+              "compensates its finished steps)", "Workflows", "admin", params=(ID,),
+              errors=(404, 409)),
+)
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/admin/v1/workflows", start)
-    app.router.add_get("/admin/v1/workflows", list_)
-    app.router.add_get("/admin/v1/workflows/{id}", show)
-    app.router.add_post("/admin/v1/workflows/{id}/cancel", cancel)
+    register(app, OPERATIONS_HERE, OPERATIONS)

@@ -23,13 +23,17 @@ from pathlib import Path
 
 from aiohttp import web
 
+from appliance import keystore
 from appliance.accounting.records import LogSink, RecordSink
+from appliance.audit import AuditLog
 from appliance.config import Config
 from appliance.daemon import planner_link, systemd
 from appliance.daemon.accounting_link import record_sink, start_accounting
 from appliance.daemon.auth import Auth
 from appliance.daemon.control import Control, kill_orphans
 from appliance.daemon.http_parser_errors import ApplianceRunner
+from appliance.daemon.key_watch import KeyWatcher
+from appliance.daemon.listeners import TlsError, TlsSetup, is_loopback_host, tls_setup
 from appliance.daemon.metrics import Metrics
 from appliance.daemon.prepare import PreparePool
 from appliance.daemon.router import Router
@@ -55,9 +59,29 @@ def open_journal(state_dir: Path) -> Journal:
                            f"{exc}") from None
 
 
+def build_auth(cfg: Config, state_dir: Path) -> tuple[Auth, KeyWatcher]:
+    """The config's keys and the keys file's, merged (a name in both: StartupError). The
+    file keys' tenant tags join the config's (for the ledger's reports), config first."""
+    auth = Auth(cfg.auth.keys, cfg.auth.admin_keys, cfg.auth.metrics_access,
+                key_names=cfg.auth.key_names, client_ca=bool(cfg.auth.admin_client_ca),
+                admin_port=cfg.server.admin_port)
+    watcher = KeyWatcher(auth, state_dir)
+    try:
+        watcher.load()
+        records = keystore.read(watcher.path)
+    except ValueError as exc:
+        raise StartupError(f"keys: {exc}") from None
+    for r in records:
+        if r.tenant and r.tags and r.revoked is None:
+            have = cfg.auth.tenant_tags.setdefault(r.tenant, {})
+            for k, v in r.tags.items():
+                have.setdefault(k, v)
+    return auth, watcher
+
+
 async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: Path,
                         sink: RecordSink | None, stack: contextlib.AsyncExitStack,
-                        config_path: Path | None = None) -> Service:
+                        auth: Auth, config_path: Path | None = None) -> Service:
     """Every subsystem, then the Service from them. Nothing is started but the
     accounting process (it must hold the ledger before any worker runs); what needs
     stopping is pushed onto `stack`."""
@@ -83,7 +107,8 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
     metrics = Metrics(pool, served, setup.simulated, telemetry=telemetry, site=cfg.site.name,
                       appliance=telemetry.appliance)
     try:
-        accounting = await start_accounting(cfg, setup, state, pool, labelled_tenants(cfg),
+        accounting = await start_accounting(cfg, setup, state, pool,
+                                            labelled_tenants(cfg) | auth.tenants,
                                             metrics, telemetry, state_dir)
     except ValueError as exc:   # a bad carbon intensity file, an unusable ledger
         raise StartupError(str(exc)) from None
@@ -105,28 +130,29 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
     tenants = TenantPolicy(cfg.tenants, cfg.budgets,
                            budget_report=accounting.budget_report if accounting else None)
     return Service(cfg, setup, state, pool=pool, router=router, metrics=metrics,
-                   auth=Auth(cfg.auth.keys, cfg.auth.admin_keys, cfg.auth.metrics_access),
+                   auth=auth,
                    sink=record_sink(sink or LogSink(enabled=cfg.server.log_requests), accounting),
                    prepare_pool=prepare_pool, telemetry=telemetry, journal=journal,
                    workflows=workflows, tenants=tenants, planner=planner,
                    accounting=accounting, config_path=config_path)
 
 
-def warn_if_exposed(cfg: Config) -> None:
-    """Bound beyond loopback without keys, anyone on the network may use the API."""
-    import ipaddress
-    try:
-        loopback = ipaddress.ip_address(cfg.server.host).is_loopback
-    except ValueError:
-        loopback = cfg.server.host == "localhost"
-    if loopback:
+def warn_if_exposed(cfg: Config, auth: Auth | None = None, tls: bool = False) -> None:
+    """Bound beyond loopback without keys, anyone on the network may use the API; without
+    TLS, keys and prompts cross the network in clear text."""
+    if is_loopback_host(cfg.server.host) and (
+            not cfg.server.admin_port or is_loopback_host(cfg.server.admin_host)):
         return
-    if not cfg.auth.keys:
-        log.warning("listening on %s with no [auth.keys]: anyone who can reach this address "
-                    "may use the API", cfg.server.host)
-    if not cfg.auth.admin_keys:
-        log.warning("listening on %s with no [auth] admin_keys: the admin API answers "
-                    "loopback clients only", cfg.server.host)
+    host = cfg.server.host
+    if not tls:
+        log.warning("listening on %s without TLS ([server] tls_cert/tls_key): API keys and "
+                    "prompts cross the network in clear text", host)
+    if not (auth.keys if auth else cfg.auth.keys):
+        log.warning("listening on %s with no API keys ([auth.keys] or `applianced keys "
+                    "add`): anyone who can reach this address may use the API", host)
+    if not (auth.admin_keys if auth else cfg.auth.admin_keys):
+        log.warning("listening on %s with no admin keys: the admin API answers "
+                    "loopback clients only", host)
 
 
 def status_line(svc: Service, phase: str) -> str:
@@ -163,20 +189,22 @@ def _cancel_all(tasks: list[asyncio.Task]) -> None:
         task.cancel()
 
 
-def reload_on_hup(svc: Service) -> None:
-    """SIGHUP: as `applianced reload`; a bad file keeps the old limits, one log line."""
-    from appliance.config import ConfigError
-    try:
-        svc.reload()
-    except ConfigError as exc:
-        log.error("reload refused, the old limits stay: %s", exc)
-
-
 async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = None,
                      config_path: Path | None = None) -> int:
     # First, before any child starts: inherited listening sockets and their variables.
     inherited = systemd.listen_sockets()
     state_dir.mkdir(parents=True, exist_ok=True)
+    audit = AuditLog.in_state_dir(state_dir,
+                                  journal=systemd.journal_sender("applianced-audit"))
+
+    def tls_changed(loaded: bool, error: str) -> None:
+        audit.record("tls.reload", "file watch", "reloaded" if loaded else
+                     f"kept the previous: {error}", params={"cert": cfg.server.tls_cert})
+    try:                # before anything slow: a bad certificate or key fails at once
+        tls = tls_setup(cfg, tls_changed)
+    except TlsError as exc:
+        raise StartupError(str(exc)) from None
+    auth, key_watcher = build_auth(cfg, state_dir)
     systemd.notify("STATUS=preparing the model")
     async with contextlib.AsyncExitStack() as stack:
         journal = open_journal(state_dir)
@@ -197,12 +225,13 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         if setup.inventory.note:
             log.warning("%s", setup.inventory.note)
         log.info("plan: %s", setup.plan.reason)
-        svc = await build_service(cfg, setup, journal, state_dir, sink, stack, config_path)
+        svc = await build_service(cfg, setup, journal, state_dir, sink, stack, auth, config_path)
         phase = ["loading"]
         status = (asyncio.create_task(status_loop(svc, phase))
                   if os.environ.get("NOTIFY_SOCKET") else None)
         background += [status] if status else []
-        runner = ApplianceRunner(build_app(svc, cfg.server.max_body_bytes), svc.next_request_id,
+        runner = ApplianceRunner(build_app(svc, cfg.server.max_body_bytes, audit),
+                                 svc.next_request_id,
                                  handler_cancellation=True, access_log=None)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
@@ -224,37 +253,34 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         svc.recover(orphans)
         if svc.planner is not None:
             await stack.enter_async_context(planner_link.running(svc.planner))
-        if inherited:   # socket activation (systemd/applianced.socket): systemd chose the address
-            sites = [web.SockSite(runner, sock) for sock in inherited]
-            where = ", ".join(_sock_name(sock) for sock in inherited)
-            log.info("listening on %s, passed by systemd (server.host/port not used)", where)
-        else:
-            sites = [web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)]
-            where = f"{cfg.server.host}:{cfg.server.port}"
-        for site in sites:
+        sites, where = listener_sites(cfg, runner, inherited, tls)
+        for site, addr in sites:
             try:
                 await site.start()
             except OSError as exc:
-                raise StartupError(f"cannot listen on {where}: {exc.strerror}") from None
+                raise StartupError(f"cannot listen on {addr}: {exc.strerror}") from None
             stack.push_async_callback(site.stop)
         worker_stop_s[0] = 10.0
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, reload_on_hup, svc)
-        warn_if_exposed(cfg)
+        loop.add_signal_handler(signal.SIGHUP, reload_on_sighup, svc, tls, key_watcher, audit)
+        warn_if_exposed(cfg, auth, tls.enabled)
         log.info("serving %s on %s (%s, %s%s)", svc.model_name, where, setup.engine,
                  setup.plan.mode, ", simulated" if svc.simulated else "")
         host, port = (cfg.server.host, cfg.server.port) if not inherited else _host_port(inherited[0])
         print(json.dumps({"event": "ready", "host": host, "port": port,
                           "model": svc.model_name, "engine": setup.engine,
-                          "simulated": svc.simulated}), file=sys.stderr, flush=True)
+                          "simulated": svc.simulated, "tls": tls.enabled}), file=sys.stderr, flush=True)
         phase[0] = "serving"
         tune_gc()
         systemd.notify("READY=1", f"STATUS={status_line(svc, 'serving')}")
         background.append(asyncio.create_task(systemd.watchdog_loop()))
         background.append(asyncio.create_task(svc.telemetry.run(), name="telemetry"))
+        background.append(asyncio.create_task(key_watcher.run(), name="keys"))
+        if tls.watcher is not None:
+            background.append(asyncio.create_task(tls.watcher.run(), name="tls"))
         svc.workflows.resume_all()
         await stop.wait()
         await svc.workflows.close()
@@ -277,6 +303,48 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
             pending - cut, pending, drained_s,
             f", {cut} cut off at server.drain_timeout_s" if cut else "")
     return 0
+
+
+def listener_sites(cfg: Config, runner, inherited: list, tls: TlsSetup):
+    """[(site, its address)], and the API's address for the log: the inherited sockets
+    (socket activation: systemd chose the address) or server.host/port, each with the
+    API's TLS context; plus the admin listener when server.admin_port is set."""
+    scheme = "https" if tls.enabled else "http"
+    if inherited:
+        sites = [(web.SockSite(runner, sock, ssl_context=tls.api), _sock_name(sock))
+                 for sock in inherited]
+        where = ", ".join(addr for _, addr in sites)
+        log.info("listening on %s, passed by systemd (server.host/port not used)", where)
+    else:
+        where = f"{cfg.server.host}:{cfg.server.port}"
+        sites = [(web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True,
+                              ssl_context=tls.api), where)]
+    if cfg.server.admin_port:
+        addr = f"{cfg.server.admin_host}:{cfg.server.admin_port}"
+        sites.append((web.TCPSite(runner, cfg.server.admin_host, cfg.server.admin_port,
+                                  reuse_address=True, ssl_context=tls.admin), addr))
+        log.info("admin API on %s://%s (not on the API listener)", scheme, addr)
+    return sites, f"{scheme}://{where}"
+
+
+def reload_on_sighup(svc: Service, tls: TlsSetup, keys: KeyWatcher, audit: AuditLog) -> None:
+    """SIGHUP: as `applianced reload` (re-read [tenants] and [budgets] from the config file;
+    a bad file keeps the old limits, one log line), and re-read the TLS certificate and key
+    and the keys file now (both are also picked up on their own when the files change).
+    Audited as `reload`."""
+    from appliance.config import ConfigError
+    results = {}
+    try:
+        svc.reload()
+        results["tenants and budgets"] = "reloaded"
+    except ConfigError as exc:
+        log.error("reload refused, the old limits stay: %s", exc)
+        results["tenants and budgets"] = f"kept the previous: {exc}"
+    if tls.watcher is not None:
+        results["tls"] = "reloaded" if tls.watcher.reload("SIGHUP") else "kept the previous"
+    results["keys"] = "reloaded" if keys.poll(force=True) else "kept the previous"
+    audit.record("reload", "SIGHUP", ", ".join(f"{k}: {v}" for k, v in results.items()),
+                 params={"signal": "SIGHUP"})
 
 
 def _host_port(sock) -> tuple[str, int | None]:

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 
+from appliance.daemon.api_schema import Operation, register
 from appliance.daemon.completion import Completion
 from appliance.daemon.openai_protocol import ApiError
+from appliance.daemon.openai_schema import CHAT, COMPLETIONS
 from appliance.daemon.responses import (
-    RETRY_AFTER_S, SERVICE, error_response, json_response, request_id,
+    OPERATIONS, RETRY_AFTER_S, SERVICE, error_response, json_response, request_id,
 )
 from appliance.daemon.router import EngineError, NoWorker
 from appliance.daemon.structured import capabilities
@@ -242,9 +244,19 @@ async def ready(request: web.Request):
     return json_response({"status": "ready", "simulated": svc.simulated})
 
 
+_GENERATED = {"200": ("application/json", {"type": "object"}),
+              "200 stream": ("text/event-stream", {"type": "string"})}
+OPERATIONS_HERE = (
+    Operation("POST", "/v1/chat/completions", chat_completions, "Create a chat completion",
+              "OpenAI", "tenant", body=CHAT, ok=_GENERATED, errors=(400, 413, 503)),
+    Operation("POST", "/v1/completions", completions, "Create a text completion", "OpenAI",
+              "tenant", body=COMPLETIONS, ok=_GENERATED, errors=(400, 413, 503)),
+    Operation("GET", "/v1/models", models, "List the served model", "OpenAI", "tenant"),
+    Operation("GET", "/health", health, "Liveness: the daemon answers", "Probes", "open"),
+    Operation("GET", "/ready", ready, "Readiness: workers can serve (503 while not)",
+              "Probes", "open", errors=(503,)),
+)
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
+    register(app, OPERATIONS_HERE, OPERATIONS)

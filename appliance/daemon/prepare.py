@@ -36,6 +36,7 @@ from pathlib import Path
 
 from appliance.daemon.completion import prepare_prompt
 from appliance.daemon.openai_protocol import ApiError, GenerationRequest, parse_body
+from appliance.daemon.openai_schema import BODIES
 from appliance.daemon.tokenizer import ServedTokenizer
 
 _tokenizer: ServedTokenizer | None = None      # in a child: the last model's tokenizer
@@ -64,6 +65,14 @@ def _child_init(model_dir: str, tool_parser: str = "") -> None:
     global _tokenizer, _tool_parser
     _tool_parser = tool_parser
     _tokenizer = ServedTokenizer(Path(model_dir), tool_parser)
+    _compile_schemas()
+
+
+def _compile_schemas() -> None:
+    """The request schemas' checks are compiled once per process (~0.2 s each), before
+    the first request rather than in its time."""
+    for body in BODIES.values():
+        body.compile()
 
 
 def _child_tokenizer(model_dir: str) -> ServedTokenizer:
@@ -112,6 +121,8 @@ class PreparePool:
         self._tool_parser = tool_parser
         self._executor = self._new_executor()
         self.inline_bytes = inline_bytes
+        if self.inline_bytes:
+            _compile_schemas()
         self.inline = 0             # how many were prepared here, and in the children
         self.pooled = 0
 

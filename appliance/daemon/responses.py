@@ -15,7 +15,9 @@ from appliance.daemon.openai_protocol import ApiError
 log = logging.getLogger("applianced.http")
 
 if TYPE_CHECKING:
+    from appliance.audit import AuditLog
     from appliance.daemon.accounting_link import AccountingLink
+    from appliance.daemon.api_schema import Operation
     from appliance.daemon.service import Service
     from appliance.planner.planner import Planner
     from appliance.workflows.engine import WorkflowEngine
@@ -25,6 +27,9 @@ SERVICE: web.AppKey[Service] = web.AppKey("service")
 WORKFLOWS: web.AppKey[WorkflowEngine] = web.AppKey("workflows")
 PLANNER: web.AppKey[Planner | None] = web.AppKey("planner")           # None: not built
 ACCOUNTING: web.AppKey[AccountingLink | None] = web.AppKey("accounting")   # None: off
+AUDIT: web.AppKey[AuditLog] = web.AppKey("audit")
+# Every route's declaration (`api_schema.register`), which /openapi.json renders.
+OPERATIONS: web.AppKey[tuple[Operation, ...]] = web.AppKey("operations")
 RETRY_AFTER_S = "1"
 
 

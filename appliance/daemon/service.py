@@ -174,7 +174,9 @@ class Service:
     def record(self, rec: RequestRecord) -> None:
         """A finished request (served, failed, aborted or rejected) to everything that
         counts it: /metrics, the planner's trends, telemetry's latency window, the sink."""
-        tenant_label = rec.tenant if rec.tenant in self._tenants else "other"
+        # a key added at run time (the keys file) labels its tenant too
+        tenant_label = rec.tenant if (rec.tenant in self._tenants
+                                      or rec.tenant in self.auth.tenants) else "other"
         self.metrics.request(rec, tenant_label)
         policy = False
         if rec.status == "rejected":

@@ -26,6 +26,45 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar"}
 
 
+# The request fields this module reads, as JSON Schema (`api_schema.Body` checks a body
+# against them; /openapi.json shows them). What a schema cannot say (one constraint per
+# request, the grammar compiling) is checked below.
+_A_SCHEMA = {"type": ["object", "string"],
+             "description": "a JSON Schema (an object, or its JSON text)"}
+_NON_EMPTY = {"type": "string", "minLength": 1}
+_CHOICES = {"type": "array", "minItems": 1, "items": _NON_EMPTY}
+REQUEST_FIELDS = {
+    "response_format": {
+        "type": ["object", "null"], "required": ["type"],
+        "description": "OpenAI's structured output: text (none), json_object, or json_schema "
+                       "with json_schema.schema.",
+        "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                "name": {"type": "string"}, "description": {"type": "string"},
+                "schema": _A_SCHEMA, "strict": {"type": ["boolean", "null"]}}}}},
+    "structured_outputs": {
+        "type": ["object", "null"],
+        "description": "vLLM's structured output: exactly one of json, regex, choice, grammar "
+                       "(EBNF) or json_object.",
+        "properties": {"json": {**_A_SCHEMA, "type": ["object", "string", "null"]},
+                       "regex": {**_NON_EMPTY, "type": ["string", "null"]},
+                       "choice": {**_CHOICES, "type": ["array", "null"]},
+                       "grammar": {**_NON_EMPTY, "type": ["string", "null"]},
+                       "json_object": {"enum": [True, None]}},
+        "additionalProperties": {"type": "null", "description": "not supported: use json, "
+                                 "regex, choice, grammar or json_object"}},
+    "guided_json": {**_A_SCHEMA, "type": ["object", "string", "null"],
+                    "description": "vLLM's older spelling of structured_outputs.json."},
+    "guided_regex": {**_NON_EMPTY, "type": ["string", "null"],
+                     "description": "vLLM's older spelling of structured_outputs.regex."},
+    "guided_choice": {**_CHOICES, "type": ["array", "null"],
+                      "description": "vLLM's older spelling of structured_outputs.choice."},
+    "guided_grammar": {**_NON_EMPTY, "type": ["string", "null"],
+                       "description": "vLLM's older spelling of structured_outputs.grammar."},
+}
+
+
 def _schema_text(schema, param: str) -> str:
     if isinstance(schema, str):     # vLLM takes a schema as JSON text too
         try:
@@ -50,42 +89,29 @@ def _checked(spec: GuidedDecoding, param: str) -> GuidedDecoding:
     return spec
 
 
-def _response_format(fmt) -> GuidedDecoding | None:
+def _response_format(fmt: dict) -> GuidedDecoding | None:
     param = "response_format"
-    if not isinstance(fmt, dict):
-        raise bad("'response_format' must be an object with a 'type'", param)
-    kind = fmt.get("type")
+    kind = fmt["type"]
     if kind == "text":
         return None
     if kind == "json_object":
         return GuidedDecoding("json_object")
-    if kind == "json_schema":
-        inner = fmt.get("json_schema")
-        if not isinstance(inner, dict) or "schema" not in inner:
-            raise bad("'response_format': type json_schema needs 'json_schema': "
-                       "{'name', 'schema'}", param)
-        return GuidedDecoding("json_schema", _schema_text(inner["schema"], param))
-    raise bad(f"'response_format' type must be text, json_object or json_schema, "
-               f"got {kind!r}", param)
+    inner = fmt.get("json_schema")             # kind == "json_schema"
+    if inner is None:
+        raise bad("'response_format': type json_schema needs 'json_schema': "
+                  "{'name', 'schema'}", param)
+    return GuidedDecoding("json_schema", _schema_text(inner["schema"], param))
 
 
 def _vllm(key: str, value, param: str) -> GuidedDecoding:
     kind = _STRUCTURED_KEYS[key]
     if kind == "json_schema":
         return GuidedDecoding(kind, _schema_text(value, param))
-    if kind == "json_object":
-        if value is not True:
-            raise bad(f"'{param}': json_object must be true", param)
+    if kind == "json_object":                  # the schema: true (or null: not given)
         return GuidedDecoding(kind)
     if kind == "choice":
-        if (not isinstance(value, list) or not value
-                or not all(isinstance(c, str) and c for c in value)):
-            raise bad(f"'{param}': choice must be a non-empty list of non-empty strings",
-                       param)
         return GuidedDecoding(kind, orjson.dumps(value).decode())
-    if not isinstance(value, str) or not value:
-        raise bad(f"'{param}' must be a non-empty string", param)
-    return GuidedDecoding(kind, value)
+    return GuidedDecoding(kind, value)          # regex, ebnf: a non-empty string
 
 
 def parse_guided(body: dict) -> GuidedDecoding | None:
@@ -97,15 +123,8 @@ def parse_guided(body: dict) -> GuidedDecoding | None:
         if spec is not None:
             found.append((spec, "response_format"))
     so = body.get("structured_outputs")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise bad("'structured_outputs' must be an object", "structured_outputs")
-        keys = [k for k in so if so[k] is not None and k in _STRUCTURED_KEYS]
-        unknown = [k for k in so if k not in _STRUCTURED_KEYS and so[k] is not None]
-        if unknown:
-            raise bad(f"'structured_outputs': '{unknown[0]}' is not supported (use one of "
-                       f"{sorted(_STRUCTURED_KEYS)})", "structured_outputs")
-        for k in keys:
+    if so is not None:      # the schema refuses keys beyond _STRUCTURED_KEYS' (unless null)
+        for k in [k for k in so if so[k] is not None]:
             found.append((_vllm(k, so[k], "structured_outputs"), "structured_outputs"))
     for name, key in _GUIDED_FIELDS.items():
         if body.get(name) is not None:

@@ -53,39 +53,82 @@ class ToolRequest:
                 for f in picked]
 
 
+_FUNCTION_NAME = {"type": "object", "required": ["name"],
+                  "properties": {"name": {"type": "string"}}}
+# The request fields this module reads, as JSON Schema (`api_schema.Body` checks a body
+# against them; /openapi.json shows them); what a schema cannot say is checked below.
+REQUEST_FIELDS = {
+    "tools": {"type": ["array", "null"], "maxItems": MAX_TOOLS,
+              "description": "The functions the model may call.",
+              "items": {"type": "object", "required": ["type", "function"], "properties": {
+                  "type": {"const": "function"},
+                  "function": {"type": "object", "required": ["name"], "properties": {
+                      "name": {"type": "string", "minLength": 1, "maxLength": 64},
+                      "description": {"type": ["string", "null"]},
+                      "parameters": {"type": ["object", "null"],
+                                     "description": "the arguments' JSON Schema"},
+                      "strict": {"type": ["boolean", "null"]}}}}}},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]},
+                              {"type": "object", "required": ["type", "function"],
+                               "properties": {"type": {"const": "function"},
+                                              "function": _FUNCTION_NAME}}],
+                    "description": "none, auto (the default), required (a grammar forces one "
+                                   "call), or a named function (forced likewise)."},
+    "parallel_tool_calls": {"type": ["boolean", "null"]},
+    "functions": {"description": "Deprecated by OpenAI and not supported: refused (use tools)."},
+}
+# What a chat message may carry beyond role and content (see `message_fields`).
+MESSAGE_FIELDS = {
+    "tool_calls": {"type": ["array", "null"], "description": "an assistant's calls",
+                   "items": {"type": "object", "required": ["function"], "properties": {
+                       "id": {"type": ["string", "null"]}, "type": {"const": "function"},
+                       "function": {"type": "object", "required": ["name"], "properties": {
+                           "name": {"type": "string"},
+                           "arguments": {"type": ["string", "object"]}}}}}},
+    "tool_call_id": {"type": ["string", "null"],
+                     "description": "the call a tool message answers (required on those)"},
+}
+TOOL_MESSAGE_ROLES = ("system", "developer", "user", "assistant")
+# Which role may carry them: a tool result names its call; only an assistant calls. As
+# `anyOf` whose first branch is the common case (no exception raised inside the compiled
+# check: fastjsonschema's failed branches cost ~50 µs each), not as if/then.
+MESSAGE_RULES = [
+    {"anyOf": [{"properties": {"role": {"enum": list(TOOL_MESSAGE_ROLES)}}},
+               {"required": ["tool_call_id"],
+                "properties": {"tool_call_id": {"type": "string", "minLength": 1}}},
+               # an unknown role: left to the role's own check, which names it
+               {"properties": {"role": {"not": {"enum": [*TOOL_MESSAGE_ROLES, "tool"]}}}}],
+     "description": "a tool message needs its tool_call_id", "x-param": "tool_call_id"},
+    {"anyOf": [{"properties": {"tool_calls": {"type": "null"}}},
+               {"properties": {"tool_calls": {"maxItems": 0}}},
+               {"properties": {"role": {"const": "assistant"}}}],
+     "description": "only an assistant message carries tool_calls", "x-param": "tool_calls"},
+]
+
+
 def parse_tools(body: dict) -> ToolRequest | None:
     """`tools`, `tool_choice`, `parallel_tool_calls` (and the legacy `functions`, refused)
-    -> the ToolRequest, or None when there are no tools; a 400 naming the field."""
+    -> the ToolRequest, or None when there are no tools; a 400 naming the field. The
+    fields' shapes are already checked against `REQUEST_FIELDS`."""
     if body.get("functions"):
         raise bad("'functions' is deprecated and not supported; use 'tools'", "functions")
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
     if parallel is None:
         parallel = True
-    if not isinstance(parallel, bool):
-        raise bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
-    if tools is None or tools == []:
+    if not tools:
         if choice not in (None, "none", "auto"):
             raise bad("'tool_choice' needs 'tools'", "tool_choice")
         return None
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise bad(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
     names = []
     clean = []
     for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
-            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
-                       "tools")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64:
-            raise bad(f"tools[{i}].function.name must be a name of 1-64 characters", "tools")
+        fn = tool["function"]
+        name = fn["name"]
         if name in names:
             raise bad(f"tools[{i}]: function {name!r} is given twice", "tools")
         params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         names.append(name)
         out = {"name": name}
         if isinstance(fn.get("description"), str):
@@ -94,49 +137,35 @@ def parse_tools(body: dict) -> ToolRequest | None:
                                                                 "properties": {}}
         clean.append({"type": "function", "function": out})
     req = ToolRequest(clean, parallel=parallel, names=names)
-    if choice is None or choice in ("auto", "none", "required"):
+    if not isinstance(choice, dict):
         req.choice = choice or "auto"
-    elif (isinstance(choice, dict) and choice.get("type") == "function"
-          and isinstance(choice.get("function"), dict)):
-        name = choice["function"].get("name")
+    else:
+        name = choice["function"]["name"]
         if name not in names:
             raise bad(f"'tool_choice' names function {name!r}, which is not in 'tools'",
-                       "tool_choice")
+                      "tool_choice")
         req.choice, req.name = "named", name
-    else:
-        raise bad("'tool_choice' must be 'none', 'auto', 'required' or "
-                   "{'type': 'function', 'function': {'name'}}", "tool_choice")
     return req
 
 
-def message_fields(m: dict, i: int) -> dict:
+def message_fields(m: dict) -> dict:
     """What a history message carries beyond role and content: an assistant's
     `tool_calls` (arguments kept as the JSON text they were) and a tool result's
     `tool_call_id`, checked so a template never sees a malformed call."""
     out: dict = {}
     calls = m.get("tool_calls")
-    if calls:
-        if m.get("role") != "assistant" or not isinstance(calls, list):
-            raise bad(f"messages[{i}].tool_calls must be a list on an assistant message",
-                       f"messages[{i}].tool_calls")
+    if calls:                           # on an assistant message (MESSAGE_RULES)
         clean = []
-        for j, call in enumerate(calls):
-            fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise bad(f"messages[{i}].tool_calls[{j}] needs function.name",
-                           f"messages[{i}].tool_calls")
+        for call in calls:
+            fn = call["function"]
             args = fn.get("arguments", "{}")
             if not isinstance(args, str):
                 args = json.dumps(args)
-            clean.append({"id": str(call.get("id", "")), "type": "function",
+            clean.append({"id": call.get("id") or "", "type": "function",
                           "function": {"name": fn["name"], "arguments": args}})
         out["tool_calls"] = clean
-    if m.get("role") == "tool":
-        tid = m.get("tool_call_id")
-        if not isinstance(tid, str) or not tid:
-            raise bad(f"messages[{i}].tool_call_id is required on a tool message",
-                       f"messages[{i}].tool_call_id")
-        out["tool_call_id"] = tid
+    if m["role"] == "tool":             # a non-empty string there (MESSAGE_RULES)
+        out["tool_call_id"] = m["tool_call_id"]
     return out
 
 

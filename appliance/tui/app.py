@@ -57,13 +57,14 @@ class ApplianceConsole(App):
     paused: reactive[bool] = reactive(False)
 
     def __init__(self, urls: list[str], admin_key: str | None = None, *,
-                 poll_interval: float = 1.0, backoff: tuple[float, float] = (0.5, 5.0)):
+                 poll_interval: float = 1.0, backoff: tuple[float, float] = (0.5, 5.0),
+                 tls=None):
         super().__init__()
         self.urls = [u.rstrip("/") for u in urls] or ["http://127.0.0.1:8000"]
         self.admin_key = admin_key
         self.feeds = {u: ApplianceFeed(u, admin_key, on_snapshot=self._on_snapshot,
                                        on_link=self._on_link, poll_interval=poll_interval,
-                                       backoff=backoff) for u in self.urls}
+                                       backoff=backoff, tls=tls) for u in self.urls}
         self._states = {u: ApplianceState(u, self.feeds[u].link) for u in self.urls}
         self._dirty = False
         self._last_flush = 0.0
@@ -151,7 +152,8 @@ class ApplianceConsole(App):
         return self.appliances.get(self.selected) or self._states[self.urls[0]]
 
 
-def run(urls: list[str], admin_key: str | None = None) -> int:
-    app = ApplianceConsole(urls, admin_key)
+def run(urls: list[str], admin_key: str | None = None, tls=None) -> int:
+    """`tls`: an ssl.SSLContext for https:// appliances (--cacert, --cert/--key), or None."""
+    app = ApplianceConsole(urls, admin_key, tls=tls)
     app.run()
     return app.return_code or 0

@@ -44,7 +44,8 @@ class ApplianceFeed:
                  on_snapshot: Callable[[str, dict], None],
                  on_link: Callable[[Link], None],
                  poll_interval: float = 1.0, backoff: tuple[float, float] = (0.5, 5.0),
-                 stream_idle_timeout: float = 10.0, request_timeout: float = 5.0):
+                 stream_idle_timeout: float = 10.0, request_timeout: float = 5.0,
+                 tls=None):
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.on_snapshot = on_snapshot
@@ -56,6 +57,7 @@ class ApplianceFeed:
         self.link = Link(self.url, "connecting", since=time.time())
         self._wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
+        self.tls = tls                  # ssl.SSLContext for https:// (None: the default)
 
     # ------------------------------------------------------------ public
 
@@ -115,7 +117,8 @@ class ApplianceFeed:
 
     async def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            connector = aiohttp.TCPConnector(ssl=self.tls) if self.tls is not None else None
+            self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
     def _set_link(self, state: str, detail: str = "", retry_in: float | None = None) -> None:

@@ -319,7 +319,7 @@ def test_tenants_command_prints_the_view(limited):
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("alpha"))
     assert "/60" in line and "/3000" in line and line.split()[6] == "0"   # queue: none waits
-    assert "fair queuing" in out.stdout
+    assert "waiting at the router for a max_concurrent slot" in out.stdout
 
 
 # ---- reload ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sqlite3
 import threading
 import time
 

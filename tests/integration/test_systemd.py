@@ -266,6 +266,29 @@ def test_units_verify(tmp_path):
     assert "mixd" in out.stderr      # which the first assertion (empty stderr) rejects
 
 
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+def test_the_tls_credentials_drop_in_verifies(tmp_path):
+    """systemd/applianced-tls.conf (LoadCredential= for the TLS files) as the drop-in it
+    is installed as: the unit with it still verifies, and the credential names are the
+    ones its comment tells the config to use."""
+    root = fake_root(tmp_path)
+    dropin = root / "etc/systemd/system/applianced.service.d"
+    dropin.mkdir()
+    shutil.copy(SYSTEMD_DIR / "applianced-tls.conf", dropin / "tls.conf")
+    unit = str(root / "etc/systemd/system/applianced.service")
+    out = subprocess.run(["systemd-analyze", "verify", "--man=no", f"--root={root}", unit],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+    text = (SYSTEMD_DIR / "applianced-tls.conf").read_text()
+    names = re.findall(r"^LoadCredential=([a-z-]+):/", text, re.M)
+    assert names == ["tls-cert", "tls-key", "admin-client-ca"]
+    assert all(f'"credential:{n}"' in text for n in names)
+    (dropin / "tls.conf").write_text(text.replace("LoadCredential=", "LoadCredentials="))
+    out = subprocess.run(["systemd-analyze", "verify", "--man=no", f"--root={root}", unit],
+                         capture_output=True, text=True, timeout=60)
+    assert "LoadCredentials" in out.stderr        # verify reads the drop-in
+
+
 @pytest.mark.skipif(shutil.which("systemd-sysusers") is None, reason="no systemd-sysusers here")
 def test_sysusers_creates_the_static_system_user(tmp_path):
     root = tmp_path / "root"

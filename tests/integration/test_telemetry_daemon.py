@@ -65,9 +65,16 @@ def test_ratio_follows_the_load(sim_daemon):
     # 1-token answer finishes on the prefill worker and never reaches decode at all).
     d.wait_for(_window_empty, timeout=30, what="an empty 10-s window")
     _load(d, prompt_tokens=3000, max_tokens=2, requests=24)
-    # Windows end on the last 0.1-s bin edge: the newest iterations show a moment later.
-    st = d.wait_for(lambda s: s["groups"]["prefill"]["tokens_per_s"]["60s"] * 60 >= 24 * 3000 * 0.999,
-                    timeout=5, what="every prompt token in the 60-s window")
+    # Windows end on the last 0.1-s bin edge: the newest iterations show a moment later,
+    # and the ratios, their history and the energy a telemetry tick after that. Wait for
+    # each figure asserted below, not for one of them.
+    def prefill_heavy(s):
+        return (s["groups"]["prefill"]["tokens_per_s"]["60s"] * 60 >= 24 * 3000 * 0.999
+                and (s["ratio"]["gpu_seconds"] or 0) > 1 and (s["ratio"]["energy"] or 0) > 1
+                and any(v is not None for _, v in s["ratio"]["history"])
+                and s["latency"]["ttft_p50_s"])
+    st = d.wait_for(prefill_heavy, timeout=10,
+                    what="every prompt token in the 60-s window, and the ratios after it")
     assert st["ratio"]["gpu_seconds"] > 1, st["ratio"]
     assert st["ratio"]["energy"] > 1, st["ratio"]
     pre = st["groups"]["prefill"]
@@ -156,8 +163,12 @@ def test_cpu_daemon_reports_the_cpu_energy_source(daemon_factory, tiny_model):
     d.wait_for(lambda s: s["devices"][0].get("power_w") is not None, timeout=20,
                what="two CPU readings")
     client = d.client()
-    client.chat.completions.create(model="tiny-llama", max_tokens=8,
-                                   messages=[{"role": "user", "content": "Hello"}])
+    # ignore_eos: a sampled end-of-sequence as the first token would finish the request on
+    # the prefill worker, and the decode figures waited for below would never come.
+    r = client.chat.completions.create(model="tiny-llama", max_tokens=8,
+                                       messages=[{"role": "user", "content": "Hello"}],
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 8
     # Wait for every figure asserted below, not for one of them: on a loaded machine the
     # groups' windows fill a tick apart.
     def ready(s):

@@ -385,7 +385,8 @@ def test_ledger_recovers_unfinished_rows_and_counts_each_request_once(tmp_path):
     led = Ledger(tmp_path / "ledger.db", retention_days=0, rollup_retention_days=0)
     assert led.recovered == 1
     assert led.query("SELECT count(*), final, incomplete FROM requests") == [(1, 1, 1)]
-    assert led.query("SELECT sum(requests) FROM rollups WHERE period = 'hour'") == [(1,)]
+    assert led.query("SELECT sum(requests) FROM usage_rollups "
+                     "WHERE period = 'hour' AND phase = 'prefill'") == [(1,)]
     led.stop()
     ledger.stop()
 
@@ -499,9 +500,9 @@ def test_rollups_sum_whole_hours_once(tmp_path):
         led = Ledger(tmp_path / "ledger.db", retention_days=0, rollup_retention_days=0)
         led.stop()
     conn = sqlite3.connect(tmp_path / "ledger.db")
-    for period in ("hour", "day"):
-        n, pt, gpu = conn.execute("SELECT sum(requests), sum(prompt_tokens), sum(prefill_gpu_s) "
-                                  "FROM rollups WHERE period = ?", (period,)).fetchone()
+    for period in ("slice", "hour"):
+        n, pt, gpu = conn.execute("SELECT sum(requests), sum(pt), sum(gpu_s) FROM usage_rollups "
+                                  "WHERE period = ? AND phase = 'prefill'", (period,)).fetchone()
         assert (n, pt) == (3, 21) and gpu == pytest.approx(1.5)
 
 

@@ -45,12 +45,16 @@ def test_lower_packages_do_not_import_upper_ones():
 # Where each part of appliance/ sits: what it may import of the others (itself always).
 # A module that imports a part above its own fails, and so does a new package or
 # top-level module until it is given its place here.
-EVERYTHING = {"accounting", "config", "daemon", "engines", "kv", "models", "partitions",
-              "percentiles", "planner", "routing", "telemetry", "tui", "worker", "workflows"}
+EVERYTHING = {"accounting", "audit", "config", "daemon", "engines", "keystore", "kv", "models",
+              "partitions", "percentiles", "planner", "routing", "telemetry", "tui", "worker",
+              "workflows"}
 LAYERS = {
     "__init__": set(), "config": set(), "percentiles": set(), "routing": set(),
     "models": set(),
     "partitions": set(),
+    # The keys file and the audit log: files in the state directory, shared by the daemon
+    # and the `keys` command (no HTTP).
+    "keystore": set(), "audit": {"keystore"},
     "kv": {"models"},
     "engines": {"kv", "models", "partitions", "percentiles"},
     "worker": {"engines", "kv", "models", "partitions", "config"},
@@ -70,7 +74,7 @@ LAYERS = {
 }
 # Below the daemon nothing speaks HTTP or draws a console.
 NO_HTTP = ("engines", "kv", "models", "partitions", "telemetry", "accounting", "planner",
-           "workflows", "worker")
+           "workflows", "worker", "keystore", "audit")
 HTTP_AND_UI = ("aiohttp", "urllib.request", "http.client", "http.server", "httpx", "requests",
                "textual", "rich.live")
 
@@ -116,8 +120,9 @@ DAEMON = ROOT / "daemon"
 # The modules that serve HTTP: they reach the service and its subsystems through the
 # app's typed keys (`responses.SERVICE`, `PLANNER`, …), never through the module that
 # builds the daemon.
-HANDLERS = ("openai_routes", "admin", "admin_live", "admin_plan", "admin_tenants", "admin_usage",
-            "admin_workflows", "responses", "auth", "server", "http_parser_errors")
+HANDLERS = ("openai_routes", "admin", "admin_audit", "admin_live", "admin_plan", "admin_tenants",
+            "admin_usage",
+            "admin_workflows", "responses", "auth", "server", "http_parser_errors", "openapi")
 # What builds the daemon: a handler never imports these.
 WIRING = {"main", "setup", "planner_link", "accounting_link", "supervisor", "control"}
 

@@ -1,10 +1,14 @@
 """Reconciliation's arithmetic (issue 22 §4): counter series interpolated across resets,
 the ledger's windows prorated, a window without energy a gap, the span cut to what both
-sides cover. (On real daemons: tests/integration/test_reconciliation.py.)"""
+sides cover, starting at the ledger's first window boundary inside the counters' span.
+(On real daemons: tests/integration/test_reconciliation.py.)"""
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
-from appliance.accounting.reconcile import CounterSeries, Counters, gap, ledger_side, reconcile
+from appliance.accounting.reconcile import (FIRST_WINDOW_SQL, CounterSeries, Counters, gap,
+                                            ledger_side, reconcile)
 
 
 # ---- arithmetic ---------------------------------------------------------------------
@@ -39,6 +43,8 @@ def test_reconcile_cuts_the_span_to_what_both_sides_cover():
     seen = []
 
     def query(sql, args):
+        if sql == FIRST_WINDOW_SQL:
+            return [(min((r[1] for r in rows if args[0] <= r[1] < args[1]), default=None),)]
         seen.append(args)
         return [r for r in rows if r[2] > args[0] and r[1] < args[1]]
 
@@ -51,3 +57,23 @@ def test_reconcile_cuts_the_span_to_what_both_sides_cover():
     assert j["gpu_seconds"]["gap"] == pytest.approx(-0.5)
     assert j["energy_joules"]["gap"] == pytest.approx(0.0, abs=1e-9)
     assert "not closed in the ledger yet" in j["note"]
+
+
+def test_a_run_that_starts_busy_shows_no_gap_at_the_counters_first_sample():
+    """The engine is busy from t = 5 on; the daemon's counters start at t = 6, inside
+    the ledger's first window [0, 10) (5 busy seconds, all after 5). Prorating that
+    window over [6, 10) would count 2 s where the counters saw 4 (a -1.2 % gap from
+    the edge alone): the span starts at the ledger's next window boundary instead."""
+    db = sqlite3.connect(":memory:")
+    db.execute('CREATE TABLE device_windows (device, start, "end", attributed_gpu_s, '
+               'unattributed_gpu_s, measured_j)')
+    db.executemany("INSERT INTO device_windows VALUES (?, ?, ?, ?, 0, NULL)",
+                   [("g0", float(t), t + 10.0, 5.0 if t == 0 else 10.0) for t in range(0, 200, 10)])
+    c = Counters()
+    for t in range(6, 201):
+        c.sample_busy(float(t), t - 5.0)
+    r = reconcile(lambda sql, args=(): db.execute(sql, args).fetchall(), c, [], since=0.0,
+                  until=200.0, now=200.0, lag_s=20.0)
+    assert (r.since, r.until) == (10.0, 180.0)
+    assert r.gpu_ledger == pytest.approx(170.0) and r.gpu_telemetry == pytest.approx(170.0)
+    assert abs(r.as_json()["gpu_seconds"]["gap"]) < 1e-9
