@@ -319,7 +319,9 @@ def test_tenants_command_prints_the_view(limited):
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("alpha"))
     assert "/60" in line and "/3000" in line and line.split()[6] == "0"   # queue: none waits
-    assert "waiting at the router for a max_concurrent slot" in out.stdout
+    # The queue column's note: both of the router's queues are counted.
+    assert "waiting at the router, for a max_concurrent slot or" in out.stdout
+    assert "for a worker with room" in out.stdout
 
 
 # ---- reload ------------------------------------------------------------------------------
