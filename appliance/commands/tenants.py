@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
 
 from appliance.commands.client import AdminClient, add_client_args
 
@@ -19,6 +22,10 @@ def add_parsers(sub) -> None:
                        description="Re-read [tenants] and [budgets] from the daemon's config "
                                    "file (validated first; a bad file changes nothing).")
     add_client_args(p)
+    p.add_argument("--pid", type=int, default=None,
+                   help="send SIGHUP to this daemon process instead of calling the admin "
+                        "API (systemd's ExecReload: needs no admin key; the outcome goes "
+                        "to the daemon's log)")
     p.set_defaults(run=cmd_reload)
 
 
@@ -58,9 +65,29 @@ def cmd_tenants(args) -> int:
 
 
 def cmd_reload(args) -> int:
+    if args.pid is not None:
+        return _signal_reload(args.pid)
     data = AdminClient.from_args(args).post("/admin/v1/reload")
     enforce = data["budgets"]["enforce"]
     print(f"reloaded {data['reloaded']}: tenants {', '.join(data['tenants']) or '(none)'}; "
           f"budgets {data['budgets']['period']}, enforce "
           f"{', '.join(f'{k}={v}' for k, v in enforce.items()) or '(alert only)'}")
+    return 0
+
+
+def _signal_reload(pid: int) -> int:
+    """SIGHUP to the daemon: the same reload, answered in its log, not here."""
+    if pid <= 1:
+        print(f"applianced: reload --pid: not a daemon pid: {pid}", file=sys.stderr)
+        return 2
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except ProcessLookupError:
+        print(f"applianced: reload --pid: no process {pid}", file=sys.stderr)
+        return 1
+    except PermissionError:
+        print(f"applianced: reload --pid: not allowed to signal process {pid}", file=sys.stderr)
+        return 1
+    print(f"sent SIGHUP to {pid}: the daemon re-reads [tenants] and [budgets]; "
+          "the outcome is in its log")
     return 0

@@ -19,9 +19,10 @@ from appliance.daemon.responses import OPERATIONS, SERVICE, json_response
 if TYPE_CHECKING:
     from appliance.daemon.service import Service
 
-# The router's gate is the only per-tenant queue the daemon holds; prompts waiting in a
+# The router's queues are the per-tenant ones the daemon holds; prompts waiting in a
 # worker's fair queue are ordered there, but counted per worker, not per tenant.
-QUEUE_NOTE = "queue: requests waiting at the router for a max_concurrent slot"
+QUEUE_NOTE = ("queue: requests waiting at the router, for a max_concurrent slot or (in "
+              "fair queuing order) for a worker with room")
 
 
 async def tenants(request: web.Request):
@@ -29,7 +30,7 @@ async def tenants(request: web.Request):
     svc: Service = request.app[SERVICE]
     policy = svc.tenants
     return json_response({
-        "tenants": policy.view(svc.router.gate.depth),
+        "tenants": policy.view(svc.router.depth),
         "budget_period": policy.budgets.period,
         "budgets_tracked": svc.accounting is not None,
         "queue_depth_note": QUEUE_NOTE,

@@ -95,7 +95,8 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
                       start_timeout_s=cfg.workers.start_timeout_s)
     pool.ready_listeners.append(
         lambda w: journal.worker_started(w.id, w.proc.pid, list(w.spec.devices)))
-    router = Router(pool, setup.plan.mode, e.conditional_disagg_tokens, cfg.tenants)
+    router = Router(pool, setup.plan.mode, e.conditional_disagg_tokens, cfg.tenants,
+                    fair_queuing=e.fair_queuing)
     t = cfg.telemetry
     telemetry = build_telemetry(
         setup.inventory, setup.plan, worker_cores={s.worker: s.cpu_cores for s in setup.specs},

@@ -9,7 +9,9 @@ copy, or when the request ends any other way.
 Each request carries its tenant's share (`daemon.fairness`): the weight and priority
 class go to the workers with the request (their schedulers share prefill steps by
 them), and a tenant at its `max_concurrent` waits at the gate here before any worker
-is chosen, so a worker is picked when the request can actually go.
+is chosen, so a worker is picked when the request can actually go. When every worker
+of the request's first stage (prefill, or aggregated) is saturated, the request then
+waits in the router's fair queue (`daemon.dispatch`) for the next worker with room.
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ from appliance.engines.messages import (
     TokenLogprob, Tokens,
 )
 from appliance.config import TenantConfig
+from appliance.daemon.dispatch import DispatchQueue, pick_with_room
 from appliance.daemon.fairness import NO_SHARE, Share, TenantGate
 from appliance.daemon.workers import Channel, WorkerGone, WorkerLink, WorkerPool
-from appliance.routing import Rotation, least_queued, most_free
+from appliance.routing import Rotation, most_free
 
 
 # What a request yields per event: new tokens, finish reason or None, logprobs or None.
@@ -79,14 +82,18 @@ def _free_blocks(w: WorkerLink) -> int:
 
 class Router:
     def __init__(self, pool: WorkerPool, mode: str, conditional_tokens: int = 0,
-                 tenants: dict[str, TenantConfig] | None = None):
+                 tenants: dict[str, TenantConfig] | None = None, fair_queuing: bool = True):
         self.pool = pool
         self.gate = TenantGate(tenants)
+        self.dispatch = DispatchQueue(fair_queuing)
         self.mode = mode
         self.conditional_tokens = conditional_tokens
         self.routed: set[str] = set(pool.workers)
-        self.refresh()
         self._rotation = Rotation()
+        self.refresh()
+        # Room appears when a worker (re)starts; a dead one fails its waiters' hopes.
+        pool.ready_listeners.append(lambda w: self._pump())
+        pool.death_listeners.append(lambda w: self._pump())
 
     def set_routing(self, names) -> None:
         """Switch the workers new requests may go to, all at once (one event-loop turn:
@@ -100,6 +107,45 @@ class Router:
         self.prefill = [w for w in links if w.role == "prefill"]
         self.decode = [w for w in links if w.role == "decode"]
         self.agg = [w for w in links if w.role == "agg"]
+        self._pump()      # waiting requests go to the new set (or learn there is none)
+
+    def depth(self, tenant: str) -> int:
+        """`tenant`'s requests waiting at the router: for a `max_concurrent` slot, or
+        for a worker with room."""
+        return self.gate.depth(tenant) + self.dispatch.depth(tenant)
+
+    def _first(self) -> list[WorkerLink]:
+        """Ready workers of a request's first stage (the one that queues prompts)."""
+        if self.mode == "agg":
+            return self._ready(self.agg, "aggregated")
+        return self._ready(self.prefill, "prefill")
+
+    def _pump(self) -> None:
+        if self.dispatch.queue:
+            self.dispatch.pump(self._first)
+
+    async def _place(self, rid: str, tokens: int, share: Share):
+        """A first-stage worker for the request, claimed (its channel open, its prompt
+        counted): at once when one has room and nobody waits, else in fair order."""
+        if not self.dispatch.queue:
+            w = pick_with_room(self._first(), tokens)
+            if w is not None:
+                queue = w.open(rid)
+                w.pending_prefill_tokens += tokens
+                return w, queue
+
+        def claim(w: WorkerLink):
+            queue = w.open(rid)
+            w.pending_prefill_tokens += tokens
+            return w, queue
+
+        def unclaim(placed) -> None:
+            w = placed[0]
+            w.pending_prefill_tokens = max(0, w.pending_prefill_tokens - tokens)
+            w.close(rid)
+
+        return await self.dispatch.wait(tokens, share.tenant, share.weight, share.priority,
+                                        claim, unclaim, self._first)
 
     def ready(self) -> bool:
         if self.mode == "agg":
@@ -112,9 +158,6 @@ class Router:
         if not ready:
             raise NoWorker(f"no {role} worker is ready")
         return self._rotation.rotate(ready, role)
-
-    def _least_queued(self, workers: list[WorkerLink], role: str) -> WorkerLink:
-        return least_queued(self._ready(workers, role))
 
     def _most_free(self, workers: list[WorkerLink]) -> WorkerLink:
         return most_free(self._ready(workers, "decode"), _free_blocks)
@@ -148,12 +191,9 @@ class Router:
             # (No generator of its own for the choice of path: every token passes
             # through each layer, and this one is on every request's path.)
             if self.mode == "agg":
-                worker = self._least_queued(self.agg, "aggregated")
-                trace.prefill_worker = trace.decode_worker = worker.id
-                gen = self._run_local(trace, worker, prompt, params, share)
+                gen = self._run_local(trace, None, prompt, params, share)
             elif self.conditional_tokens and len(prompt) < self.conditional_tokens:
                 worker = self._most_free(self.decode)
-                trace.prefill_worker = trace.decode_worker = worker.id
                 gen = self._run_local(trace, worker, prompt, params, share)
             else:
                 gen = self._run_disagg(trace, prompt, params, share)
@@ -163,11 +203,17 @@ class Router:
         finally:
             self.gate.release(share.tenant)
 
-    async def _run_local(self, trace: Trace, worker: WorkerLink, prompt: list[int],
+    async def _run_local(self, trace: Trace, worker: WorkerLink | None, prompt: list[int],
                          params: SamplingParams, share: Share = NO_SHARE):
+        """The whole request on one worker: `worker`, or (None) an aggregated worker
+        with room, waiting for one in fair order when all are saturated."""
         rid = trace.request_id
-        queue = worker.open(rid)
-        worker.pending_prefill_tokens += len(prompt)
+        if worker is None:
+            worker, queue = await self._place(rid, len(prompt), share)
+        else:
+            queue = worker.open(rid)
+            worker.pending_prefill_tokens += len(prompt)
+        trace.prefill_worker = trace.decode_worker = worker.id
         counted = True
         done = False
         try:
@@ -180,6 +226,7 @@ class Router:
                         worker.pending_prefill_tokens = max(
                             0, worker.pending_prefill_tokens - len(prompt))
                         counted = False
+                        self._pump()
                         trace.first_token = time.time()
                         trace.cached_tokens = ev.cached_tokens
                         trace.prompt_logprobs = ev.prompt_logprobs
@@ -195,14 +242,13 @@ class Router:
             if not done:
                 worker.send(Abort(rid))
             worker.close(rid)
+            self._pump()
 
     async def _run_disagg(self, trace: Trace, prompt: list[int], params: SamplingParams,
                           share: Share):
         rid = trace.request_id
-        pw = self._least_queued(self.prefill, "prefill")
+        pw, queue = await self._place(rid, len(prompt), share)
         trace.prefill_worker = pw.id
-        queue = pw.open(rid)
-        pw.pending_prefill_tokens += len(prompt)
         prefilled = False
         try:
             pw.send(Prefill(rid, prompt, params, True, share.tenant, share.weight,
@@ -216,6 +262,7 @@ class Router:
             if not prefilled:
                 pw.send(Abort(rid))
             pw.close(rid)
+            self._pump()
         trace.first_token = time.time()
         trace.cached_tokens = ev.cached_tokens
         trace.prompt_logprobs = ev.prompt_logprobs

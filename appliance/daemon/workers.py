@@ -211,6 +211,7 @@ class WorkerLink:
         if self._stopping:
             return
         self.last_exit = code
+        self.state = "restarting"      # before anyone hears of it: nothing is routed here
         log.warning("worker %s died (%s); restarting", self.id, code)
         self.pool.on_death(self)
         asyncio.create_task(self._restart(), name=f"restart-{self.id}")

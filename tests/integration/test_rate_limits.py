@@ -319,7 +319,9 @@ def test_tenants_command_prints_the_view(limited):
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("alpha"))
     assert "/60" in line and "/3000" in line and line.split()[6] == "0"   # queue: none waits
-    assert "waiting at the router for a max_concurrent slot" in out.stdout
+    # The queue column's note: both of the router's queues are counted.
+    assert "waiting at the router, for a max_concurrent slot or" in out.stdout
+    assert "for a worker with room" in out.stdout
 
 
 # ---- reload ------------------------------------------------------------------------------
@@ -365,8 +367,24 @@ def test_reload_from_the_file_on_disk_admin_cli_and_sighup(tiny_model, tmp_path)
         assert d.proc.poll() is None
         line = next(x for x in d.log_text().splitlines() if "reload refused" in x)
         assert "tenants.alpha" in line
+        # 5. `systemctl reload`: the unit's ExecReload line, as systemd would run it
+        path.write_text(_config("9"))
+        exec_reload = _unit_exec_reload().replace("$MAINPID", str(d.proc.pid)).split()
+        assert exec_reload[0] == "/opt/applianced/applianced"
+        out = subprocess.run([sys.executable, "-m", "appliance", *exec_reload[1:]],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert out.returncode == 0, out.stderr
+        _wait(lambda: _tenant(d, "alpha")["limits"]["requests_per_minute"] == 9)
+        out = subprocess.run([sys.executable, "-m", "appliance", "reload", "--pid", "999999999"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1 and "no process" in out.stderr
     finally:
         d.stop(signal.SIGKILL)
+
+
+def _unit_exec_reload() -> str:
+    text = (ROOT / "systemd" / "applianced.service").read_text()
+    return re.search(r"^ExecReload=(.+)$", text, re.M).group(1)
 
 
 def _wait(predicate, timeout: float = 20.0) -> None:

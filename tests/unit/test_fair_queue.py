@@ -284,7 +284,7 @@ def test_the_router_sends_the_tenants_share_with_the_request_and_the_engine_keep
     from appliance.daemon.router import Router, Trace
     from appliance.engines.messages import Prefill
     worker = _FakeAggWorker()
-    pool = SimpleNamespace(workers={"agg0": worker})
+    pool = SimpleNamespace(workers={"agg0": worker}, ready_listeners=[], death_listeners=[])
     router = Router(pool, "agg", 0, {"search": TenantConfig(weight=3.0, priority=1)})
 
     async def ask(tenant, priority):

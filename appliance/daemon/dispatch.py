@@ -1,0 +1,155 @@
+"""Which request goes to a worker next, when every worker of a role is full.
+
+A request normally goes straight to the least-queued worker and waits, if at all, in
+that worker's scheduler, whose fair queue orders tenants. But a worker's queue is
+only fair among what reached it: a flood that arrives first can fill every worker's
+queue, and TensorRT-LLM's scheduler is its own. So the router stops sending once a
+worker is *saturated* by what the router knows of it (`has_room`), and the requests
+beyond wait here, in the same per-tenant virtual-time fair queue the engines use
+(`engines.fair_queue`, charged in prompt tokens as the engine scheduler charges), each
+going to the next worker with room as soon as one has it.
+
+The fast path (nothing waiting, a worker with room) is a length test and one
+comparison per worker looked at; the queue only exists while workers are saturated.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence, TypeVar
+
+from appliance.engines.fair_queue import FairQueue
+from appliance.routing import least_queued
+
+# A worker with this many full prefill steps (its `max_batch_tokens`) of prompt tokens
+# queued is saturated: one step under way, the next ones ready, so it never idles
+# waiting for the router, and a short prompt still fits beside a long one waiting.
+QUEUE_STEPS = 4
+
+
+class Admits(Protocol):
+    """What `has_room` reads of a worker: the router's own live counters and its spec."""
+
+    pending_prefill_tokens: int
+    inflight: int
+
+
+W = TypeVar("W", bound=Admits)
+
+
+def has_room(w, tokens: int) -> bool:
+    """Whether `w` would take a prompt of `tokens` without queueing it behind a full
+    admission: fewer requests in its first stage than its `max_seqs` (the scheduler's
+    admission limit), and its queued prompt tokens with this one within `QUEUE_STEPS`
+    prefill steps. An idle worker always has room (any prompt, however long)."""
+    n = w.inflight
+    if n == 0:
+        return True
+    spec = w.spec
+    return (n < spec.max_seqs
+            and w.pending_prefill_tokens + tokens <= QUEUE_STEPS * spec.max_batch_tokens)
+
+
+def pick_with_room(candidates: Sequence[W], tokens: int,
+                   room: Callable[[W, int], bool] = has_room) -> W | None:
+    """The least-queued candidate with room for the prompt; None when all are saturated."""
+    best = least_queued(candidates)
+    if room(best, tokens):
+        return best
+    fits = [w for w in candidates if w is not best and room(w, tokens)]
+    return least_queued(fits) if fits else None
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    """One request waiting for a worker (hashable by identity for the fair queue)."""
+
+    tokens: int
+    tenant: str
+    claim: Callable                      # (worker) -> what the request needs to go on
+    left: bool = False
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class DispatchQueue:
+    """Requests waiting for a worker with room, in weighted-fair order.
+
+    `pump(candidates)` is called whenever room may have appeared (a request left a
+    worker's first stage, a worker became ready, the routing set changed): it hands the
+    fair queue's head to a worker with room until none has. `candidates()` gives the
+    ready workers (raising when there are none: the waiting requests then fail with
+    that error, as a new request would, rather than wait for a worker that may never
+    come). With `fair=False` every request is one tenant's: arrival order."""
+
+    def __init__(self, fair: bool = True):
+        self.fair = fair
+        self.queue: FairQueue[Waiter] = FairQueue()
+        self._depth: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def depth(self, tenant: str) -> int:
+        return self._depth.get(tenant, 0)
+
+    async def wait(self, tokens: int, tenant: str, weight: float, priority: int,
+                   claim: Callable, unclaim: Callable, candidates: Callable[[], list]):
+        """Wait for a worker; returns `claim(worker)`, made when the worker was chosen
+        (so its counters count this request before anything else is dispatched). A
+        request cancelled after its worker was chosen gives the claim back (`unclaim`)
+        and passes the room on."""
+        waiter = Waiter(tokens, tenant, claim)
+        key = tenant if self.fair else ""
+        self.queue.push(waiter, key, weight if self.fair else 1.0, priority if self.fair else 0)
+        self._depth[tenant] = self._depth.get(tenant, 0) + 1
+        try:
+            self.pump(candidates)
+            return await waiter.future
+        except asyncio.CancelledError:
+            fut = waiter.future
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                unclaim(fut.result())
+                self._leave(waiter)
+                self.pump(candidates)
+            raise
+        finally:
+            self._leave(waiter)
+
+    def _leave(self, waiter: Waiter) -> None:
+        """Out of the queue however the wait ended (granted, failed, cancelled); once."""
+        if waiter.left:
+            return
+        waiter.left = True
+        try:
+            self.queue.remove(waiter)
+        except ValueError:
+            pass                          # popped by `pump`
+        n = self._depth.get(waiter.tenant, 0) - 1
+        if n > 0:
+            self._depth[waiter.tenant] = n
+        else:
+            self._depth.pop(waiter.tenant, None)
+        if not self.queue:
+            self.queue.clock.forget(())   # nobody backlogged: nobody has credit or debt
+
+    def pump(self, candidates: Callable[[], list]) -> None:
+        queue = self.queue
+        while queue:
+            waiter = queue.peek()
+            if waiter.future.done():      # cancelled: its task has not run `_leave` yet
+                queue.remove(waiter)
+                continue
+            try:
+                ready = candidates()
+            except Exception as exc:      # no worker of the role: nobody can wait for one
+                for w in list(queue):
+                    queue.remove(w)
+                    if not w.future.done():
+                        w.future.set_exception(exc)
+                return
+            worker = pick_with_room(ready, waiter.tokens)
+            if worker is None:
+                return
+            queue.pop()
+            queue.charge(waiter.tenant if self.fair else "", max(1, waiter.tokens))
+            waiter.future.set_result(waiter.claim(worker))

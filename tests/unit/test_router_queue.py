@@ -1,0 +1,313 @@
+"""The router's fair queue: which request goes to a worker next when every worker of a
+role is saturated (`appliance.daemon.dispatch`, applied by `daemon.router.Router`).
+
+The router and its worker links are the real ones, without processes: a link is made
+ready by hand, what the router sends it stays in its outbox, and a test plays the worker
+by putting events on the request's channel."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from appliance.daemon.dispatch import QUEUE_STEPS, DispatchQueue, has_room, pick_with_room
+from appliance.daemon.router import NoWorker, Router, Trace
+from appliance.daemon.workers import WorkerPool
+from appliance.engines.messages import Prefill, SamplingParams, Tokens
+from appliance.config import TenantConfig
+from appliance.worker.spec import WorkerSpec
+
+
+def _spec(name: str, role: str = "agg", max_seqs: int = 1, max_batch_tokens: int = 1000):
+    return WorkerSpec(worker=name, role=role, engine="sim", devices=["sim0"], device_kind="sim",
+                      model_dir="/nonexistent", max_seqs=max_seqs, max_batch_tokens=max_batch_tokens)
+
+
+def _pool(*specs) -> WorkerPool:
+    pool = WorkerPool(list(specs))
+    for w in pool.workers.values():
+        w.state = "ready"
+        w._flush = lambda: None        # no process: what is sent stays in the outbox
+    return pool
+
+
+class Client:
+    """One request through `Router.generate`, recorded: where it went and what it got."""
+
+    def __init__(self, router: Router, name: str, tenant: str, tokens: int = 10,
+                 priority: int | None = None):
+        self.router, self.name, self.tenant = router, name, tenant
+        self.trace = Trace(name, 0.0)
+        self.steps: list = []
+        self.task = asyncio.create_task(self._run(tokens, priority))
+
+    async def _run(self, tokens: int, priority):
+        gen = self.router.generate(self.trace, [1] * tokens, SamplingParams(max_tokens=1),
+                                   self.tenant, priority)
+        async for step in gen:
+            self.steps.append(step)
+
+
+def _sent(pool: WorkerPool) -> list[str]:
+    """Request ids the router has sent Prefills for, in order (the outboxes, unflushed)."""
+    return [m.request_id for w in pool.workers.values() for m in w._outbox
+            if isinstance(m, Prefill)]
+
+
+def _finish(pool: WorkerPool, rid: str) -> None:
+    for w in pool.workers.values():
+        ch = w.channels.get(rid)
+        if ch is not None:
+            ch.put(Tokens(rid, [7], "length"))
+            return
+    raise AssertionError(f"{rid} is on no worker")
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+# ---- saturation --------------------------------------------------------------------------
+
+def test_a_worker_is_saturated_by_its_seqs_or_queued_steps_never_when_idle():
+    pool = _pool(_spec("a0", max_seqs=2, max_batch_tokens=100))
+    w = pool.workers["a0"]
+    assert has_room(w, 10 ** 6)                       # idle: any prompt, however long
+    w.inflight, w.pending_prefill_tokens = 1, 50
+    assert has_room(w, QUEUE_STEPS * 100 - 50)
+    assert not has_room(w, QUEUE_STEPS * 100 - 49)     # past QUEUE_STEPS full steps
+    w.inflight = 2
+    assert not has_room(w, 1)                          # at max_seqs
+    other = _pool(_spec("a1", max_seqs=2)).workers["a1"]
+    assert pick_with_room([w, other], 1) is other
+    other.inflight = 2
+    other.pending_prefill_tokens = 1
+    assert pick_with_room([w, other], 1) is None
+
+
+# ---- the queue -------------------------------------------------------------------------
+
+def test_fast_path_does_not_queue_and_saturation_does():
+    async def scenario():
+        pool = _pool(_spec("a0", max_seqs=2))
+        router = Router(pool, "agg")
+        a, b, c = (Client(router, f"r{i}", "t") for i in range(3))
+        await _settle()
+        assert _sent(pool) == ["r0", "r1"] and len(router.dispatch) == 1
+        assert router.depth("t") == 1
+        _finish(pool, "r0")
+        await _settle()
+        assert _sent(pool) == ["r0", "r1", "r2"] and len(router.dispatch) == 0
+        assert a.steps == [([7], "length", None)] and a.trace.prefill_worker == "a0"
+        for rid in ("r1", "r2"):
+            _finish(pool, rid)
+        await asyncio.gather(a.task, b.task, c.task)
+        assert pool.workers["a0"].inflight == 0 and router.depth("t") == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_polite_tenant_goes_ahead_of_a_flood_waiting_at_the_router():
+    async def scenario():
+        pool = _pool(_spec("a0", max_seqs=1))
+        router = Router(pool, "agg")
+        flood = [Client(router, f"f{i}", "flood", tokens=500) for i in range(6)]
+        await _settle()
+        polite = Client(router, "p0", "polite", tokens=20)
+        await _settle()
+        assert router.depth("flood") == 5 and router.depth("polite") == 1
+        order = []
+        while len(order) < 7:
+            sent = _sent(pool)
+            rid = sent[len(order)]
+            order.append(rid)
+            _finish(pool, rid)
+            await _settle()
+        # f0 was at the worker already; the polite request is next, before f1..f5.
+        assert order == ["f0", "p0", "f1", "f2", "f3", "f4", "f5"]
+        await asyncio.gather(polite.task, *(c.task for c in flood))
+
+    asyncio.run(scenario())
+
+
+def test_waiting_tenants_are_dispatched_in_proportion_to_their_weights():
+    async def scenario():
+        pool = _pool(_spec("a0", max_seqs=1))
+        router = Router(pool, "agg", tenants={"big": TenantConfig(weight=2.0),
+                                              "small": TenantConfig(weight=1.0)})
+        blocker = Client(router, "x", "other")
+        await _settle()
+        big = [Client(router, f"b{i}", "big", tokens=100) for i in range(8)]
+        small = [Client(router, f"s{i}", "small", tokens=100) for i in range(8)]
+        await _settle()
+        order = []
+        _finish(pool, "x")
+        await _settle()
+        while len(order) < 9:
+            rid = _sent(pool)[len(order) + 1]
+            order.append(rid)
+            _finish(pool, rid)
+            await _settle()
+        assert sum(r.startswith("b") for r in order) == 6      # 2:1 over the first nine
+        for c in big + small:
+            c.task.cancel()
+        await asyncio.gather(blocker.task, *(c.task for c in big + small), return_exceptions=True)
+        assert len(router.dispatch) == 0 and pool.workers["a0"].inflight == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_better_priority_class_goes_first_and_fair_queuing_off_is_arrival_order():
+    async def scenario(fair: bool):
+        pool = _pool(_spec("a0", max_seqs=1))
+        router = Router(pool, "agg", tenants={"batch": TenantConfig(priority=5)},
+                        fair_queuing=fair)
+        blocker = Client(router, "x", "search")
+        await _settle()
+        clients = [Client(router, "b0", "batch"), Client(router, "b1", "batch"),
+                   Client(router, "s0", "search", tokens=50)]
+        await _settle()
+        order = []
+        _finish(pool, "x")
+        await _settle()
+        while len(order) < 3:
+            rid = _sent(pool)[len(order) + 1]
+            order.append(rid)
+            _finish(pool, rid)
+            await _settle()
+        await asyncio.gather(blocker.task, *(c.task for c in clients))
+        return order
+
+    assert asyncio.run(scenario(True)) == ["s0", "b0", "b1"]
+    assert asyncio.run(scenario(False)) == ["b0", "b1", "s0"]
+
+
+# ---- nothing leaks -------------------------------------------------------------------------
+
+def test_a_request_cancelled_while_waiting_leaves_nothing_behind():
+    async def scenario():
+        pool = _pool(_spec("a0", max_seqs=1))
+        router = Router(pool, "agg", tenants={"t": TenantConfig(max_concurrent=5)})
+        w = pool.workers["a0"]
+        first = Client(router, "r0", "t")
+        waiting = [Client(router, f"r{i}", "t", tokens=30) for i in (1, 2)]
+        await _settle()
+        assert router.depth("t") == 2 and w.inflight == 1 and w.pending_prefill_tokens == 10
+        waiting[0].task.cancel()                       # the client went away
+        await _settle()
+        assert waiting[0].task.cancelled()
+        assert router.depth("t") == 1 and w.inflight == 1 and w.pending_prefill_tokens == 10
+        assert router.gate.inflight["t"] == 2          # its max_concurrent slot is back
+        # Granted, then cancelled before it ran: the claim goes back, the room passes on.
+        third = Client(router, "r3", "t")
+        await _settle()
+        _finish(pool, "r0")
+        while "r2" not in w.channels:                  # r0's generator ends: r2 granted
+            await asyncio.sleep(0)
+        waiting[1].task.cancel()
+        await _settle()
+        assert waiting[1].task.cancelled()
+        assert _sent(pool)[-1] == "r3" and set(w.channels) == {"r3"}
+        assert w.inflight == 1 and w.pending_prefill_tokens == 10
+        _finish(pool, "r3")
+        await asyncio.gather(first.task, third.task)
+        assert w.inflight == 0 and w.pending_prefill_tokens == 0 and not w.channels
+        assert len(router.dispatch) == 0 and router.depth("t") == 0
+        assert router.gate.inflight == {}
+
+    asyncio.run(scenario())
+
+
+def test_waiting_requests_follow_a_repartition_and_fail_when_no_worker_is_left():
+    async def scenario():
+        pool = _pool(_spec("p0", role="prefill"), _spec("d0", role="decode"),
+                     _spec("p1", role="prefill"))
+        router = Router(pool, "disagg")
+        router.set_routing(["p0", "d0"])               # p1 is not routed (yet)
+        first = Client(router, "r0", "t")
+        waiting = [Client(router, f"r{i}", "t") for i in (1, 2)]
+        await _settle()
+        assert router.depth("t") == 2
+        # A repartition: p1 replaces p0 (p0 drains). The waiting requests go to p1 at once.
+        router.set_routing(["p1", "d0"])
+        await _settle()
+        assert [m.request_id for m in pool.workers["p1"]._outbox] == ["r1"]
+        assert waiting[0].trace.prefill_worker == "p1" and router.depth("t") == 1
+        # Then no prefill worker at all: the one left waiting is told, as a new request is.
+        router.set_routing(["d0"])
+        await _settle()
+        assert waiting[1].task.done()
+        with pytest.raises(NoWorker):
+            waiting[1].task.result()
+        assert router.depth("t") == 0 and len(router.dispatch) == 0
+        for c in (first, waiting[0]):
+            c.task.cancel()
+        await asyncio.gather(first.task, waiting[0].task, return_exceptions=True)
+        assert all(not w.channels and w.inflight == 0 for w in pool.workers.values())
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_dies_is_not_given_waiting_requests():
+    async def scenario():
+        pool = _pool(_spec("a0", max_seqs=1))
+        router = Router(pool, "agg")
+        w = pool.workers["a0"]
+        first = Client(router, "r0", "t")
+        second = Client(router, "r1", "t")
+        await _settle()
+        # What `WorkerLink._died` does, without a process: not ready, then listeners.
+        w.state = "restarting"
+        w.channels.clear()
+        w.inflight = w.pending_prefill_tokens = 0
+        pool.on_death(w)
+        await _settle()
+        with pytest.raises(NoWorker):
+            second.task.result()
+        assert not w.channels and len(router.dispatch) == 0
+        first.task.cancel()
+        await asyncio.gather(first.task, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_dispatch_queue_gives_back_a_grant_its_request_no_longer_wants():
+    class Worker:
+        inflight, pending_prefill_tokens = 1, 0
+
+        class spec:
+            max_seqs, max_batch_tokens = 1, 100
+
+    w = Worker()
+    claims, unclaims = [], []
+
+    def claim(worker):
+        worker.inflight += 1
+        claims.append(worker)
+        return worker
+
+    def unclaim(worker):
+        worker.inflight -= 1
+        unclaims.append(worker)
+
+    async def scenario():
+        q = DispatchQueue()
+        tasks = {t: asyncio.create_task(q.wait(5, t[0], 1.0, 0, claim, unclaim, lambda: [w]))
+                 for t in ("a1", "a2", "b1")}
+        await _settle()
+        assert (q.depth("a"), q.depth("b"), len(q), claims) == (2, 1, 3, [])
+        w.inflight = 0                                  # room for one
+        q.pump(lambda: [w])
+        assert len(claims) == 1 and w.inflight == 1     # b (fewer waiting) is granted...
+        tasks["b1"].cancel()                            # ...and cancelled before it runs
+        await _settle()
+        assert tasks["b1"].cancelled() and unclaims == [w]
+        assert tasks["a1"].done() and tasks["a1"].result() is w   # the room passed on
+        assert w.inflight == 1 and (q.depth("a"), q.depth("b"), len(q)) == (1, 0, 1)
+        tasks["a2"].cancel()
+        await asyncio.gather(tasks["a2"], return_exceptions=True)
+        assert len(q) == 0 and q.depth("a") == 0 and q.queue.clock.vt == {}
+        assert len(claims) == 2 and w.inflight == 1
+
+    asyncio.run(scenario())
