@@ -20,12 +20,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 
-from daemon_process import ROOT, free_port, pct
+from daemon_process import ROOT, free_port, pct, wait_ready
 
 BODY = json.dumps({"model": "tiny-llama", "max_tokens": 4,
                    "messages": [{"role": "user", "content": "Say something short."}]})
@@ -59,19 +58,7 @@ def start(state: Path, tls: Path | None, ctx) -> tuple[subprocess.Popen, str]:
                             stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "APPLIANCED_LOG": "WARNING"})
     url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"daemon exited: {(state / 'daemon.log').read_text()}")
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=2, context=ctx) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("daemon did not become ready")
+    return proc, wait_ready(proc, url, state / "daemon.log", context=ctx)
 
 
 async def level(url: str, ctx, concurrency: int, seconds: float, new_connection: bool) -> dict:

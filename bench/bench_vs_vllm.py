@@ -35,13 +35,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from daemon_process import ROOT, free_port, pct, start_daemon  # noqa: E402
+from daemon_process import ROOT, free_port, pct, start_daemon, wait_ready  # noqa: E402
 
 
 def make_model(cache: Path) -> Path:
@@ -62,20 +61,8 @@ def start_vllm(vllm: str, model: Path, log: Path, timeout: float = 900):
                              "--gpu-memory-utilization", "0.5"],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"vLLM exited: {log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(1)
-    stop(proc)
-    raise SystemExit("vLLM did not become ready")
+    return proc, wait_ready(proc, f"http://127.0.0.1:{port}", log, path="/health",
+                            timeout=timeout, interval=1, stop=stop)
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -27,19 +27,27 @@ def start_daemon(state: Path, args: list[str], timeout: float = 300) -> tuple[su
     proc = subprocess.Popen(cmd, stdout=open(state / "daemon.log", "wb"), stderr=subprocess.STDOUT,
                             cwd=ROOT, env={**os.environ, "APPLIANCED_LOG": "WARNING"})
     url = f"http://127.0.0.1:{port}"
+    return proc, wait_ready(proc, url, state / "daemon.log", timeout=timeout)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, path: str = "/ready",
+               timeout: float = 300, interval: float = 0.2, context=None,
+               stop=lambda p: p.kill()) -> str:
+    """`url` once `path` answers 200 (a server under benchmark, ours or a peer's); exits
+    with its log if the process dies first, and stops it if it never gets there."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"daemon exited: {(state / 'daemon.log').read_text()}")
+            raise SystemExit(f"{Path(proc.args[0]).name} exited: {log.read_text()[-3000:]}")
         try:
-            with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+            with urllib.request.urlopen(url + path, timeout=2, context=context) as r:
                 if r.status == 200:
-                    return proc, url
+                    return url
         except OSError:
             pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("daemon did not become ready")
+        time.sleep(interval)
+    stop(proc)
+    raise SystemExit(f"{url} did not become ready")
 
 
 def pct(values: list[float], q: float) -> float:

@@ -159,6 +159,21 @@ def load_dense_mlp(get: Get, shape: LlamaShape, prefix: str) -> DenseMLP:
     return DenseMLP(Linear(w_gate_up), Linear(get(prefix + "mlp.down_proj.weight", (D, I))))
 
 
+def load_swiglu_experts(get: Get, shape: LlamaShape, experts: str,
+                        names: tuple[str, str, str]) -> tuple[list[Linear], list[Linear]]:
+    """The experts under ``{experts}{e}.``, each a SwiGLU stored as three matrices named
+    `names` (gate, up, down; ``moe_intermediate_size`` wide): gate and up fused per
+    expert, as the dense MLP fuses them. Mixtral and Qwen3-MoE differ only in the names."""
+    D, I = shape.hidden_size, shape.moe_intermediate_size
+    gate, up, down = names
+    gate_up, downs = [], []
+    for e in range(shape.num_experts):
+        ex = f"{experts}{e}."
+        gate_up.append(Linear(torch.cat([get(ex + gate, (I, D)), get(ex + up, (I, D))])))
+        downs.append(Linear(get(ex + down, (D, I))))
+    return gate_up, downs
+
+
 def load_layer(get: Get, shape: LlamaShape, i: int) -> DecoderLayer:
     """Layer `i` of a Llama, Mistral or Qwen2 checkpoint."""
     p, D = f"model.layers.{i}.", shape.hidden_size

@@ -9,27 +9,21 @@ config.json sets one (the released checkpoints write null).
 
 from __future__ import annotations
 
-import torch
-
 from appliance.engines.layers.linear import Linear
 from appliance.engines.layers.moe import Router, SparseMoE
-from appliance.engines.models.llama import DecoderLayer, Get, load_attention
+from appliance.engines.models.llama import (DecoderLayer, Get, load_attention,
+                                            load_swiglu_experts)
 from appliance.models.shape import LlamaShape
 
 __all__ = ["load_layer", "load_moe"]
 
 
 def load_moe(get: Get, shape: LlamaShape, prefix: str) -> SparseMoE:
-    D, I, E = shape.hidden_size, shape.moe_intermediate_size, shape.num_experts
     moe = prefix + "block_sparse_moe."
-    router = Router(Linear(get(moe + "gate.weight", (E, D))), shape.experts_per_token,
-                    renormalize=True)
-    gate_up, down = [], []
-    for e in range(E):
-        ex = f"{moe}experts.{e}."
-        gate_up.append(Linear(torch.cat([get(ex + "w1.weight", (I, D)),
-                                         get(ex + "w3.weight", (I, D))])))
-        down.append(Linear(get(ex + "w2.weight", (D, I))))
+    router = Router(Linear(get(moe + "gate.weight", (shape.num_experts, shape.hidden_size))),
+                    shape.experts_per_token, renormalize=True)
+    gate_up, down = load_swiglu_experts(get, shape, moe + "experts.",
+                                        ("w1.weight", "w3.weight", "w2.weight"))
     return SparseMoE(router, gate_up, down)
 
 

@@ -11,11 +11,10 @@ the released checkpoints; `transformers`' default is false). Layers named in
 
 from __future__ import annotations
 
-import torch
-
 from appliance.engines.layers.linear import Linear
 from appliance.engines.layers.moe import Router, SparseMoE
-from appliance.engines.models.llama import DecoderLayer, Get, load_attention, load_dense_mlp
+from appliance.engines.models.llama import (DecoderLayer, Get, load_attention,
+                                            load_dense_mlp, load_swiglu_experts)
 from appliance.engines.models.qwen3 import load_qk_norms
 from appliance.models.shape import LlamaShape
 
@@ -23,15 +22,12 @@ __all__ = ["load_layer", "load_moe"]
 
 
 def load_moe(get: Get, shape: LlamaShape, prefix: str) -> SparseMoE:
-    D, I, E = shape.hidden_size, shape.moe_intermediate_size, shape.num_experts
-    router = Router(Linear(get(prefix + "mlp.gate.weight", (E, D))), shape.experts_per_token,
-                    renormalize=shape.norm_topk_prob, weights_in_input_dtype=True)
-    gate_up, down = [], []
-    for e in range(E):
-        ex = f"{prefix}mlp.experts.{e}."
-        gate_up.append(Linear(torch.cat([get(ex + "gate_proj.weight", (I, D)),
-                                         get(ex + "up_proj.weight", (I, D))])))
-        down.append(Linear(get(ex + "down_proj.weight", (D, I))))
+    router = Router(Linear(get(prefix + "mlp.gate.weight", (shape.num_experts,
+                                                          shape.hidden_size))),
+                    shape.experts_per_token, renormalize=shape.norm_topk_prob,
+                    weights_in_input_dtype=True)
+    gate_up, down = load_swiglu_experts(get, shape, prefix + "mlp.experts.",
+                                        ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
     return SparseMoE(router, gate_up, down)
 
 
