@@ -106,11 +106,17 @@ def fetch_plans(urls: list[str], admin_key: str | None, params: dict, tls=None):
 def cmd_fleet_plan(urls: list[str], admin_key: str | None, params: dict, as_json: bool,
                    tls=None) -> int:
     from appliance.planner.fleet import fleet_plan
-    fleet = fleet_plan(fetch_plans(urls, admin_key, params, tls))
+    from appliance.planner.fleet_roles import plan_roles
+    results = fetch_plans(urls, admin_key, params, tls)
+    fleet = fleet_plan(results)
+    answered = [(url, plan) for url, plan, _ in results if plan is not None]
+    fleet["roles"] = plan_roles(answered) if answered else None
     if as_json:
         print(json.dumps(fleet, indent=2))
     else:
         print(format_fleet(fleet))
+        if fleet["roles"] is not None:
+            print(format_roles(fleet["roles"]))
     if fleet["fleet"] is None:
         raise AdminError("no appliance answered")
     return 0
@@ -145,6 +151,39 @@ def format_fleet(f: dict) -> str:
             lines.append(f"  {'':<24}{s['why']}")
     for u in f["unreachable"]:
         lines.append(f"note: {u['url']} left out: {u['error']}")
+    return "\n".join(lines)
+
+
+def format_roles(r: dict) -> str:
+    """The fleet's roles ([cluster] role per box), the numbers behind them, what one more
+    box would change, and the config to apply."""
+    n = r["need"]
+    sim = " [SIMULATED]" if r["simulated"] else ""
+    w = n["workload"]
+    lines = ["", f"roles by box{sim} (estimated; whole boxes per phase, sized for the "
+                 f"forecast peak within {n['horizon_s'] / 3600:g} h):",
+             f"fleet need: {n['rate']:.2f} req/s (prompt {w['prompt_tokens']:.0f}, output "
+             f"{w['output_tokens']:.0f} tokens, c_a² {w['arrival_scv']:.1f}) = "
+             f"{n['decode_tps']:.0f} decode tok/s; {n['at']}",
+             f"{'appliance':<26}{'shape':<18}{'now':<9}{'role':<9}{'prefill req/s':>14}"
+             f"{'decode tok/s':>14}"]
+    for b in r["roles"]:
+        lines.append(f"{_cut(b['appliance'], 25):<26}{_cut(b['shape'], 17):<18}{b['role_now']:<9}"
+                     f"{b['role']:<9}{b['prefill_rps']:>14.2f}{b['decode_tps']:>14.0f}")
+    lines.append("  (each box's capacity if the whole box took that phase: "
+                 f"{r['roles'][0]['basis']})")
+    lines.append(f"why: {r['why']}")
+    if not r["fits"]:
+        lines.append("short: the fleet cannot meet the forecast at the SLOs with these boxes")
+    for x in r["if_added"]:
+        h = x["headroom"]
+        lines.append(f"with one more {x['shape']} box: it takes {x['role']}; headroom prefill "
+                     f"{_num(h['prefill'])}x, decode {_num(h['decode'])}x"
+                     + ("" if x["fits"] else " (still short)"))
+    lines.append("config to apply ([cluster] on each box; then restart it):")
+    for name, snippet in r["config"].items():
+        lines.append(f"  # {name}")
+        lines.extend(f"  {line}" for line in snippet.splitlines())
     return "\n".join(lines)
 
 

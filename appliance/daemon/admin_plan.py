@@ -73,6 +73,8 @@ async def plan(request: web.Request):
     result = await loop.run_in_executor(None, functools.partial(planner.plan, horizon, whatif))
     site = request.app[SERVICE].cfg.site           # a fleet view groups plans by site
     result["site"] = {"name": site.name, "appliance": site.appliance or socket.gethostname()}
+    cluster = request.app[SERVICE].cfg.cluster     # a fleet's role plan starts from these
+    result["cluster"] = {"role": cluster.role, "peers": list(cluster.peers)}
     return json_response(result)
 
 

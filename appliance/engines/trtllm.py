@@ -156,6 +156,9 @@ USED_API: dict[str, dict[str, tuple[str, ...]]] = {
         "CacheTransceiverConfig": ("kv_transfer_timeout_ms",),
         "RequestOutput": ("cached_tokens", "finished"),
         "DisaggregatedParams": ("disagg_request_id",),
+        # generate_async(..., priority: float = 0.5), in [0, 1], higher first (current
+        # main, tensorrt_llm/llmapi/llm.py); passed only where the signature has it.
+        "LLM.generate_async": ("priority",),
     },
 }
 
@@ -163,10 +166,26 @@ STEP_WAIT_S = 0.005             # step() blocks at most this long when nothing i
 STATS_IDLE_TIMEOUT_S = 2.0      # the stats stream ends after this long without an iteration
 KV_BACKEND_ENV = "APPLIANCED_TRTLLM_KV_BACKEND"
 DEFAULT_KV_BACKEND = "DEFAULT"  # TensorRT-LLM picks NIXL/UCX (env TRTLLM_USE_*_KVCACHE)
+CROSS_BOX_KV_BACKEND = "NIXL"   # a box with [cluster] peers: the transport the boxes share
+# TensorRT-LLM's transceiver (UCX and NIXL alike) listens on the IPv4 address of this
+# network interface (cpp/tensorrt_llm/common/envUtils.cpp `getEnvUCXInterface`); unset,
+# it takes the first interface it finds, which may be one the peers cannot reach.
+TRTLLM_INTERFACE_ENV = "TRTLLM_UCX_INTERFACE"
+DEFAULT_PRIORITY = 0.5          # TensorRT-LLM's DEFAULT_REQUEST_PRIORITY
 _CONTEXT_ONLY, _GENERATION_ONLY = "context_only", "generation_only"
 # TensorRT-LLM's global disagg request ids live in [2**40, 2**63), apart from the local
 # request ids below 2**40 (`get_global_disagg_request_id`, llmapi/disagg_utils.py).
 MIN_GLOBAL_DISAGG_ID = 1 << 40
+
+
+def trtllm_priority(priority_class: int) -> float:
+    """Our priority class (an integer, lower served first, 0 the default: as vLLM's
+    `priority`) as TensorRT-LLM's request priority (a float in [0, 1], higher first,
+    0.5 the default). Monotone, so the scheduler orders classes as the router does:
+    class 0 -> 0.5, 1 -> 0.25, 3 -> 0.125; negative classes rise towards 1 (-1 -> 0.75).
+    TensorRT-LLM has priority only: tenants' weights within a class are not passed on."""
+    p = int(priority_class)
+    return DEFAULT_PRIORITY / (1 + p) if p >= 0 else 1.0 - DEFAULT_PRIORITY / (1 - p)
 
 
 def new_disagg_request_id() -> int:
@@ -268,6 +287,7 @@ class _Request:
     skip: list[int] | None = None   # generation: the first tokens the output repeats
     started: bool = False       # an output arrived
     disagg_request_id: int | None = None    # context: carried in the handle to the decode side
+    priority: float = DEFAULT_PRIORITY      # TensorRT-LLM's scale (trtllm_priority)
 
 
 @dataclass(slots=True)
@@ -356,6 +376,8 @@ class TrtllmEngine:
         self.block_size = block_size
         self.end_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_eos = tuple(eos_token_ids[1:])
+        # Releases before `priority` reached generate_async would refuse the keyword.
+        self.takes_priority = _accepts(llm.generate_async, "priority")
         # main-thread state
         self._inflight: dict[str, _Request] = {}
         self._aborted: set[str] = set()
@@ -439,6 +461,7 @@ class TrtllmEngine:
         else:
             req = _Request(rid, "full", len(msg.prompt))
             sp, streaming = self._sampling(msg.params), True
+        req.priority = trtllm_priority(msg.priority)
         if not self._inflight:
             self._last_record_end = time.time()     # a busy period (fallback records) starts
         self._inflight[rid] = req
@@ -680,9 +703,10 @@ class TrtllmEngine:
         rid = req.request_id
         put = self._events.put
         try:
+            extra = {"priority": req.priority} if self.takes_priority else {}
             try:
                 result = self.llm.generate_async(prompt, sampling_params=sp, streaming=streaming,
-                                                 disaggregated_params=disagg)
+                                                 disaggregated_params=disagg, **extra)
             except ValueError as exc:       # prompt too long, bad sampling parameters
                 put(_Failed(rid, f"TensorRT-LLM refused the request: {_first_line(exc)}",
                             "invalid_request"))
@@ -750,6 +774,83 @@ class TrtllmEngine:
 
 # ---- construction ------------------------------------------------------------------
 
+def _accepts(fn: Any, name: str) -> bool:
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):     # a builtin without a signature: do not guess
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _local_ip_towards(host: str) -> str:
+    """The local IPv4 address the kernel routes to `host` from (a UDP connect sends
+    nothing)."""
+    import socket
+    addr = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((addr, 9))
+        return s.getsockname()[0]
+
+
+def _interface_addresses() -> dict[str, str]:
+    """IPv4 address -> interface name, for the interfaces that have one (Linux)."""
+    import fcntl
+    import socket
+    import struct
+    out: dict[str, str] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915,   # SIOCGIFADDR
+                                  struct.pack("256s", name.encode()[:15]))
+            except OSError:                             # down, or no IPv4 address
+                continue
+            out.setdefault(socket.inet_ntoa(raw[20:24]), name)
+    return out
+
+
+def interface_towards(peers: list[str], route=None, interfaces=None) -> tuple[str | None, str]:
+    """(the network interface this box reaches its [cluster] peers through, why): the
+    one TensorRT-LLM's transceiver should listen on, so the address it puts in each
+    context request's `opaque_state` is one the decode boxes can connect to. None when
+    no peer resolves (TensorRT-LLM then picks an interface itself)."""
+    from urllib.parse import urlsplit
+    route, interfaces = route or _local_ip_towards, interfaces or _interface_addresses
+    names = None
+    chosen: list[tuple[str, str]] = []
+    failed = []
+    for url in peers:
+        host = urlsplit(url).hostname or url
+        try:
+            ip = route(host)
+        except OSError as exc:
+            failed.append(f"{host} ({_first_line(exc)})")
+            continue
+        names = names if names is not None else interfaces()
+        if ip in names:
+            chosen.append((host, names[ip]))
+    if not chosen:
+        why = "no [cluster] peer resolved to a local interface"
+        return None, why + (f": {', '.join(failed)}" if failed else "")
+    iface = chosen[0][1]
+    why = f"routes to {chosen[0][0]}"
+    others = sorted({n for _, n in chosen[1:] if n != iface})
+    if others:
+        why += f"; other peers route through {', '.join(others)} (one interface is used)"
+    return iface, why
+
+
+def transceiver_env(spec, route=None, interfaces=None) -> dict:
+    """The environment TensorRT-LLM's transceiver reads, from the same [cluster] config
+    the torch engine's NIXL path uses: the interface towards the peers. An operator's
+    own TRTLLM_UCX_INTERFACE wins; agg workers and single boxes get nothing."""
+    if spec.role not in ("prefill", "decode") or not spec.cluster_peers \
+            or os.environ.get(TRTLLM_INTERFACE_ENV):
+        return {}
+    iface, _ = interface_towards(spec.cluster_peers, route, interfaces)
+    return {TRTLLM_INTERFACE_ENV: iface} if iface else {}
+
 def kv_dtype_name(model_dir: Path, kv_dtype: str) -> str:
     """The KV cache dtype for the layout tag: "auto" follows the checkpoint's dtype."""
     if kv_dtype and kv_dtype != "auto":
@@ -782,8 +883,11 @@ def llm_kwargs(api: SimpleNamespace, spec, model_dir: Path) -> dict:
                 "disaggregated mode needs a release that has it (use mode = agg here)")
         extra: dict[str, Any] = {
             "kv_transfer_timeout_ms": max(1, int(spec.handoff_timeout_s * 1000))}
+        # Across boxes ([cluster] peers), NIXL: what the boxes' KV path speaks (issue 29);
+        # within one box TensorRT-LLM's own default. The env variable overrides both.
+        default = CROSS_BOX_KV_BACKEND if spec.cluster_peers else DEFAULT_KV_BACKEND
         kw["cache_transceiver_config"] = transceiver_config(
-            api, os.environ.get(KV_BACKEND_ENV, DEFAULT_KV_BACKEND), extra)
+            api, os.environ.get(KV_BACKEND_ENV, default), extra)
     if spec.role == "prefill":
         kw["disable_overlap_scheduler"] = True      # context-only workers need it
     return kw
@@ -819,6 +923,7 @@ def build_trtllm_engine(spec, model_dir: Path) -> TrtllmEngine:
         os.environ.setdefault("TLLM_WORKER_USE_SINGLE_PROCESS", "1")
     api = import_trtllm()
     kwargs = llm_kwargs(api, spec, model_dir)
+    os.environ.update(transceiver_env(spec))        # read when the transceiver starts
     try:
         llm = api.LLM(**kwargs)
     except Exception as exc:

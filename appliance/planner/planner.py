@@ -353,6 +353,7 @@ class Planner:
                                f"({pp.prefill_tokens_per_s(knee):.0f} tok/s at {knee} tokens); "
                                "larger batches only lengthen TTFT")},
             "placement": self._placement(box),
+            "box": self._box_json(box, pp),
             "auto_apply": {"enabled": self.cfg.auto_apply,
                            "after_s": self.cfg.auto_apply_after_s,
                            "differs_since": self.differs_since, "applied": self.applied[-5:]},
@@ -416,6 +417,21 @@ class Planner:
         out["fits"] = all(out[ph]["headroom"] is None or out[ph]["headroom"] >= 1.0
                           for ph in ("prefill", "decode"))
         return out
+
+    def _box_json(self, box: BoxShape, pp: Profile) -> dict:
+        """What the box is, for a fleet's role planning (`fleet_roles`): its model shape,
+        its workers per GPU kind and what their profiles are built from."""
+        name = lambda gpu: gpu.name if gpu is not None else "cpu"  # noqa: E731
+        spare = max(0, box.total_workers - box.prefill_workers - box.decode_workers)
+        groups: dict[str, int] = {}
+        for gpu, n in ((box.prefill_gpu, box.prefill_workers),
+                       (box.decode_gpu, box.decode_workers + spare)):
+            if n:
+                groups[name(gpu)] = groups.get(name(gpu), 0) + n
+        return {"model_spec": box.model.name, "tp": box.tp, "gpus": box.total_gpus,
+                "workers": [{"device": d, "count": n} for d, n in groups.items()],
+                "max_seqs": self.engine.max_seqs, "gpu_mem_fraction": self.engine.gpu_mem_fraction,
+                "kv_cache_bytes": box.kv_cache_bytes, "profile_source": pp.source}
 
     def _cost_per_day(self, box: BoxShape, pp: Profile, dp: Profile, split, day, slo) -> dict:
         """All the box's GPUs are paid for (allocation basis); energy = idle power plus the

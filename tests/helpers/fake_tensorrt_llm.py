@@ -420,6 +420,9 @@ class _Active:
     cancelled: bool = False
 
 
+DEFAULT_REQUEST_PRIORITY = 0.5
+
+
 class LLM:
     instances: list["LLM"] = []
 
@@ -438,6 +441,7 @@ class LLM:
         self.step_s = 0.002
         self.aborted: list[int] = []
         self.submitted: list[tuple[list[int], SamplingParams, bool, DisaggregatedParams | None]] = []
+        self.priorities: list[float] = []          # generate_async's priority, per request
         self._active: list[_Active] = []
         self._ids = itertools.count(1)
         self._iter = 0
@@ -452,9 +456,16 @@ class LLM:
                        lora_request=None, prompt_adapter_request=None, streaming: bool = False,
                        kv_cache_retention_config=None,
                        disaggregated_params: Optional[DisaggregatedParams] = None,
-                       _postproc_params=None, scheduling_params=None,
-                       cache_salt: Optional[str] = None) -> RequestOutput:
+                       trace_headers=None, _postproc_params=None, scheduling_params=None,
+                       conversation_params=None, cache_salt: Optional[str] = None,
+                       priority: float = DEFAULT_REQUEST_PRIORITY) -> RequestOutput:
+        # The signature of current main (tensorrt_llm/llmapi/llm.py): `priority` is "the
+        # scheduling priority for the request, in the range [0, 1]. Higher values indicate
+        # higher priority. Defaults to 0.5."
         loop = asyncio.get_running_loop()
+        if not isinstance(priority, float) or not 0.0 <= priority <= 1.0:
+            raise ValueError(f"priority must be a float in [0, 1], got {priority!r}")
+        self.priorities.append(priority)
         if self._shutdown:
             raise RuntimeError("LLM is shutting down")
         if isinstance(inputs, dict) and "prompt_token_ids" in inputs:

@@ -484,3 +484,108 @@ def test_guided_decoding_and_extensions_reach_tensorrt_llm(build):
     assert (g.min_tokens, g.repetition_penalty, g.min_p) == (1, 1.3, 0.05)
     assert (plain.guided_decoding, plain.min_tokens, plain.repetition_penalty,
             plain.min_p) == (None, None, None, None)
+
+
+# ---- [cluster]: the transceiver's endpoints across boxes (issue 29) -------------------
+
+PEERS = ["https://decode-1:8443", "http://10.0.2.7:8000"]
+ROUTES = {"decode-1": "10.0.1.5", "10.0.2.7": "10.0.2.5"}
+NICS = {"127.0.0.1": "lo", "10.0.1.5": "ens4np0", "10.0.2.5": "ens5np0", "172.17.0.1": "docker0"}
+
+
+def _route(host: str) -> str:
+    """The kernel's route lookup, faked: the network is the hardware boundary here
+    (tests/integration/test_trtllm_endpoints.py runs the real one on loopback)."""
+    if host not in ROUTES:
+        raise OSError(f"[Errno -2] Name or service not known: {host}")
+    return ROUTES[host]
+
+
+def test_interface_towards_the_peers_is_the_one_their_route_leaves_by():
+    iface, why = trtllm.interface_towards(PEERS[:1], _route, lambda: NICS)
+    assert iface == "ens4np0" and why == "routes to decode-1"
+    iface, why = trtllm.interface_towards(["http://nowhere:1"] + PEERS, _route, lambda: NICS)
+    assert iface == "ens4np0"                       # the first peer that resolves
+    assert "ens5np0" in why and "one interface is used" in why
+    iface, why = trtllm.interface_towards(["http://nowhere:1"], _route, lambda: NICS)
+    assert iface is None and "nowhere" in why and "Name or service not known" in why
+
+
+def test_a_cluster_box_wires_nixl_and_the_interface_towards_its_peers(build, monkeypatch):
+    import os
+    monkeypatch.setattr(trtllm, "_local_ip_towards", _route)
+    monkeypatch.setattr(trtllm, "_interface_addresses", lambda: NICS)
+    monkeypatch.setenv(trtllm.TRTLLM_INTERFACE_ENV, "")     # recorded: teardown restores it
+    monkeypatch.delenv(trtllm.TRTLLM_INTERFACE_ENV)
+    build("prefill", cluster_peers=PEERS[:1])
+    assert os.environ[trtllm.TRTLLM_INTERFACE_ENV] == "ens4np0"
+    build("decode")                                 # one box: TensorRT-LLM's default
+    build("agg", cluster_peers=PEERS[:1])           # agg: no transceiver at all
+    pre, dec, agg = fake.LLM.instances
+    assert pre.cache_transceiver_config.backend == "NIXL"
+    assert dec.cache_transceiver_config.backend == "DEFAULT"
+    assert agg.cache_transceiver_config is None
+    # The operator's own choices win: the interface variable and the backend variable.
+    monkeypatch.setenv(trtllm.TRTLLM_INTERFACE_ENV, "ib0")
+    monkeypatch.setenv(trtllm.KV_BACKEND_ENV, "UCX")
+    build("decode", cluster_peers=PEERS[:1])
+    assert os.environ[trtllm.TRTLLM_INTERFACE_ENV] == "ib0"
+    assert fake.LLM.instances[-1].cache_transceiver_config.backend == "UCX"
+
+
+def test_worker_specs_carry_the_cluster_peers_only_off_a_single_box():
+    from appliance.config import ClusterConfig, Config
+    from appliance.daemon.setup import worker_specs
+    from appliance.partitions import discover, plan_partition
+    inv = discover("sim:2xH100")
+    plan = plan_partition(inv)
+    key = "k" * 16
+    for role, want in (("both", []), ("decode", PEERS[:1])):
+        cfg = Config(cluster=ClusterConfig(role=role, peers=PEERS[:1], key=key))
+        specs = worker_specs(cfg, inv, plan, "trtllm", Path("/m"))
+        assert specs and all(s.cluster_peers == want for s in specs)
+        assert WorkerSpec.from_json(specs[0].to_json()) == specs[0]    # crosses as JSON
+
+
+# ---- issue 27: the request's priority class reaches TensorRT-LLM's scheduler ----------
+
+def test_priority_classes_map_monotonically_onto_trtllm_priorities():
+    got = [trtllm.trtllm_priority(p) for p in (-3, -1, 0, 1, 3, 10**6)]
+    assert got == sorted(got, reverse=True)          # lower class = higher priority
+    assert trtllm.trtllm_priority(0) == 0.5           # the default stays TensorRT-LLM's
+    assert all(0.0 <= g <= 1.0 for g in got) and len(set(got)) == len(got)
+
+
+def test_priority_reaches_generate_async(build):
+    eng = build("agg")
+    llm = fake.LLM.instances[0]
+    params = SamplingParams(max_tokens=2, seed=1)
+    assert eng.add(Prefill("hi", PROMPT, params, handoff=False, priority=0)) == []
+    assert eng.add(Prefill("lo", PROMPT, params, handoff=False, tenant="batch", priority=5)) == []
+    drive(eng, idle(eng))
+    assert sorted(llm.priorities, reverse=True) == [0.5, trtllm.trtllm_priority(5)]
+    pre, dec = build("prefill"), build("decode")
+    llm_pre, llm_dec = fake.LLM.instances[1:]
+    assert pre.add(Prefill("r", PROMPT, params, handoff=True, priority=2)) == []
+    (done,) = of(drive(pre, idle(pre)), PrefillDone)
+    assert dec.add(Decode("r", PROMPT, done.first_token, params, done.handle, priority=2)) == []
+    drive(dec, idle(dec))
+    assert llm_pre.priorities == llm_dec.priorities == [trtllm.trtllm_priority(2)]
+
+
+def test_a_release_without_priority_is_not_sent_one(build, monkeypatch):
+    plain = fake.LLM.generate_async
+
+    def old_generate_async(self, inputs, sampling_params=None, lora_request=None,
+                           prompt_adapter_request=None, streaming=False,
+                           kv_cache_retention_config=None, disaggregated_params=None):
+        return plain(self, inputs, sampling_params, streaming=streaming,
+                     disaggregated_params=disaggregated_params)
+
+    monkeypatch.setattr(fake.LLM, "generate_async", old_generate_async)
+    eng = build("agg")
+    assert eng.takes_priority is False
+    assert eng.add(Prefill("r", PROMPT, SamplingParams(max_tokens=2), handoff=False,
+                           priority=3)) == []
+    toks, reasons = streamed(drive(eng, idle(eng)), "r")
+    assert len(toks) == 2 and reasons[-1] == "length"
