@@ -177,8 +177,11 @@ def format_roles(r: dict) -> str:
         lines.append("short: the fleet cannot meet the forecast at the SLOs with these boxes")
     for x in r["if_added"]:
         h = x["headroom"]
-        lines.append(f"with one more {x['shape']} box: it takes {x['role']}; headroom prefill "
-                     f"{_num(h['prefill'])}x, decode {_num(h['decode'])}x"
+        now = {b["appliance"]: b["role"] for b in r["roles"]}
+        moved = [f"{n} -> {role}" for n, role in x["roles"].items() if now.get(n) != role]
+        lines.append(f"with one more {x['shape']} box: it takes {x['role']}"
+                     + (f" ({', '.join(moved)})" if moved else "")
+                     + f"; headroom prefill {_num(h['prefill'])}x, decode {_num(h['decode'])}x"
                      + ("" if x["fits"] else " (still short)"))
     lines.append("config to apply ([cluster] on each box; then restart it):")
     for name, snippet in r["config"].items():
