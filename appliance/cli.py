@@ -159,7 +159,19 @@ def cmd_status(args) -> int:
 
 def cmd_config(args) -> int:
     from appliance import config
-    config.load(args.file)
+    cfg = config.load(args.file)
+    if cfg.cluster.role != "both":
+        # A box that joins another must move KV: prove NIXL loads (plugins and UCX's
+        # transports found, in the single binary too) and reads bytes exactly.
+        from appliance.kv.nixl_transport import KvTransferError, NixlUnavailable, loopback_check
+        try:
+            got = loopback_check()
+        except (NixlUnavailable, KvTransferError, RuntimeError) as exc:
+            raise config.ConfigError(f"{args.file}: cluster.role = {cfg.cluster.role!r} needs "
+                                     f"NIXL, which fails here: {exc}") from None
+        print(f"{args.file}: ok; NIXL read {got['bytes'] // 1024} KiB between two local "
+              f"agents over {got['backend']}, exact, in {got['seconds'] * 1000:.0f} ms")
+        return 0
     print(f"{args.file}: ok")
     return 0
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -56,7 +57,7 @@ if TYPE_CHECKING:  # torch is imported where a pool is handled: the daemon check
 __all__ = [
     "INSTALL_HINT", "KvHandleExpired", "KvTransferError", "NixlKvAgent", "NixlKvHandle",
     "NixlPoolInfo", "NixlUnavailable", "block_descriptors", "from_json", "import_nixl",
-    "nixl_available", "nixl_installed", "to_json",
+    "loopback_check", "nixl_available", "nixl_installed", "to_json",
 ]
 
 INSTALL_HINT = ("NIXL is not installed: pip install 'applianced[cluster]' "
@@ -87,9 +88,29 @@ class KvHandleExpired(KvTransferError):
     """The handle's deadline has passed: its blocks may already hold another request's KV."""
 
 
+# Where the single binary (packaging/applianced.spec) puts the plugins NIXL and UCX
+# dlopen() by path at run time: the wheel's own layout under PyInstaller's _internal/.
+FROZEN_PLUGIN_DIRS = (("NIXL_PLUGIN_DIR", "nixl_cu12.libs/nixl"),
+                      ("UCX_MODULE_DIR", "nixl_cu12.libs/ucx"))
+
+
+def _frozen_plugin_dirs() -> None:
+    """In the single binary, point NIXL at its backend plugins and UCX at its transport
+    modules: both find them relative to where the wheel installed them, which a frozen
+    program does not reproduce. An operator's own settings win."""
+    base = getattr(sys, "_MEIPASS", None)
+    if not getattr(sys, "frozen", False) or not base:
+        return
+    for var, sub in FROZEN_PLUGIN_DIRS:
+        path = os.path.join(base, sub)
+        if os.path.isdir(path):
+            os.environ.setdefault(var, path)
+
+
 def import_nixl() -> Any:
     """The ``nixl`` API module. The nixl-cu12 wheel installs it as ``nixl_cu12``; the
     ``nixl`` meta package (and source builds) as ``nixl``."""
+    _frozen_plugin_dirs()
     for name in ("nixl._api", "nixl_cu12._api"):
         try:
             api = __import__(name, fromlist=["nixl_agent"])
@@ -123,6 +144,33 @@ def nixl_available() -> bool:
 def nixl_installed() -> bool:
     """Whether a nixl package is installed, without importing it (for start-up checks)."""
     return any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu12"))
+
+
+def loopback_check(blocks: int = 16) -> dict:
+    """Two agents in this process, one KV pool each, and a NIXL READ of some blocks from
+    one into the other over UCX: does NIXL work here (its plugins found, UCX's transports
+    loaded), byte for byte? What `applianced config check` runs for a cluster role, so
+    a box (or the single binary) proves it can move KV before it joins a cluster.
+    Raises NixlUnavailable or KvTransferError with one line."""
+    import torch
+    shape = (2, 2, blocks, 16, 2, 32)
+    src = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    dst = torch.zeros(shape)
+    a = NixlKvAgent(src, name=f"check-src-{uuid.uuid4().hex[:8]}")
+    b = NixlKvAgent(dst, name=f"check-dst-{uuid.uuid4().hex[:8]}")
+    try:
+        b.connect(a.info())
+        ids = list(range(0, blocks, 2))
+        t0 = time.perf_counter()
+        moved = b.pull(a.handle("check", ids, len(ids) * shape[3], ttl_s=10.0), ids)
+        elapsed = time.perf_counter() - t0
+        if not torch.equal(dst[:, :, ids], src[:, :, ids]) or dst[:, :, 1::2].any():
+            raise KvTransferError("NIXL loopback read completed but the bytes differ")
+    finally:
+        b.close()
+        a.close()
+    return {"bytes": moved, "seconds": elapsed, "backend": "UCX",
+            "plugin_dir": os.environ.get("NIXL_PLUGIN_DIR")}
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,3 +59,31 @@ def test_a_cluster_role_without_nixl_stops_serve_with_one_line(tmp_path):
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert "cluster.role = 'decode'" in lines[0] and "pip install 'applianced[cluster]'" in lines[0]
     assert not (tmp_path / "s").exists(), "nothing may start (no state dir made)"
+
+
+def _config_check(cfg, without_nixl: bool = False) -> subprocess.CompletedProcess:
+    pre = 'sys.modules["nixl"] = sys.modules["nixl_cu12"] = None\n' if without_nixl else ""
+    code = (f"import sys\n{pre}from appliance.cli import main\n"
+            "sys.exit(main(['config', 'check', sys.argv[1]]))\n")
+    return subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def test_config_check_of_a_cluster_role_proves_nixl_moves_bytes(tmp_path):
+    from appliance.kv.nixl_transport import INSTALL_HINT, nixl_available
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[cluster]\nrole = "prefill"\npeers = ["http://127.0.0.1:9"]\nkey = "{KEY}"\n')
+    out = _config_check(cfg, without_nixl=True)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "needs NIXL, which fails here" in lines[0] and INSTALL_HINT in lines[0]
+    if not nixl_available():
+        pytest.skip(f"{INSTALL_HINT}: the loopback read needs it")
+    out = _config_check(cfg)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"{cfg}: ok; NIXL read 128 KiB between two local agents over "
+                                 "UCX, exact, in ")
+    plain = tmp_path / "one-box.toml"
+    plain.write_text("[cluster]\nrole = \"both\"\n")
+    out = _config_check(plain, without_nixl=True)        # a single box needs no NIXL
+    assert out.returncode == 0 and out.stdout.strip() == f"{plain}: ok"
