@@ -138,14 +138,13 @@ def fleet_need(plans: list[dict]) -> FleetNeed:
     return FleetNeed(rate, rate * w.output_tokens, asdict(w), asdict(slo))
 
 
-def box_capacity(url: str, plan: dict, need: FleetNeed) -> BoxCapacity:
+def box_capacity(url: str, plan: dict, need: FleetNeed, name: str | None = None) -> BoxCapacity:
     """A box's whole-box capacities at the fleet's workload, from the profile of its GPU
     kind (the plan's `box` section: model shape, devices, tp); when its model is not in
     the catalogue or its profile was measured, from its own plan's per-worker figures
     (which are at its own workload, and the basis says so)."""
     box = plan.get("box") or {}
-    site = plan.get("site") or {}
-    name = site.get("appliance") or url
+    name = name or appliance_name(url, plan)
     groups = box.get("workers") or []
     tp = int(box.get("tp") or 1)
     shape = " + ".join(f"{g['count'] * tp}x{g['device']}" for g in groups) + f" tp{tp}" \
@@ -170,6 +169,10 @@ def box_capacity(url: str, plan: dict, need: FleetNeed) -> BoxCapacity:
         basis = "this box's own plan (its per-worker figures at its own workload)"
     role = ((plan.get("cluster") or {}).get("role")) or "both"
     return BoxCapacity(url, name, shape, gpus, pre, dec, basis, role)
+
+
+def appliance_name(url: str, plan: dict) -> str:
+    return (plan.get("site") or {}).get("appliance") or url
 
 
 def _profiles(box: dict, groups: list[dict]):
@@ -209,7 +212,8 @@ def explain(boxes: list[BoxCapacity], a: Assignment, need: FleetNeed) -> str:
         return ("no traffic forecast: nothing to size; roles follow each box's prefill "
                 "bias (FLOP/s per byte/s of its GPU kind)")
     p, d = a.headroom["prefill"], a.headroom["decode"]
-    binds = "prefill" if (p or math.inf) <= (d or math.inf) else "decode"
+    inf = lambda h: math.inf if h is None else h  # noqa: E731
+    binds = "prefill" if inf(p) <= inf(d) else "decode"
     n_p = sum(r == "prefill" for r in a.roles.values())
     return (f"{n_p} prefill + {len(boxes) - n_p} decode: prefill {a.capacity['prefill']:.2f} "
             f"req/s at TTFT <= {need.slo['ttft_s']:g} s for {need.rate:.2f} req/s needed "
@@ -256,7 +260,10 @@ def plan_roles(results: list[tuple[str, dict]]) -> dict:
     more box would change, and the config to apply."""
     plans = [p for _, p in results]
     need = fleet_need(plans)
-    boxes = [box_capacity(url, plan, need) for url, plan in results]
+    names = [appliance_name(url, plan) for url, plan in results]
+    # Two boxes under one name (no [site] appliance on either, same hostname): by URL.
+    boxes = [box_capacity(url, plan, need, name if names.count(name) == 1 else url)
+             for (url, plan), name in zip(results, names)]
     a = assign(boxes, need)
     return {
         "roles": [{"appliance": b.name, "url": b.url, "shape": b.shape, "gpus": b.gpus,

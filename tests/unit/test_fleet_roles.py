@@ -168,3 +168,20 @@ def test_unservable_phase_is_zero_capacity_not_a_crash():
     by = {b["appliance"]: b for b in r["roles"]}
     assert by["l"]["decode_tps"] == 0.0 and by["l"]["role"] == "prefill"
     assert all(math.isfinite(v) for v in r["capacity"].values())
+
+
+def test_boxes_under_one_name_are_told_apart_by_url():
+    a, b = plan_of("same", "H100", 8, 10.0, DECODE_HEAVY), plan_of("same", "H100", 8, 10.0,
+                                                                     DECODE_HEAVY)
+    r = plan_roles([("http://a:1", a), ("http://b:1", b)])
+    assert [x["appliance"] for x in r["roles"]] == ["http://a:1", "http://b:1"]
+    assert sorted(x["role"] for x in r["roles"]) == ["decode", "prefill"]
+
+
+def test_a_phase_with_zero_capacity_binds():
+    boxes = [BoxCapacity("u1", "p", "s", 8, 0.0, 10.0, "t"), BoxCapacity("u2", "d", "s", 8, 0.0, 10.0, "t")]
+    need = FleetNeed(1.0, 10.0, {}, SLO)
+    from appliance.planner.fleet_roles import explain
+    a = assign(boxes, need)
+    assert a.headroom["prefill"] == 0.0 and not a.fits
+    assert explain(boxes, a, need).endswith("prefill binds")
