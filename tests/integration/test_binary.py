@@ -151,3 +151,52 @@ def test_binary_runs_the_tui_in_a_terminal(tmp_path, tiny_model):
             pass
         os.close(fd)
         d.stop()
+
+
+NIXL_PLUGIN = DIST / "_internal" / "nixl_cu12.libs" / "nixl" / "libplugin_UCX.so"
+CLUSTER = '[cluster]\nrole = "decode"\npeers = ["http://127.0.0.1:9"]\nkey = "{key}"\n'
+
+
+@pytest.mark.skipif(not NIXL_PLUGIN.exists(),
+                    reason="the binary was built without NIXL (no nixl-cu12 in the build's venv)")
+def test_binary_carries_nixl_and_a_decode_box_starts(tmp_path):
+    """NIXL inside the binary (issue 29): its UCX backend plugin and UCX's transports are
+    bundled, found at run time (nixl_transport points NIXL_PLUGIN_DIR and UCX_MODULE_DIR
+    at them), and move bytes: `config check` of a decode box's config does a loopback
+    NIXL READ, byte-exact; then the binary serves with `[cluster] role = "decode"`."""
+    assert not list(NIXL_PLUGIN.parent.glob("libplugin_[!U]*"))     # the UCX backend only
+    assert any((DIST / "_internal" / "nixl_cu12.libs" / "ucx").glob("libuct_cma.so*"))
+    assert not (DIST / "_internal" / "nixl_ep_cu12").exists()
+    cfg = tmp_path / "decode.toml"
+    cfg.write_text(CLUSTER.format(key="k" * 24))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "NIXL_PLUGIN_DIR", "UCX_MODULE_DIR")}
+    out = subprocess.run([str(BINARY), "config", "check", str(cfg)], capture_output=True,
+                         text=True, env=env, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"{cfg}: ok; NIXL read 128 KiB between two local agents "
+                                 "over UCX, exact, in "), out.stdout
+
+    port = free_port()
+    log = tmp_path / "log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([str(BINARY), "serve", "--config", str(cfg), "--port", str(port),
+                                 "--state-dir", str(tmp_path / "state"), "--devices", "sim:2xH100",
+                                 "--engine", "sim"],
+                                stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 180
+        code = None
+        while time.monotonic() < deadline and code != 200 and proc.poll() is None:
+            try:
+                code, _, _ = http("GET", f"http://127.0.0.1:{port}/ready", timeout=2)
+            except OSError:
+                time.sleep(0.2)
+        assert code == 200, log.read_text()
+        assert "cluster.role = 'decode'" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
