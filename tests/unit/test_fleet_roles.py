@@ -185,3 +185,12 @@ def test_a_phase_with_zero_capacity_binds():
     a = assign(boxes, need)
     assert a.headroom["prefill"] == 0.0 and not a.fits
     assert explain(boxes, a, need).endswith("prefill binds")
+
+
+def test_a_plan_without_its_box_uses_its_own_figures_and_current_workers():
+    p = plan_of("old", "H100", 8, 1.0, DECODE_HEAVY)
+    del p["box"]                                        # an appliance from before `box`
+    p["current"] = {"prefill": {"workers": 2}, "decode": {"workers": 6}}
+    p["sizing"] = {"peak": {"prefill": {"per_worker": 3.0}, "decode": {"per_worker": 500.0}}}
+    cap = box_capacity("http://old", p, fleet_need([p]))
+    assert (cap.prefill_rps, cap.decode_tps, cap.shape) == (24.0, 4000.0, "?")
