@@ -32,6 +32,10 @@ from appliance.accounting.cost import PriceBook
 from appliance.accounting.ledger import Ledger
 
 USAGE_DIMS = ("tenant", "model", "phase", "site")
+# One row per request (and whatever else is asked): read from the request rows alone
+# (the rollups have no ids), so only as far back as [accounting] retention_days keeps them.
+REQUEST_DIM = "request_id"
+USAGE_GROUPS = (*USAGE_DIMS, REQUEST_DIM)
 CARBON_DIMS = ("site", "tenant", "model")
 IDLE_TENANT = "(idle)"
 TAG_KEYS = ("team", "project", "cost_center")
@@ -196,7 +200,9 @@ def _groups(ledger: Ledger, dims: list[str], since: float, until: float,
     raw = _raw_sql(keys, by_phase)
     rolled = rollups.usage_sql(keys, by_phase)
     sums: dict[tuple, list] = {}
-    for kind, a, b in rollups.usage_segments(ledger.query, since, until):
+    segments = ([("raw", since, until)] if REQUEST_DIM in keys
+                else rollups.usage_segments(ledger.query, since, until))
+    for kind, a, b in segments:
         if kind == "raw":
             got = ledger.query(raw, (a, b))
             if by_phase:
@@ -354,10 +360,12 @@ def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
     _shares(groups)
     rows = []
     tags = tag_dims(group_by)
+    by_request = REQUEST_DIM in group_by
     for g in _fold(groups, group_by, tenant):
         c = _carbon_of(g, p, share, False)
         rows.append({"tenant": g.dims.get("tenant"), "model": g.dims.get("model"),
                      "phase": g.dims.get("phase"), "site": g.dims.get("site"),
+                     **({REQUEST_DIM: g.dims.get(REQUEST_DIM)} if by_request else {}),
                      **{d: g.dims.get(d) for d in tags},
                      "requests": g.requests, "prompt_tokens": g.pt, "output_tokens": g.ot,
                      "gpu_seconds": g.gpu_s, "energy_joules": g.j,
@@ -377,6 +385,7 @@ def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
         if idle_row is not None:
             cost, secs, joules, c = idle_row
             rows.append({"tenant": IDLE_TENANT, "model": None, "phase": None, "site": None,
+                         **({REQUEST_DIM: None} if by_request else {}),
                          **{d: None for d in tags},
                          "requests": 0, "prompt_tokens": 0, "output_tokens": 0,
                          "gpu_seconds": secs,
@@ -405,7 +414,8 @@ def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
 def usage_csv(report: dict) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
-    fields = (*ROW_FIELDS[:4], *tag_dims(report["group_by"]), *ROW_FIELDS[4:])
+    by_request = [REQUEST_DIM] if REQUEST_DIM in report["group_by"] else []
+    fields = (*ROW_FIELDS[:4], *by_request, *tag_dims(report["group_by"]), *ROW_FIELDS[4:])
     w.writerow(fields)
     for r in report["rows"]:
         w.writerow(["" if r[f] is None else str(r[f]).lower() if isinstance(r[f], bool)

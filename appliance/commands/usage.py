@@ -23,8 +23,8 @@ def add_parsers(sub) -> None:
     add_client_args(p, fleet_help=f"a daemon (default {DEFAULT_URL}); repeat for the boxes "
                                   "of a cluster, joined into one report")
     p.add_argument("--by", default="tenant",
-                   help="tenant,model,phase,site,tag:team,tag:project,tag:cost_center "
-                        "(comma list; default tenant)")
+                   help="tenant,model,phase,site,request_id,tag:team,tag:project,"
+                        "tag:cost_center (comma list; default tenant)")
     p.add_argument("--since", default="24h", help="ISO time or a span back from now (24h, 7d)")
     p.add_argument("--until", default=None, help="ISO time or a span back from now (default now)")
     out = p.add_mutually_exclusive_group()

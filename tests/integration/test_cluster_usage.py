@@ -93,6 +93,16 @@ def test_two_boxes_join_into_one_report_counting_each_request_once(pair):
     assert phases[("ta", "prefill")]["boxes"] == [front.url]
     assert phases[("ta", "decode")]["boxes"] == [front.url, decode.url]
     assert phases[("ta", "decode")]["gpu_seconds"] == pytest.approx(4 * (2.0 + 1.0))
+    # one row per request: both boxes' phases of it, counted once
+    out = cli("usage", "--url", front.url, "--url", decode.url, "--by", "request_id,tenant",
+              "--json", "--since", WINDOW["since"], "--until", WINDOW["until"])
+    assert out.returncode == 0, out.stderr
+    per_request = {r["request_id"]: r for r in json.loads(out.stdout)["rows"]}
+    assert set(per_request) == {rid for rid, *_ in RUNS}
+    for rid, tenant, _, p_s, d_s in RUNS:
+        r = per_request[rid]
+        assert (r["tenant"], r["requests"], r["boxes"]) == (tenant, 1, [front.url, decode.url])
+        assert r["gpu_seconds"] == pytest.approx(4 * (p_s + d_s))
     # the table says which boxes it joined
     out = cli("usage", "--url", front.url, "--url", decode.url, "--since", WINDOW["since"],
               "--until", WINDOW["until"])

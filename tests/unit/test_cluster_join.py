@@ -137,3 +137,30 @@ def test_joined_focus_export_counts_requests_once_and_sums_costs(boxes):
     assert {r["RegionId"] for r in rows} == {"paris", "berlin"}
     with pytest.raises(JoinError, match="columns"):
         join_focus([(FRONT, fa), (DECODE, "A,B\n1,2\n")])
+
+
+def test_one_row_per_request_joins_both_phases_of_each_request(boxes):
+    """group_by request_id (the request rows, not the rollups): one row per request of
+    the pair, its prefill from the front and its decode from the decode box."""
+    front, decode = boxes
+    dims = ["request_id", "tenant"]
+    parts = [(FRONT, reports.usage(front, dims, START, END, method=box_method(50.0))),
+             (DECODE, reports.usage(decode, dims, START, END, method=box_method(480.0)))]
+    joined = join_usage(parts)
+    rows = {r["request_id"]: r for r in joined["rows"]}
+    assert set(rows) == {rid for rid, *_ in RUNS}
+    for rid, tenant, _, p_s, d_s in RUNS:
+        r = rows[rid]
+        assert r["tenant"] == tenant and r["requests"] == 1 and r["boxes"] == [FRONT, DECODE]
+        assert r["gpu_seconds"] == pytest.approx(4 * (p_s + d_s))
+        assert (r["prompt_tokens"], r["output_tokens"]) == (2000, 100)
+    by_tenant = join_usage([(u, reports.usage(led, ["tenant"], START, END, method=box_method(g)))
+                            for u, led, g in ((FRONT, front, 50.0), (DECODE, decode, 480.0))])
+    for t in by_tenant["rows"]:
+        mine = [r for r in joined["rows"] if r["tenant"] == t["tenant"]]
+        assert sum(r["cost_allocation"] for r in mine) == pytest.approx(t["cost_allocation"])
+        assert sum(r["co2e_grams"] for r in mine) == pytest.approx(t["co2e_grams"])
+    text = reports.usage_csv(joined)
+    assert text.splitlines()[0].startswith("tenant,model,phase,site,request_id,")
+    with pytest.raises(ValueError, match="cannot group by"):
+        reports.parse_group_by("request", reports.USAGE_GROUPS, ())
