@@ -117,6 +117,11 @@ class BatchEngine:
     # How `import_kv` moves blocks, as the transfer metrics label it ("" = not reported).
     kv_transport = ""
 
+    def kv_import_transport(self, seq: Sequence) -> str:
+        """How seq's blocks moved: the engine's one way, unless its handle says otherwise
+        (a decode worker that pulls some handles from another box over NIXL: "nixl")."""
+        return self.kv_transport
+
     def kv_import_bytes(self, seq: Sequence) -> int:
         """Bytes `import_kv` moves for seq (its handle's whole blocks)."""
         return 0
@@ -283,8 +288,9 @@ class BatchEngine:
             events += self._recompute(seq)
         seqs = [s for s in seqs if s not in late]
         for seq in seqs:
-            events.append(KvImported(seq.request_id, seq.handle.worker, self.kv_transport,
-                                     self.kv_import_bytes(seq), seconds[seq.request_id]))
+            events.append(KvImported(seq.request_id, seq.handle.worker,
+                                     self.kv_import_transport(seq), self.kv_import_bytes(seq),
+                                     seconds[seq.request_id]))
             seq.num_cached = seq.handle.num_tokens
         self.scheduler.mark_imported(seqs)
         return events
