@@ -39,7 +39,9 @@ def complete(d, prompt: str) -> int:
 
 
 def test_torch_cpu_handoff_counts_the_prompts_pool_bytes(daemon_factory, tiny_model):
-    d = daemon_factory("--devices", "cpu", "--engine", "torch", model=tiny_model)
+    # a small KV pool per worker: the test needs a few blocks, the machine may be shared
+    d = daemon_factory("--devices", "cpu", "--engine", "torch", model=tiny_model,
+                       config="[engine]\nkv_cache_bytes = 67108864\n")
     roles = sorted(w["role"] for w in d.status()["workers"])
     assert roles == ["decode", "prefill"], roles
     shape = LlamaShape.from_hf_config(json.loads((tiny_model / "config.json").read_text()))
