@@ -9,6 +9,11 @@ computed here, at query time (`allocation.py`): the rows' quantities are their u
 the device windows' capacity is the pot, and Σ rows' allocation (+ the `(idle)` row)
 = the devices' capacity cost of the window; the same for carbon. Requests still
 waiting for their windows to close count with the figures they have so far.
+
+Across boxes (two appliances serving as a prefill/decode pair) each box bills its own
+phase under the same request id: the front's row counts the request and its tokens, the
+decode box's row (endpoint `cluster_decode`) bills its decode time but counts neither
+(`COUNTED`, `PT`, `OT`), so the boxes' reports add up, request counts included.
 """
 from __future__ import annotations
 
@@ -20,12 +25,17 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from appliance.accounting import rollups
+from appliance.accounting.rollups import CLUSTER_DECODE, COUNTED, OT, PT  # noqa: F401
 from appliance.accounting.allocation import Method, Pots, fractions, window_pots
 from appliance.accounting.carbon import EmbodiedCarbon, parse_time
 from appliance.accounting.cost import PriceBook
 from appliance.accounting.ledger import Ledger
 
 USAGE_DIMS = ("tenant", "model", "phase", "site")
+# One row per request (and whatever else is asked): read from the request rows alone
+# (the rollups have no ids), so only as far back as [accounting] retention_days keeps them.
+REQUEST_DIM = "request_id"
+USAGE_GROUPS = (*USAGE_DIMS, REQUEST_DIM)
 CARBON_DIMS = ("site", "tenant", "model")
 IDLE_TENANT = "(idle)"
 TAG_KEYS = ("team", "project", "cost_center")
@@ -85,9 +95,9 @@ _BOTH = ("prefill_gpu_s + decode_gpu_s AS gpu_s, "
          "CASE WHEN prefill_co2e_op_g IS NULL AND decode_co2e_op_g IS NULL THEN NULL "
          "ELSE coalesce(prefill_co2e_op_g, 0) + coalesce(decode_co2e_op_g, 0) END AS op, "
          "prefill_co2e_emb_g + decode_co2e_emb_g AS emb, NULL AS phase, "
-         "prompt_tokens AS pt, output_tokens AS ot")
+         f"{PT} AS pt, {OT} AS ot")
 
-_BASE = ("request_id, tenant, model, site, finish, simulated, energy_source, "
+_BASE = ("request_id, tenant, model, site, endpoint, finish, simulated, energy_source, "
          "intensity_g_per_kwh, intensity_source, intensity_kind, intensity_estimated, pue")
 
 
@@ -143,10 +153,10 @@ def _raw_sql(keys: list[str], by_phase: bool) -> str:
     where = "finish >= ? AND finish < ?"
     if by_phase:
         k = ", ".join(d for d in keys if d != "phase")
-        return (f"SELECT {k}, count(*), sum(prompt_tokens), sum(output_tokens), "
+        return (f"SELECT {k}, {COUNTED}, sum({PT}), sum({OT}), "
                 f"{_phase_sums('prefill')}, {_phase_sums('decode')}, {_SHARED} "
                 f"FROM requests WHERE {where} GROUP BY {k}")
-    return (f"SELECT {', '.join(keys)}, count(*), sum(pt), sum(ot), sum(gpu_s), sum(j), "
+    return (f"SELECT {', '.join(keys)}, {COUNTED}, sum(pt), sum(ot), sum(gpu_s), sum(j), "
             f"sum(j IS NULL AND gpu_s > 0), sum(cu), sum(coalesce(op, 0)), sum(emb), {_SHARED} "
             f"FROM ({_source(where)}) GROUP BY {', '.join(keys)}")
 
@@ -190,7 +200,9 @@ def _groups(ledger: Ledger, dims: list[str], since: float, until: float,
     raw = _raw_sql(keys, by_phase)
     rolled = rollups.usage_sql(keys, by_phase)
     sums: dict[tuple, list] = {}
-    for kind, a, b in rollups.usage_segments(ledger.query, since, until):
+    segments = ([("raw", since, until)] if REQUEST_DIM in keys
+                else rollups.usage_segments(ledger.query, since, until))
+    for kind, a, b in segments:
         if kind == "raw":
             got = ledger.query(raw, (a, b))
             if by_phase:
@@ -212,7 +224,7 @@ def _groups(ledger: Ledger, dims: list[str], since: float, until: float,
             vals[d] = own.get(d[4:])
         (n, pt, ot, gpu, j, j_null, cu, op, emb, measured, simulated, imin, imax, sources,
          kinds, est) = r
-        if not n:
+        if not n and not gpu and not cu:    # nothing ran, nothing counted
             continue
         # a request that ran nothing (rejected) has no energy to read and lacks none
         out.append(_Group(vals, n, pt or 0, ot or 0, gpu or 0.0, None if j_null else (j or 0.0),
@@ -348,10 +360,12 @@ def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
     _shares(groups)
     rows = []
     tags = tag_dims(group_by)
+    by_request = REQUEST_DIM in group_by
     for g in _fold(groups, group_by, tenant):
         c = _carbon_of(g, p, share, False)
         rows.append({"tenant": g.dims.get("tenant"), "model": g.dims.get("model"),
                      "phase": g.dims.get("phase"), "site": g.dims.get("site"),
+                     **({REQUEST_DIM: g.dims.get(REQUEST_DIM)} if by_request else {}),
                      **{d: g.dims.get(d) for d in tags},
                      "requests": g.requests, "prompt_tokens": g.pt, "output_tokens": g.ot,
                      "gpu_seconds": g.gpu_s, "energy_joules": g.j,
@@ -371,6 +385,7 @@ def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
         if idle_row is not None:
             cost, secs, joules, c = idle_row
             rows.append({"tenant": IDLE_TENANT, "model": None, "phase": None, "site": None,
+                         **({REQUEST_DIM: None} if by_request else {}),
                          **{d: None for d in tags},
                          "requests": 0, "prompt_tokens": 0, "output_tokens": 0,
                          "gpu_seconds": secs,
@@ -399,7 +414,8 @@ def usage(ledger: Ledger, group_by: list[str], since: float, until: float,
 def usage_csv(report: dict) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
-    fields = (*ROW_FIELDS[:4], *tag_dims(report["group_by"]), *ROW_FIELDS[4:])
+    by_request = [REQUEST_DIM] if REQUEST_DIM in report["group_by"] else []
+    fields = (*ROW_FIELDS[:4], *by_request, *tag_dims(report["group_by"]), *ROW_FIELDS[4:])
     w.writerow(fields)
     for r in report["rows"]:
         w.writerow(["" if r[f] is None else str(r[f]).lower() if isinstance(r[f], bool)

@@ -43,6 +43,13 @@ import math
 import sqlite3
 from typing import NamedTuple
 
+CLUSTER_DECODE = "cluster_decode"     # the endpoint of a decode served for a peer box
+# A row's request and tokens as the reports count them: not a peer's decode (its front
+# counts those), in the rollups and in reports.py's raw queries alike.
+COUNTED = f"sum(endpoint IS NOT '{CLUSTER_DECODE}')"
+PT = f"CASE WHEN endpoint IS '{CLUSTER_DECODE}' THEN 0 ELSE prompt_tokens END"
+OT = f"CASE WHEN endpoint IS '{CLUSTER_DECODE}' THEN 0 ELSE output_tokens END"
+
 SLICE = 10.0            # the fine rollups: a report's edges and its newest seconds
 HOUR = 3600.0
 DAY = 86400.0           # UTC days: a month's report reads ~30 rows per group
@@ -113,8 +120,8 @@ def _phase_sums(phase: str, period: str, size: float, src: str, where: str) -> s
     size_sql = repr(float(size))
     return (
         f"SELECT '{period}', CAST(finish / {size_sql} AS INTEGER) * {size_sql}, tenant, model, "
-        f"site, '{phase}', count(*), {'sum(prompt_tokens)' if pre else '0'}, "
-        f"{'0' if pre else 'sum(output_tokens)'}, sum({phase}_gpu_s), sum({phase}_j), "
+        f"site, '{phase}', {COUNTED}, {f'sum({PT})' if pre else '0'}, "
+        f"{'0' if pre else f'sum({OT})'}, sum({phase}_gpu_s), sum({phase}_j), "
         f"sum({phase}_j IS NULL AND {phase}_gpu_s > 0), "
         + (f"sum({phase}_j IS NULL AND {other}_j IS NULL AND {phase}_gpu_s + {other}_gpu_s > 0)"
            if pre else "0")

@@ -3,21 +3,28 @@ from a running daemon.
 
 By default a short table sorted by GPU-seconds (the GPU budget consumed), with the
 conservation and capacity lines under it; `--json` and `--csv` give the API's own answer.
+`usage --url FRONT --url DECODE` joins the reports of boxes serving as one
+(accounting/cluster_join.py): one window for all (resolved here, not by each box's
+clock), one row per group.
 """
 from __future__ import annotations
 
 import json
+import time
 
-from appliance.commands.client import AdminClient, add_client_args
+from appliance.commands.client import DEFAULT_URL, AdminClient, AdminError, add_client_args
 
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("usage", help="GPU-seconds, energy, cost and carbon per tenant/model/phase",
-                       description="Per-request chargeback from the ledger, grouped.")
-    add_client_args(p)
+                       description="Per-request chargeback from the ledger, grouped. Several "
+                                   "--url: the boxes of a prefill/decode pair joined into one "
+                                   "report (each request counted once).")
+    add_client_args(p, fleet_help=f"a daemon (default {DEFAULT_URL}); repeat for the boxes "
+                                  "of a cluster, joined into one report")
     p.add_argument("--by", default="tenant",
-                   help="tenant,model,phase,site,tag:team,tag:project,tag:cost_center "
-                        "(comma list; default tenant)")
+                   help="tenant,model,phase,site,request_id,tag:team,tag:project,"
+                        "tag:cost_center (comma list; default tenant)")
     p.add_argument("--since", default="24h", help="ISO time or a span back from now (24h, 7d)")
     p.add_argument("--until", default=None, help="ISO time or a span back from now (default now)")
     out = p.add_mutually_exclusive_group()
@@ -49,14 +56,65 @@ def _num(v, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def _window(since: str, until: str | None) -> tuple[str, str]:
+    """The window as absolute times, so every box reports the same one."""
+    from appliance.accounting.reports import parse_when
+    now = time.time()
+    try:
+        t1 = parse_when(until, now, now)
+        t0 = parse_when(since, now, t1 - 86400.0)
+    except ValueError as exc:
+        raise AdminError(f"bad --since/--until: {exc}") from None
+    return repr(t0), repr(t1)
+
+
+def _each(args, urls: list[str], params: dict, raw: bool = False) -> list[tuple[str, object]]:
+    """Every box's answer; a box that fails stops the join with one line naming it."""
+    out = []
+    for url in urls:
+        try:
+            out.append((url, AdminClient.from_args(args, url).get("/admin/v1/usage", params,
+                                                                    raw=raw)))
+        except AdminError as exc:
+            msg = str(exc)
+            raise AdminError(msg if url.rstrip("/") in msg else f"{url}: {msg}") from None
+    return out
+
+
+def _joined(args, urls: list[str]):
+    """The boxes' reports (or FOCUS exports) joined: (json report | None, text | None)."""
+    from appliance.accounting.cluster_join import JoinError, join_focus, join_usage
+    since, until = _window(args.since, args.until)
+    params = {"group_by": args.by, "since": since, "until": until}
+    try:
+        if args.focus:
+            parts = _each(args, urls, {**params, "format": "focus"}, raw=True)
+            return None, join_focus([(u, b.decode()) for u, b in parts])
+        data = join_usage(_each(args, urls, params))
+    except JoinError as exc:
+        raise AdminError(str(exc)) from None
+    if args.csv:
+        from appliance.accounting.reports import usage_csv
+        return None, usage_csv(data)
+    return data, None
+
+
 def cmd_usage(args) -> int:
-    client = AdminClient.from_args(args)
-    params = {"group_by": args.by, "since": args.since, "until": args.until}
-    if args.csv or args.focus:
-        fmt = "focus" if args.focus else "csv"
-        print(client.get("/admin/v1/usage", {**params, "format": fmt}, raw=True).decode(), end="")
-        return 0
-    data = client.get("/admin/v1/usage", params)
+    urls = list(dict.fromkeys(u.rstrip("/") for u in (args.url or [DEFAULT_URL])))
+    if len(urls) > 1:
+        data, text = _joined(args, urls)
+        if text is not None:
+            print(text, end="")
+            return 0
+    else:
+        client = AdminClient.from_args(args, urls[0])
+        params = {"group_by": args.by, "since": args.since, "until": args.until}
+        if args.csv or args.focus:
+            fmt = "focus" if args.focus else "csv"
+            print(client.get("/admin/v1/usage", {**params, "format": fmt}, raw=True).decode(),
+                  end="")
+            return 0
+        data = client.get("/admin/v1/usage", params)
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -64,6 +122,8 @@ def cmd_usage(args) -> int:
     cur = data.get("currency", "USD")
     print(f"usage {data['since']} .. {data['until']} (prices in {cur}, idle "
           f"{data.get('idle_policy', 'share')})")
+    if data.get("boxes"):
+        print("boxes: " + ", ".join(b["url"] for b in data["boxes"]))
     head = "".join(f"{d:<18}" for d in dims)
     print(f"{head}{'requests':>9} {'prompt':>9} {'output':>9} {'GPU-s':>10} {'share':>6} "
           f"{'kJ':>9} {'usage':>9} {'alloc':>9} {'gCO2e':>9}")

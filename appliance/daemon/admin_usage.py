@@ -84,7 +84,7 @@ async def usage(request: web.Request):
     caller: Caller = request[CALLER]
     acc = _accountant(request)
     fmt = read_query(request.query, (FORMAT,)).get("format", "json")
-    group_by = _group_by(request, reports.USAGE_DIMS, reports.USAGE_DIMS)
+    group_by = _group_by(request, reports.USAGE_GROUPS, reports.USAGE_DIMS)
     since, until = _span(request)
     tenant = None if caller.admin else caller.tenant
     if fmt == "focus":
@@ -176,10 +176,12 @@ _CSV = ("text/csv", {"type": "string"})
 OPERATIONS_HERE = (
     Operation("GET", "/admin/v1/usage", usage, "Usage and chargeback over a window",
               "Accounting", "tenant_or_admin",
-              params=(SINCE, UNTIL, _group(reports.USAGE_DIMS), FORMAT),
+              params=(SINCE, UNTIL, _group(reports.USAGE_GROUPS), FORMAT),
               ok={"200": ("application/json", {"type": "object"}), "200 csv": _CSV},
               errors=(400, 404, 503), description="A tenant key reads its own tenant's rows "
-              "only. 503 report_timeout: the report ran past [accounting] report_timeout_s."),
+              "only. request_id: one row per request, from the request rows (kept for "
+              "[accounting] retention_days). 503 report_timeout: the report ran past "
+              "[accounting] report_timeout_s."),
     Operation("GET", "/admin/v1/carbon", carbon, "Energy and emissions over a window",
               "Accounting", "admin", params=(SINCE, UNTIL, _group(reports.CARBON_DIMS)),
               errors=(400, 404, 503)),

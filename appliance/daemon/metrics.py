@@ -16,7 +16,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
 from appliance.accounting.records import RequestRecord
-from appliance.engines.messages import IterationRecord
+from appliance.engines.messages import IterationRecord, KvImported
 from appliance.telemetry.status import metric_values
 
 disable_created_metrics()   # *_created series only add noise to an appliance's scrape
@@ -24,6 +24,10 @@ disable_created_metrics()   # *_created series only add noise to an appliance's 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # Inter-token latency: tens of microseconds (a simulated GPU sped up) to a CPU's ~100 ms.
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
+# One request's KV transfer: ~0.1 ms (a short prompt over NVLink or shm) to seconds (a
+# long prompt across boxes over TCP).
+KV_TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                       0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class TelemetryCollector:
@@ -157,6 +161,14 @@ class Metrics:
             "applianced_tenant_rejected", "Requests refused per tenant and reason (overloaded, "
             "rate_limit_requests, rate_limit_tokens, budget_exceeded)",
             ["tenant", "reason", "simulated"], registry=r)
+        self.kv_bytes = Counter(
+            "applianced_kv_transfer_bytes", "KV bytes imported by decode workers, per "
+            "transport (shm, cuda_ipc, nixl; sim = modelled by the simulator)",
+            ["transport", "simulated"], registry=r)
+        self.kv_seconds = Histogram(
+            "applianced_kv_transfer_seconds", "One request's KV import, per transport "
+            "(sim = modelled time)", ["transport", "simulated"],
+            buckets=KV_TRANSFER_BUCKETS, registry=r)
         r.register(WorkerCollector(pool, simulated))
         if telemetry is not None:
             r.register(TelemetryCollector(telemetry, simulated))
@@ -175,6 +187,12 @@ class Metrics:
             self._iter_children[key] = children
         children[0].inc()
         children[1].inc(rec.wall_s)
+
+    def kv_transfer(self, ev: KvImported) -> None:
+        # "sim" is modelled whatever the daemon runs on: labelled simulated either way.
+        sim = "true" if ev.transport == "sim" else self.sim
+        self.kv_bytes.labels(ev.transport, sim).inc(ev.nbytes)
+        self.kv_seconds.labels(ev.transport, sim).observe(ev.seconds)
 
     def request(self, rec: RequestRecord, tenant_label: str) -> None:
         self.requests.labels(self.model, tenant_label, rec.status, self.sim).inc()

@@ -92,6 +92,7 @@ class Service:
         self._prefix = secrets.token_hex(4)
         self._ids = itertools.count(1)
         pool.on_iteration = self._on_iteration
+        pool.on_kv_transfer = metrics.kv_transfer
 
     # ---- what the handlers read (one place each, in `state`) --------------------------
     @property

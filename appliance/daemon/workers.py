@@ -186,6 +186,8 @@ class WorkerLink:
                     channel = channels.get(ev.request_id)
                     if channel is not None:
                         channel.put(ev)
+                    if isinstance(ev, KvImported) and ev.transport:
+                        pool.on_kv_transfer(ev)
                 elif isinstance(ev, IterationRecord):
                     pool.on_iteration(ev)
                     iterations = True
@@ -264,6 +266,8 @@ class WorkerPool:
                  backoff_s: float = 0.5, backoff_max_s: float = 30.0, start_timeout_s: float = 600.0):
         self.workers = {s.worker: WorkerLink(s, self) for s in specs}
         self.on_iteration = on_iteration
+        # Every KV import that moved bytes (the transfer metrics), whoever waits for it.
+        self.on_kv_transfer: Callable[[KvImported], None] = lambda ev: None
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
         self.start_timeout_s = start_timeout_s

@@ -114,6 +114,27 @@ class BatchEngine:
         """Copy each seq.handle's blocks from its source pool into seq.block_table."""
         raise NotImplementedError
 
+    # How `import_kv` moves blocks, as the transfer metrics label it ("" = not reported).
+    kv_transport = ""
+
+    def kv_import_transport(self, seq: Sequence) -> str:
+        """How seq's blocks moved: the engine's one way, unless its handle says otherwise
+        (a decode worker that pulls some handles from another box over NIXL: "nixl")."""
+        return self.kv_transport
+
+    def kv_import_bytes(self, seq: Sequence) -> int:
+        """Bytes `import_kv` moves for seq (its handle's whole blocks)."""
+        return 0
+
+    def kv_import_seconds(self, seqs: list[Sequence], wall_s: float) -> list[float]:
+        """Seconds of the import per seq: one copy call moved them all, so its wall time
+        is shared out by bytes (the simulator reports its modelled time instead)."""
+        sizes = [self.kv_import_bytes(s) for s in seqs]
+        total = sum(sizes)
+        if not total:
+            return [wall_s / len(seqs)] * len(seqs)
+        return [wall_s * n / total for n in sizes]
+
     def new_sampler(self, request_id: str, params, drawn: int = 0) -> Any:
         """Sampling state for a request. `drawn`: tokens already sampled elsewhere (the
         prefill worker's first token), so a seeded request continues the same random
@@ -247,6 +268,7 @@ class BatchEngine:
                 events += self._recompute(seq)
         if not seqs:
             return events
+        t0 = time.perf_counter()
         try:
             self.import_kv(seqs)
         except Exception as exc:  # a dead or mismatched source: fail these, keep serving
@@ -259,12 +281,16 @@ class BatchEngine:
         # ended before that read blocks nobody could have reused yet. One that ended
         # later may have raced a free and a new prefill: thrown away, recomputed.
         done = time.monotonic()
+        seconds = dict(zip((s.request_id for s in seqs),
+                           self.kv_import_seconds(seqs, time.perf_counter() - t0)))
         late = [s for s in seqs if s.handle.expires_at + HANDOFF_MARGIN_S < done]
         for seq in late:
             events += self._recompute(seq)
         seqs = [s for s in seqs if s not in late]
         for seq in seqs:
-            events.append(KvImported(seq.request_id, seq.handle.worker))
+            events.append(KvImported(seq.request_id, seq.handle.worker,
+                                     self.kv_import_transport(seq), self.kv_import_bytes(seq),
+                                     seconds[seq.request_id]))
             seq.num_cached = seq.handle.num_tokens
         self.scheduler.mark_imported(seqs)
         return events

@@ -228,10 +228,18 @@ class Tokens:
 @on_the_wire
 @dataclass(slots=True)
 class KvImported:
-    """The decode worker has its own copy of the KV: the source may free it."""
+    """The decode worker has its own copy of the KV: the source may free it.
+
+    `transport` says how the blocks moved ("shm" between CPU workers, "cuda_ipc" between
+    GPUs of one box, "nixl" across boxes, "sim" when the simulator modelled the move) with
+    their bytes and the seconds the copy took (modelled for "sim"), for the transfer
+    metrics. "" = nothing moved (the import was given up and the prompt recomputed)."""
 
     request_id: str
     source_worker: str
+    transport: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
 
 
 @on_the_wire

@@ -31,6 +31,7 @@ class SimSampler(random.Random):
 class SimEngine(BatchEngine):
     name = "sim"
     simulated = True
+    kv_transport = "sim"
 
     def __init__(self, *, timing: StepTimeModel, vocab_ids: list[int], speed: float = 1.0,
                  grammar: GrammarBook | None = None, **kwargs):
@@ -105,3 +106,11 @@ class SimEngine(BatchEngine):
             if seq.handle.layout != self._layout:
                 raise KvLayoutError(f"layout {seq.handle.layout} != {self._layout}")
         self._sleep(sum(self.timing.transfer_s(s.handle.num_tokens) for s in seqs))
+
+    def kv_import_bytes(self, seq: Sequence) -> int:
+        """The modelled bytes: the handle's tokens at the model's KV bytes per token."""
+        return int(seq.handle.num_tokens * self.timing.model.kv_bytes_per_token())
+
+    def kv_import_seconds(self, seqs: list[Sequence], wall_s: float) -> list[float]:
+        """The modelled time on the simulated link (not the sleep, which `speed` divides)."""
+        return [self.timing.transfer_s(s.handle.num_tokens) for s in seqs]

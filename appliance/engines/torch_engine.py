@@ -86,6 +86,10 @@ class TorchEngine(BatchEngine):
         self._layout = layout_tag(s, bs, model.dtype)
         self._handle = handoff.export_pool(self.kv) if share_pool else None
         self._pool_id = pool_id_of(self._handle)
+        # Within a box: /dev/shm between CPU workers, CUDA IPC between GPUs (not run on
+        # hardware). Whole blocks move, so a handle's bytes are its blocks times this.
+        self.kv_transport = "cuda_ipc" if self.kv.device.type == "cuda" else "shm"
+        self._block_bytes = self.kv[:, :, 0].numel() * self.kv.element_size()
         self._peers: dict[str, _Peer] = {}
         self._peer_errors: dict[str, str] = {}
         self._gone: set[str] = set()       # peers that died and have not attached again
@@ -310,6 +314,9 @@ class TorchEngine(BatchEngine):
         found = top_logprobs(rows[asked], [picked[j] for j in asked], k)
         for j, (chosen, alts) in zip(asked, found):
             seqs[j].logprob = (chosen, alts[:seqs[j].params.logprobs])
+
+    def kv_import_bytes(self, seq: Sequence) -> int:
+        return len(seq.handle.block_ids) * self._block_bytes
 
     def import_kv(self, seqs: list[Sequence]) -> None:
         by_source: dict[str, tuple[list[int], list[int]]] = {}

@@ -254,3 +254,14 @@ def section(text: str, start: str, stop: str | None = None) -> list[str]:
     j = next((n for n, ln in enumerate(lines[i + 1:], i + 1)
               if stop is not None and ln.strip().startswith(stop)), len(lines))
     return lines[i:j]
+
+
+def two_peers(kv_bytes: int = 0) -> dict:
+    """The `cluster` section of a front box's status (the contract xbox-path serves): one
+    decode peer up with handoffs in flight, one down since a refused connection."""
+    return {"role": "prefill", "peers": [
+        {"url": "https://decode-1:8000", "role": "decode", "up": True, "rtt_ms": 0.42,
+         "in_flight": 3, "kv_bytes_total": kv_bytes, "last_error": None, "since": 1732364000.0},
+        {"url": "https://decode-2:8000", "role": "decode", "up": False, "rtt_ms": None,
+         "in_flight": 0, "kv_bytes_total": 123_456, "last_error": "connection refused",
+         "since": 1732364900.0}]}

@@ -98,3 +98,35 @@ def capacity_of(led, since, until, rate=lambda t: PRICE, per_kwh=0.0, node_w=0.0
         spans.add((a, b))
     cost += sum(b - a for a, b in spans) * node_w * PUE / 3.6e6 * per_kwh
     return cost
+
+
+def box_ledger(path, role: str, runs, start: float, end: float, site: Site,
+               peer: str = "http://decode-box:8000"):
+    """One box of a prefill/decode pair (issue 29), its ledger at `path` written by the
+    real accountant. `runs`: (request, tenant, t, prefill_s, decode_s), the same on both
+    boxes. The front ("prefill") runs each prompt on g0-g3 and writes the request's row
+    (its decode on the peer); the decode box ("decode") runs each decode on g4-g7 and
+    writes a `cluster_decode` row under the same request id, tenant and model."""
+    devs = [DeviceInfo(f"g{i}", "H100-SXM", "sim", True) for i in range(8)]
+    busy: dict[str, list] = {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(path, flush_interval_s=0.05, retention_days=0)
+    ledger.start()
+    acc = Accountant(devs, "m", site, ledger, PriceBook({"H100-SXM": PRICE}, 0.0, "share"),
+                     EmbodiedCarbon({}, {}), meter=lambda: Meter(busy), window_s=10.0,
+                     start=start)
+    for rid, tenant, t, p_s, d_s in runs:
+        if role == "prefill":
+            acc.iteration(it("p0", "prefill", t, p_s, PRE, [(rid, 2000, 2000)]))
+            rec = RequestRecord(rid, tenant, "m", "chat", 2000, 100, 0, t - 0.1, t + p_s,
+                                t + p_s + d_s, "p0", f"peer:{peer}", "ok", "stop")
+            devices, span = PRE, (t, t + p_s)
+        else:
+            acc.iteration(it("d0", "decode", t + p_s, d_s, DEC, [(rid, 1, 2001)]))
+            rec = RequestRecord(rid, tenant, "m", "cluster_decode", 2000, 100, 0, t + p_s,
+                                t + p_s, t + p_s + d_s, None, "d0", "ok", "stop")
+            devices, span = DEC, (t + p_s, t + p_s + d_s)
+        for d in devices:
+            busy.setdefault(d, []).append(span)
+        acc.request(rec)
+    acc.stop(now=end)

@@ -9,8 +9,8 @@ import urllib.parse
 
 import pytest
 
-from helpers.admin_fixture import (FixtureAdmin, contract_status, section, usage_rows, wait_screen,
-                           wait_until)
+from helpers.admin_fixture import (FixtureAdmin, contract_status, section, two_peers, usage_rows,
+                                   wait_screen, wait_until)
 from helpers.daemons import free_port
 from helpers.screen import screen_text
 
@@ -220,3 +220,50 @@ def test_fleet_sums_the_ratio_lists_sites_and_merges_tenants():
                 await wait_screen(app, pilot, lambda t: "paris/box2" in t.splitlines()[0],
                                   what="box 2 selected")
         run(scenario)
+
+
+def test_peers_panel_shows_the_kv_rate_the_stream_grows():
+    """A front box whose decode peer's kv_bytes_total grows between snapshots: the Peers
+    panel's GB/s comes from those deltas (n/a before a second snapshot); a peer going
+    down turns up on screen with its error. Nothing of it on a single box."""
+    status = {**contract_status(0.9, 0.5), "cluster": two_peers(kv_bytes=0)}
+    with FixtureAdmin(status, sse_interval=0.1) as srv:
+        async def scenario():
+            app = ApplianceConsole([srv.url])
+            async with app.run_test(size=(100, 40)) as pilot:
+                first = await wait_screen(app, pilot, lambda t: "PEERS" in t, what="the panel")
+                grow = asyncio.create_task(_grow(srv, status))
+                try:
+                    moving = await wait_screen(app, pilot, lambda t: _rate(t) > 0.1,
+                                               what="a rate")
+                finally:
+                    grow.cancel()
+                peer = app.current.overview.cluster.peers[0]
+                srv.set(status=contract_status(0.9, 0.5))
+                gone = await wait_screen(app, pilot, lambda t: "PEERS" not in t,
+                                         what="the panel hidden for a single box")
+            return first, moving, peer, gone
+        first, moving, peer, gone = run(scenario)
+    assert "1 of 2 up" in first and "last error: connection refused" in first
+    # ~10 GB/s fed; the clocks of a loaded machine stretch it, never to another order
+    assert 1 < _rate(moving) < 100 and peer.kv_gb_per_s is not None, (moving, peer)
+    assert "decode-1" not in gone
+
+
+def _rate(screen: str) -> float:
+    """decode-1's KV GB/s as the screen shows it (0 while n/a)."""
+    import re
+    for ln in screen.splitlines():
+        m = re.search(r"decode-1.*KV\s+([0-9.]+) GB/s", ln)
+        if m:
+            return float(m.group(1))
+    return 0.0
+
+
+async def _grow(srv, status) -> None:
+    """kv_bytes_total += 1 GB every 0.1 s (~10 GB/s), as a busy decode peer's would."""
+    n = 0
+    while True:
+        n += 1
+        srv.set(status={**status, "cluster": two_peers(kv_bytes=n * 10**9)})
+        await asyncio.sleep(0.1)

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from helpers.admin_fixture import FixtureAdmin, contract_status, usage_rows
+from helpers.admin_fixture import FixtureAdmin, contract_status, two_peers, usage_rows
 from helpers.plans import synthetic_plan  # noqa: F401 (a fixture)
 
 pytest.importorskip("textual")
@@ -99,6 +99,15 @@ def test_overview(svg_snapshot, size):
     with fixture_server() as srv:
         svg = screenshot(ApplianceConsole([srv.url]), size)
     assert "decode3" in svg and "SIMULATED" in svg
+    assert svg_snapshot == svg
+
+
+def test_overview_with_peers(svg_snapshot):
+    """A front box with two decode peers, one down: the Peers panel under the rates."""
+    status = {**contract_status(0.9, 0.5), "cluster": two_peers(kv_bytes=5 * 10**9)}
+    with fixture_server(status=status) as srv:
+        svg = screenshot(ApplianceConsole([srv.url]), (100, 30))
+    assert "PEERS" in svg and "decode-2" in svg and "DOWN" in svg
     assert svg_snapshot == svg
 
 

@@ -127,6 +127,43 @@ def test_decode_worker_imports_then_streams_max_tokens_minus_one():
     assert st.iterations == 10
 
 
+def test_an_import_says_how_much_moved_and_how_long_it_took():
+    """The transfer metrics' figures: the simulator's modelled bytes (tokens × the model's
+    KV bytes per token) and modelled time (the link's, not the sleep `speed` shortens)."""
+    _, _, _, _, dev = disagg(n=40)
+    (ev,) = of(dev, KvImported)
+    assert ev.transport == "sim"
+    assert ev.nbytes == int(40 * SPEC.kv_bytes_per_token())
+    assert ev.seconds == pytest.approx(TIMING.transfer_s(40))
+
+
+def test_an_import_given_up_reports_no_transfer():
+    """Recomputed instead (past its deadline): nothing moved, nothing to count."""
+    pre, dec = engine("p0", handoff_timeout_s=0.0), engine("d0")
+    pre.add(Prefill("r1", prompt(40), SamplingParams(max_tokens=6), handoff=True))
+    (done,) = of(pre.step(), PrefillDone)
+    dec.add(Decode("r1", prompt(40), done.first_token, SamplingParams(max_tokens=6), done.handle))
+    time.sleep(0.01)
+    (ev,) = of(dec.step(), KvImported)
+    assert (ev.transport, ev.nbytes, ev.seconds) == ("", 0, 0.0)
+
+
+def test_a_batched_import_shares_its_wall_time_by_bytes():
+    """One copy call moved several requests' blocks: each gets its share of the time."""
+    from appliance.engines.sequence import Sequence
+
+    class Sized(SimEngine):
+        def kv_import_bytes(self, seq):
+            return {"a": 1000, "b": 3000}[seq.request_id]
+    eng = Sized(timing=TIMING, vocab_ids=VOCAB, speed=1e12, worker="d0", devices=("g",),
+                num_blocks=8, block_size=BS, eos_token_ids=(), max_batch_tokens=64, max_seqs=4,
+                max_context=1024, handoff_timeout_s=1.0)
+    seqs = [Sequence.__new__(Sequence) for _ in range(2)]
+    for s, rid in zip(seqs, "ab"):
+        s.request_id = rid
+    assert base.BatchEngine.kv_import_seconds(eng, seqs, 0.4) == pytest.approx([0.1, 0.3])
+
+
 def test_same_seed_same_tokens_on_fresh_engines():
     _, _, done1, _, dev1 = disagg(seed=11)
     _, _, done2, _, dev2 = disagg(seed=11)

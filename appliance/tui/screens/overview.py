@@ -10,6 +10,7 @@ from textual.widgets import Sparkline, Static
 from appliance.tui.format import fmt_ratio, sparkline
 from appliance.tui.views.overview import (DeviceView, GroupView, Overview, device_line,
                                           group_line, rates_line, workers_grid, workers_line)
+from appliance.tui.views.peers import cluster_title, peer_error_line, peer_line
 from appliance.tui.widgets import Field
 from appliance.tui.screens.base import ConsoleScreen
 
@@ -51,6 +52,7 @@ class OverviewScreen(ConsoleScreen):
                 yield Field(id="ratio")
                 yield Sparkline([], id="ratio-spark")
             yield Field(id="rates")
+            yield Field(id="peers")
             yield Vertical(id="groups")
             yield Field(id="workers")
             yield Field(id="worker-grid")
@@ -67,6 +69,10 @@ class OverviewScreen(ConsoleScreen):
         if list(spark.data or []) != hist:
             spark.data = hist
         self.query_one("#rates", Static).update(rates_line(ov))
+        peers = self.query_one("#peers", Static)
+        peers.display = ov.cluster is not None
+        if ov.cluster is not None:
+            peers.update(peers_text(ov))
         self.query_one("#workers", Static).update(workers_line(ov))
         self.query_one("#worker-grid", Static).update(workers_grid(ov, self.size.width))
         self._show_groups(ov.groups, state.history)
@@ -106,6 +112,19 @@ class OverviewScreen(ConsoleScreen):
                 row = rows.get(d.id)
                 if row is not None:
                     row.show(d, history.device(d.id), spark_width)
+
+
+def peers_text(ov: Overview) -> Text:
+    """The Peers panel: a title, then one line per peer, a down one in red."""
+    t = Text()
+    t.append(cluster_title(ov.cluster), style="bold")
+    for p in ov.cluster.peers:
+        t.append("\n")
+        t.append(peer_line(p), style=None if p.up else "bold red")
+        err = peer_error_line(p)
+        if err is not None:
+            t.append("\n" + err, style="red")
+    return t
 
 
 def ratio_text(ov: Overview, seen) -> Text:

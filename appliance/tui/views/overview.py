@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from appliance.tui.views.peers import ClusterView, PeerRates, cluster_from_status, peer_lines
 from appliance.tui.format import (
     NA, WINDOW, WORKER_STATES, as_dict, as_int, as_list, bar, fmt_duration, fmt_mem,
     fmt_num, fmt_pct, fmt_ratio, fmt_seconds, num, sparkline, text, windowed,
@@ -101,6 +102,7 @@ class Overview:
     itl_p99: float | None
     groups: tuple[GroupView, ...]
     workers: tuple[WorkerRow, ...]
+    cluster: ClusterView | None = None   # the Peers panel; None: a single box
 
     def group(self, name: str) -> GroupView | None:
         return next((g for g in self.groups if g.name == name), None)
@@ -217,7 +219,8 @@ def overview_from_status(status: dict, history: "History | None" = None) -> Over
         ratio_history=hist, requests_per_s=num(status.get("requests_per_s")),
         ttft_p50=num(latency.get("ttft_p50_s")), ttft_p99=num(latency.get("ttft_p99_s")),
         itl_p50=num(latency.get("itl_p50_s")), itl_p99=num(latency.get("itl_p99_s")),
-        groups=tuple(groups), workers=workers)
+        groups=tuple(groups), workers=workers,
+        cluster=cluster_from_status(status, history.peers if history is not None else None))
 
 
 @dataclass
@@ -231,8 +234,10 @@ class History:
     ratio: deque = field(default_factory=lambda: deque(maxlen=60))
     devices: dict[str, deque] = field(default_factory=dict)
     busy: deque = field(default_factory=lambda: deque(maxlen=64))   # (t, {worker: (busy_s, role, n_dev)})
+    peers: PeerRates = field(default_factory=PeerRates)              # each peer's KV GB/s
 
     def observe(self, status: dict, t: float) -> None:
+        self.peers.observe(status, t)
         snap = {}
         for w in as_list(as_dict(status).get("workers")):
             w = as_dict(w)
@@ -362,6 +367,8 @@ def render_overview_text(ov: Overview, history: History | None = None) -> str:
             lines.append(device_line(d, spark))
     lines.append(workers_line(ov))
     lines += worker_table(ov)
+    if ov.cluster is not None:
+        lines += peer_lines(ov.cluster)
     return "\n".join(lines)
 
 
