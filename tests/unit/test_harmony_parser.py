@@ -167,7 +167,7 @@ def _completion(tools):
     from appliance.daemon.completion import Completion
     from appliance.daemon.openai_protocol import parse_request
     body = {"model": MODEL, "messages": USER} | ({"tools": tools} if tools else {})
-    svc = SimpleNamespace(tokenizer=SimpleNamespace(tool_parser="harmony"), model_name=MODEL,
+    svc = SimpleNamespace(tokenizer=SimpleNamespace(tool_parser="harmony", reasoning_parser=None), model_name=MODEL,
                           simulated=False, fingerprint="f", next_request_id=lambda: "r1")
     comp = Completion(svc, parse_request(body, "chat"), "t")
     comp.choices[0].finish_reason = "stop"
