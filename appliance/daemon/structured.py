@@ -155,6 +155,5 @@ def capabilities(engine: str, tool_parser: str | None) -> dict:
     guided = grammar and engine in GUIDED_ENGINES
     return {"json_schema": guided, "json_object": guided, "structured_outputs": guided,
             "tools": tool_parser is not None,
-            # harmony calls are not forced by a grammar (tool_calls.forced_grammar)
-            "tool_choice_required": tool_parser not in (None, "harmony") and guided,
+            "tool_choice_required": tool_parser is not None and guided,
             "tool_parser": tool_parser}
