@@ -137,6 +137,7 @@ def test_forcing_a_call_on_a_harmony_model_returns_a_valid_call(served, choice):
     (info,) = d.client().models.list().data
     caps = info.model_extra["capabilities"]
     assert caps["tool_parser"] == "harmony" and caps["tool_choice_required"] is True
+    assert caps["reasoning_parser"] == "harmony"
     tool_choice = choice if choice == "required" else {"type": "function",
                                                        "function": {"name": choice}}
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}

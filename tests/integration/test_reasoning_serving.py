@@ -76,6 +76,9 @@ def _streamed(d, ckpt, **kw):
 
 def test_thinking_is_reasoning_content_and_the_answer_is_content(served):
     ckpt, d, _, _ = served
+    (info,) = d.client().models.list().data
+    caps = info.model_extra["capabilities"]
+    assert (caps["reasoning_parser"], caps["tool_parser"]) == ("qwen3", "hermes")
     kw = dict(messages=USER, max_tokens=64, temperature=0,
               extra_body={"structured_outputs": {"regex": THOUGHT + ANSWER}})
     r = d.client().chat.completions.create(model=ckpt.name, **kw)

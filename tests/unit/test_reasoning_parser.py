@@ -193,3 +193,10 @@ def test_chat_template_kwargs_are_parsed_and_checked():
         parse_request({"model": "m", "prompt": "x",
                        "chat_template_kwargs": {"enable_thinking": False}}, "completions")
     assert err.value.param == "chat_template_kwargs"
+
+
+def test_models_capabilities_name_the_reasoning_parser():
+    from appliance.daemon.structured import capabilities
+    assert capabilities("torch", "hermes", "qwen3")["reasoning_parser"] == "qwen3"
+    assert capabilities("torch", "harmony", None)["reasoning_parser"] == "harmony"
+    assert capabilities("torch", "hermes", None)["reasoning_parser"] is None
