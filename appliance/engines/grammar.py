@@ -277,6 +277,12 @@ class GrammarBook:
             return out
 
     def guide(self, spec: GuidedDecoding) -> Guide:
+        if not self.stop_token_ids:
+            # A grammar ends the output with a stop token; without one the mask of a
+            # complete output would allow nothing and the step would fail.
+            raise GrammarError("this model declares no end-of-sequence token (eos_token_id in "
+                               "generation_config.json or config.json), so a grammar could "
+                               "not end its output")
         return Guide(_xgr().GrammarMatcher(self.compiled(spec)), spec)
 
     # ---- masks ---------------------------------------------------------------
