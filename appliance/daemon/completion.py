@@ -15,10 +15,10 @@ import orjson
 
 from appliance.accounting.records import RequestRecord
 from appliance.daemon.openai_protocol import ApiError, GenerationRequest, bad, usage
+from appliance.daemon.reasoning import ThinkParser, opens_thinking
 from appliance.daemon.router import Trace
 from appliance.daemon.tokenizer import PromptTooLong, ServedTokenizer, StopMatcher
 from appliance.daemon.tool_calls import call_deltas, forced_grammar, new_parser
-from appliance.daemon.reasoning import ThinkParser, opens_thinking
 
 if TYPE_CHECKING:
     from appliance.daemon.service import Service
