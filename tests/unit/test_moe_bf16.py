@@ -122,8 +122,9 @@ def test_bf16_greedy_parity_with_transformers_on_clear_prompts(make, tmp_path):
     sides' roundings (a unit in the last place of a hidden state, docs/engines/torch.md
     "bf16 and MoE") may break the near-tie differently, and another expert or token
     takes over: that is bf16, not a bug. The thresholds are a few bf16 steps; measured
-    on 48 prompts of each family, every prompt that parted from transformers failed one
-    of them (with a 1% margin, one Qwen3-MoE prompt parted at its 7th token)."""
+    on 48 prompts of each family (bench/bench_moe_bf16_parity.py), every prompt that
+    parted from transformers failed one of them (a Qwen3-MoE prompt with a 0.96% margin
+    parted at its 7th token)."""
     from appliance.engines.kv_pool import allocate_kv_pool
     from appliance.engines.layers.attention import AttnBatch
     cls, cfg = make()
