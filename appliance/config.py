@@ -70,6 +70,7 @@ class EngineConfig:
     fair_queuing: bool = True         # tenants share prefill steps by [tenants] weight, not arrival order
     conditional_disagg_tokens: int = 0  # >0: prompts shorter than this skip the prefill worker
     tool_parser: str = ""             # "" = from the chat template; hermes | llama3_json | mistral | harmony | none
+    reasoning_parser: str = ""        # "" = from the chat template; qwen3 | none
     dtype: str = "auto"               # torch weights and KV: auto | float32 | bfloat16 | float16
 
 
@@ -326,6 +327,9 @@ def validate(cfg: Config) -> Config:
     if cfg.engine.tool_parser not in ("", "hermes", "llama3_json", "mistral", "harmony", "none"):
         raise ConfigError(f"config: engine.tool_parser must be hermes, llama3_json, mistral, harmony, "
                           f"none or empty (from the chat template), got {cfg.engine.tool_parser!r}")
+    if cfg.engine.reasoning_parser not in ("", "qwen3", "none"):
+        raise ConfigError(f"config: engine.reasoning_parser must be qwen3, none or empty (from "
+                          f"the chat template), got {cfg.engine.reasoning_parser!r}")
     if cfg.engine.kind not in ("auto", "sim", "torch", "trtllm"):
         raise ConfigError(f"config: engine.kind must be auto, sim, torch or trtllm, got {cfg.engine.kind!r}")
     positive = [("server.port", cfg.server.port), ("devices.tp", cfg.devices.tp),

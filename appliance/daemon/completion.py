@@ -15,6 +15,7 @@ import orjson
 
 from appliance.accounting.records import RequestRecord
 from appliance.daemon.openai_protocol import ApiError, GenerationRequest, bad, usage
+from appliance.daemon.reasoning import ThinkParser, opens_thinking
 from appliance.daemon.router import Trace
 from appliance.daemon.tokenizer import PromptTooLong, ServedTokenizer, StopMatcher
 from appliance.daemon.tool_calls import call_deltas, forced_grammar, new_parser
@@ -26,6 +27,7 @@ _END = object()
 # Normalizers (NFC and the like) can shorten a text before it is tokenized; the cost bound
 # allows for text that shrinks to half its characters.
 NORMALIZED_SHRINK = 2
+THINKING_TAIL = 4       # prompt tokens read to see whether the template opened <think>
 
 
 def check_token_ids(req: GenerationRequest, vocab_size: int) -> None:
@@ -90,7 +92,12 @@ def prepare_prompt(tok: ServedTokenizer, req: GenerationRequest, model_name: str
     try:
         if req.endpoint == "chat":
             try:
-                prompt = tok.encode_chat(req.messages, limit=max_context, tools=tools)
+                prompt = tok.encode_chat(req.messages, limit=max_context, tools=tools,
+                                         kwargs=req.chat_template_kwargs)
+                # A template that opens the <think> block itself leaves the model in it
+                # (unless a grammar decides the output: then it writes what that says).
+                req.thinking = req.guided is None and opens_thinking(
+                    tok.tok.decode(prompt[-THINKING_TAIL:], skip_special_tokens=False))
             except PromptTooLong:
                 raise
             except ValueError as exc:       # ChatTemplateError and the like
@@ -134,6 +141,10 @@ class Choice:
         self.harmony = family == "harmony" and comp.req.endpoint == "chat"
         self.parser = (new_parser(family, tools.names if active else [], tools=active)
                        if family and (active or self.harmony) else None)
+        # A reasoning model's output is split first: its thinking, then the answer
+        # (which the tool-call parser reads, if any). Chat only, as vLLM.
+        if comp.svc.tokenizer.reasoning_parser and comp.req.endpoint == "chat":
+            self.parser = ThinkParser(self.parser, comp.req.thinking)
 
     async def run(self, comp: Completion) -> AsyncIterator[tuple[str, list]]:
         """Yield (text delta, logprob entries) until this choice finishes; sets
@@ -427,7 +438,7 @@ class Completion:
                                    "tool_calls": [call.openai() for call in calls]}
                         if finish == "stop":
                             finish = c.finish_reason = "tool_calls"
-                    elif c.harmony:
+                    else:       # the answer without its thinking and channels
                         message = {"role": "assistant", "content": content}
                     if reasoning:
                         message["reasoning_content"] = reasoning

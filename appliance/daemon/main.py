@@ -87,7 +87,8 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
     stopping is pushed onto `stack`."""
     e = cfg.engine
     served = ServedModel(setup.model_name, setup.model_dir, e.model_spec or None,
-                         setup.max_context, tool_parser=e.tool_parser)
+                         setup.max_context, tool_parser=e.tool_parser,
+                         reasoning_parser=e.reasoning_parser)
     state = ServingState(served, setup.plan, cfg.server.max_inflight,
                          admission_open=journal.get_state("admission") != "closed")
     pool = WorkerPool(setup.specs, backoff_s=cfg.workers.restart_backoff_s,

@@ -48,6 +48,8 @@ class GenerationRequest:
     include_stop_str_in_output: bool = False
     tools: ToolRequest | None = None    # chat: the tools offered, and tool_choice
     priority: int | None = None         # vLLM's: lower is served first; None: the tenant's
+    chat_template_kwargs: dict | None = None  # chat: extra variables for the template
+    thinking: bool = False              # chat: the rendered prompt opened a <think> block
 
     def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = (),
                  choice: int = 0) -> SamplingParams:
@@ -118,6 +120,19 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
     return None, [int(t) for t in prompt]
 
 
+# What the daemon itself passes to a chat template: a request may not replace it.
+TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _template_kwargs(body: dict) -> dict | None:
+    kwargs = body.get("chat_template_kwargs") or None
+    for name in TEMPLATE_RESERVED:
+        if kwargs and name in kwargs:
+            raise bad(f"'chat_template_kwargs' may not set {name!r} (the request's own "
+                      "fields set it)", "chat_template_kwargs")
+    return kwargs
+
+
 def parse_body(raw: bytes, endpoint: str) -> GenerationRequest:
     """A request body as bytes -> the request (or the 400 that says what is wrong)."""
     try:
@@ -181,8 +196,9 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
     if endpoint == "chat":
         req.messages = _messages(body)
         req.tools = parse_tools(body)
+        req.chat_template_kwargs = _template_kwargs(body)
     else:
-        for name in ("tools", "functions", "tool_choice"):
+        for name in ("tools", "functions", "tool_choice", "chat_template_kwargs"):
             if body.get(name):
                 raise bad(f"'{name}' is not supported on completions; use "
                           "/v1/chat/completions", name, "unsupported_parameter")

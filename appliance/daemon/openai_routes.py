@@ -223,7 +223,8 @@ async def models(request: web.Request):
     return json_response({"object": "list", "data": [{
         "id": svc.model_name, "object": "model", "created": int(svc.started_at),
         "owned_by": "applianced", "max_model_len": svc.max_context,
-        "capabilities": capabilities(svc.setup.engine, svc.tokenizer.tool_parser),
+        "capabilities": capabilities(svc.setup.engine, svc.tokenizer.tool_parser,
+                                     svc.tokenizer.reasoning_parser),
         "simulated": svc.simulated}]})
 
 

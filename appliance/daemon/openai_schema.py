@@ -16,6 +16,7 @@ MAX_TOP_LOGPROBS = 20       # OpenAI's chat bound; completions' is 5 there, 20 h
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CHOICES = 16
 MAX_STOP_TOKEN_IDS = 64
+MAX_TEMPLATE_KWARGS = 32
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Parameters that would change the output and are not implemented: refused, never
 # ignored. Each maps to the value that means "off", which is accepted (None: null, or
@@ -117,6 +118,13 @@ CHAT = Body({
         "top_logprobs": _int(0, "With logprobs: the k likeliest alternatives per token.",
                              MAX_TOP_LOGPROBS),
         "echo": {"type": ["boolean", "null"], "description": "Completions only: refused."},
+        "chat_template_kwargs": {
+            "type": ["object", "null"], "maxProperties": MAX_TEMPLATE_KWARGS,
+            "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$",
+                              "description": "names the template can read"},
+            "description": "vLLM's and SGLang's extra variables for the chat template, e.g. "
+                           "{\"enable_thinking\": false} for Qwen3; not messages, tools, "
+                           "add_generation_prompt, bos_token or eos_token."},
         **structured.REQUEST_FIELDS,
         **tool_calls.REQUEST_FIELDS,
     }}, "An OpenAI chat completion request.")
@@ -135,7 +143,7 @@ COMPLETIONS = Body({
                          MAX_TOP_LOGPROBS),
         "echo": _flag(False, "Return the prompt before the answer."),
         **{name: {"description": "Chat only: refused here."}
-           for name in ("tools", "functions", "tool_choice")},
+           for name in ("tools", "functions", "tool_choice", "chat_template_kwargs")},
         **structured.REQUEST_FIELDS,
     }}, "An OpenAI (legacy) text completion request.")
 

@@ -26,16 +26,20 @@ class ServedModel:
     """Name, checkpoint, context and tokenizer of the served model; `swap` replaces all
     of them at once."""
 
-    __slots__ = ("name", "model_dir", "model_spec", "max_context", "tool_parser", "tokenizer")
+    __slots__ = ("name", "model_dir", "model_spec", "max_context", "tool_parser", "reasoning_parser",
+                 "tokenizer")
 
     def __init__(self, name: str, model_dir: Path, model_spec: str | None, max_context: int,
-                 tokenizer: ServedTokenizer | None = None, tool_parser: str = ""):
+                 tokenizer: ServedTokenizer | None = None, tool_parser: str = "",
+                 reasoning_parser: str = ""):
         self.name = name
         self.model_dir = Path(model_dir)
         self.model_spec = model_spec or None
         self.max_context = max_context
         self.tool_parser = tool_parser      # [engine] tool_parser: "" = from the template
-        self.tokenizer = tokenizer or ServedTokenizer(self.model_dir, tool_parser)
+        self.reasoning_parser = reasoning_parser    # [engine] reasoning_parser, likewise
+        self.tokenizer = tokenizer or ServedTokenizer(self.model_dir, tool_parser,
+                                                      reasoning_parser)
 
     @property
     def ref(self) -> ModelRef:
@@ -56,7 +60,8 @@ class ServedModel:
         that serve it)."""
         model_dir = Path(model.model_dir)
         if model_dir != self.model_dir:
-            self.tokenizer = ServedTokenizer(model_dir, self.tool_parser)
+            self.tokenizer = ServedTokenizer(model_dir, self.tool_parser,
+                                             self.reasoning_parser)
         self.name = model.name
         self.model_dir = model_dir
         self.model_spec = model.model_spec or None

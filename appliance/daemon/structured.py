@@ -143,10 +143,12 @@ def parse_guided(body: dict) -> GuidedDecoding | None:
 GUIDED_ENGINES = ("sim", "torch", "trtllm")
 
 
-def capabilities(engine: str, tool_parser: str | None) -> dict:
+def capabilities(engine: str, tool_parser: str | None,
+                 reasoning_parser: str | None = None) -> dict:
     """What /v1/models advertises, so a client can check before it sends: JSON schema
     (and the other constraints) where the engine enforces grammars and xgrammar is
-    installed; tools where the chat template renders them (with the parser's family)."""
+    installed; tools where the chat template renders them (with the parser's family);
+    which parser splits off `reasoning_content` (harmony's is its tool-call parser)."""
     try:
         import importlib.util
         grammar = importlib.util.find_spec("xgrammar") is not None
@@ -155,6 +157,7 @@ def capabilities(engine: str, tool_parser: str | None) -> dict:
     guided = grammar and engine in GUIDED_ENGINES
     return {"json_schema": guided, "json_object": guided, "structured_outputs": guided,
             "tools": tool_parser is not None,
-            # harmony calls are not forced by a grammar (tool_calls.forced_grammar)
-            "tool_choice_required": tool_parser not in (None, "harmony") and guided,
-            "tool_parser": tool_parser}
+            "tool_choice_required": tool_parser is not None and guided,
+            "tool_parser": tool_parser,
+            "reasoning_parser": reasoning_parser or ("harmony" if tool_parser == "harmony"
+                                                     else None)}

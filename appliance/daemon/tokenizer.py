@@ -71,7 +71,7 @@ def _model_type(model_dir: Path) -> str:
 
 
 class ServedTokenizer:
-    def __init__(self, model_dir: Path, tool_parser: str = ""):
+    def __init__(self, model_dir: Path, tool_parser: str = "", reasoning_parser: str = ""):
         self.model_dir = Path(model_dir)
         self.tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         cfg_path = self.model_dir / "tokenizer_config.json"
@@ -100,6 +100,12 @@ class ServedTokenizer:
             detected = "harmony"        # gpt-oss is trained on harmony whatever renders it
         self.tool_parser = (detected if not tool_parser else
                             None if tool_parser == "none" else tool_parser)
+        # Likewise the reasoning format (`<think>` blocks), unless [engine]
+        # reasoning_parser names one ("none": the thinking stays in `content`).
+        from appliance.daemon.reasoning import detect_reasoning
+        thinks = detect_reasoning(template, self.tool_parser)
+        self.reasoning_parser = (thinks if not reasoning_parser else
+                                 None if reasoning_parser == "none" else reasoning_parser)
         self.vocab_size = self.tok.get_vocab_size()
         # The most characters one token can stand for (special tokens included): a text of
         # C characters has at least C / this many tokens, whatever it is.
@@ -124,18 +130,22 @@ class ServedTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=True)]
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    kwargs: dict | None = None) -> str:
+        """`kwargs`: the request's `chat_template_kwargs` (e.g. Qwen3's
+        `enable_thinking`), as `apply_chat_template` passes its extra arguments; they
+        cannot replace what the daemon itself passes (`openai_protocol` refuses those)."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         template = self._tool_template if tools and self._tool_template else self._template
-        return template.render(messages=messages, add_generation_prompt=True,
-                                     bos_token=self.bos_token, eos_token=self.eos_token,
-                                     tools=tools or None)
+        return template.render(**(kwargs or {}), messages=messages, add_generation_prompt=True,
+                               bos_token=self.bos_token, eos_token=self.eos_token,
+                               tools=tools or None)
 
     def encode_chat(self, messages: list[dict], limit: int | None = None,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, kwargs: dict | None = None) -> list[int]:
         # The template writes BOS itself, so no special tokens are added here.
-        return self._ids(self.tok.encode(self.render_chat(messages, tools),
+        return self._ids(self.tok.encode(self.render_chat(messages, tools, kwargs),
                                          add_special_tokens=False), limit)
 
     def decode(self, ids: list[int]) -> str:

@@ -14,7 +14,8 @@ them; a parser per family reads it back:
 The family comes from the chat template (what it tells the model to write) unless
 configured. `tool_choice: "required"` or a named function is enforced by a grammar for
 that format (the output must be one call of an allowed tool with arguments valid for
-its schema), so even a random-weights model returns a valid call.
+its schema; for harmony, one `commentary` message to `functions.NAME`), so even a
+random-weights model returns a valid call.
 """
 from __future__ import annotations
 
@@ -194,9 +195,8 @@ def detect_parser(template: str | None) -> str | None:
 def forced_grammar(parser: str, tools: ToolRequest) -> GuidedDecoding:
     """The grammar that makes the output one call, in `parser`'s format, of one of the
     allowed tools with arguments valid for its parameters."""
-    if parser == "harmony":
-        raise bad("'tool_choice' 'required' or a named function is not supported for "
-                  "harmony-format models (gpt-oss); use 'auto'", "tool_choice")
+    if parser == "harmony":     # a commentary message to functions.NAME (grammar.py)
+        return GuidedDecoding("harmony_call", json.dumps({"calls": tools.schemas()}))
     args_key = "parameters" if parser == "llama3_json" else "arguments"
     options = [{"type": "object", "properties": {"name": {"const": name}, args_key: params},
                 "required": ["name", args_key], "additionalProperties": False}
@@ -419,6 +419,7 @@ class HarmonyParser(ToolParser):
     START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
     ENDS = ("<|end|>", "<|call|>", "<|return|>")
     MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, *ENDS)
+    HEADER = (CHANNEL, MESSAGE, CONSTRAIN)
     LONGEST = 24                # a special token's text is shorter
 
     def __init__(self, names: list[str], tools: bool = True):
@@ -473,7 +474,10 @@ class HarmonyParser(ToolParser):
                 self.header = ""
             elif not self.in_body:
                 self.header += marker
-            elif marker not in self.MARKERS and not self._special(marker):
+            elif (marker not in self.MARKERS and not self._special(marker)) or (
+                    self.recipient and marker in self.HEADER):
+                # In a call's arguments a header marker is text of the arguments (a
+                # forced call's grammar read it so); only an end closes them.
                 self._text(marker, content)
         self.pending = buf[i:]
         if final:

@@ -37,7 +37,13 @@ UNSUPPORTED_KEYWORDS = frozenset({
     "not", "if", "then", "else", "dependentSchemas", "dependentRequired",
     "unevaluatedProperties", "unevaluatedItems", "contains", "minContains", "maxContains",
     "$dynamicRef", "$recursiveRef"})
-KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "tagged_json")
+KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "tagged_json", "harmony_call")
+# Harmony's (gpt-oss's) special tokens a forced call's header is written with. Special
+# tokens are invisible to every other grammar; a "harmony_call" grammar is compiled
+# against a view of the vocabulary where these three keep their text, so the header can
+# be written with them. The ends (`<|call|>`, `<|return|>`) stay hidden: the model ends
+# the call with a stop token once the arguments are complete, as it ends any grammar.
+HARMONY_HEADER_TOKENS = ("<|channel|>", "<|constrain|>", "<|message|>")
 
 
 class GrammarError(ValueError):
@@ -95,6 +101,14 @@ def _grammar(spec: GuidedDecoding):
                 _literal(xgr, parts["begin"]),
                 _json_grammar(xgr, json.dumps(parts["schema"])),
                 _literal(xgr, parts["end"]))
+        if kind == "harmony_call":
+            calls = json.loads(source)["calls"]
+            if not calls:
+                raise GrammarError("a harmony call needs at least one function")
+            options = [xgr.Grammar.concat(_literal(xgr, harmony_header(name)),
+                                          _json_grammar(xgr, json.dumps(schema)))
+                       for name, schema in calls]
+            return options[0] if len(options) == 1 else xgr.Grammar.union(*options)
     except GrammarError:
         raise
     except Exception as exc:    # xgrammar raises RuntimeError/ValueError with its reason
@@ -120,6 +134,12 @@ def _json_grammar(xgr, schema: str):
     return grammar
 
 
+def harmony_header(name: str) -> str:
+    """What gpt-oss writes after `<|start|>assistant` to call function NAME, up to its
+    arguments (OpenAI's harmony format)."""
+    return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+
+
 def _literal(xgr, text: str):
     return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text) if text else 'root ::= ""')
 
@@ -141,7 +161,7 @@ def check_guided(spec: GuidedDecoding) -> None:
         raise GrammarError(f"unknown grammar kind {spec.kind!r}")
     if len(spec.source.encode()) > MAX_SCHEMA_BYTES:
         raise GrammarError(f"the schema is over {MAX_SCHEMA_BYTES} bytes")
-    if spec.kind in ("json_schema", "tagged_json"):
+    if spec.kind in ("json_schema", "tagged_json", "harmony_call"):
         try:
             doc = json.loads(spec.source)
         except ValueError as exc:
@@ -154,10 +174,11 @@ def spec_key(spec: GuidedDecoding) -> str:
     return hashlib.sha256(f"{spec.kind}\0{spec.source}".encode()).hexdigest()
 
 
-def tokenizer_vocab(model_dir: Path) -> tuple[list[str], str]:
+def tokenizer_vocab(model_dir: Path, keep: Sequence[str] = ()) -> tuple[list[str], str]:
     """The served tokenizer's vocabulary in id order (special tokens as "", so the grammar
-    never allows them) and xgrammar's vocab type for it, read from tokenizer.json with
-    `tokenizers` (not transformers' AutoTokenizer: the worker never loads transformers)."""
+    never allows them, but for those named in `keep`) and xgrammar's vocab type for it,
+    read from tokenizer.json with `tokenizers` (not transformers' AutoTokenizer: the worker
+    never loads transformers)."""
     from tokenizers import Tokenizer
     path = Path(model_dir) / "tokenizer.json"
     tok = Tokenizer.from_file(str(path))
@@ -166,7 +187,7 @@ def tokenizer_vocab(model_dir: Path) -> tuple[list[str], str]:
     for text, i in vocab.items():
         encoded[i] = text
     for i, added in tok.get_added_tokens_decoder().items():
-        if added.special:
+        if added.special and added.content not in keep:
             encoded[i] = ""
     doc = json.loads(path.read_text())
     decoders = [doc.get("decoder") or {}]
@@ -216,20 +237,23 @@ class GrammarBook:
         self.vocab_size = vocab_size
         self.stop_token_ids = [int(t) for t in stop_token_ids]
         self.cache_size = cache_size
-        self._compiler = None
+        self._compilers: dict[tuple[str, ...], Any] = {}
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.compilations = 0
 
-    def _get_compiler(self):
-        if self._compiler is None:
+    def _get_compiler(self, keep: tuple[str, ...] = ()):
+        """The compiler over the vocabulary with the special tokens in `keep` visible
+        (one per view, built on first use; most workers only ever build the first)."""
+        compiler = self._compilers.get(keep)
+        if compiler is None:
             xgr = _xgr()
-            encoded, kind = tokenizer_vocab(self.model_dir)
+            encoded, kind = tokenizer_vocab(self.model_dir, keep)
             size = self.vocab_size = max(self.vocab_size, len(encoded))
             info = xgr.TokenizerInfo(encoded, getattr(xgr.VocabType, kind), vocab_size=size,
                                      stop_token_ids=self.stop_token_ids or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+            compiler = self._compilers[keep] = xgr.GrammarCompiler(info, max_threads=1)
+        return compiler
 
     def compiled(self, spec: GuidedDecoding):
         key = spec_key(spec)
@@ -238,7 +262,8 @@ class GrammarBook:
             if hit is not None:
                 self._compiled.move_to_end(key)
                 return hit
-            compiler = self._get_compiler()
+            compiler = self._get_compiler(
+                HARMONY_HEADER_TOKENS if spec.kind == "harmony_call" else ())
             try:
                 out = compiler.compile_grammar(_grammar(spec))
             except GrammarError:
@@ -252,6 +277,12 @@ class GrammarBook:
             return out
 
     def guide(self, spec: GuidedDecoding) -> Guide:
+        if not self.stop_token_ids:
+            # A grammar ends the output with a stop token; without one the mask of a
+            # complete output would allow nothing and the step would fail.
+            raise GrammarError("this model declares no end-of-sequence token (eos_token_id in "
+                               "generation_config.json or config.json), so a grammar could "
+                               "not end its output")
         return Guide(_xgr().GrammarMatcher(self.compiled(spec)), spec)
 
     # ---- masks ---------------------------------------------------------------

@@ -45,7 +45,10 @@ class GuidedDecoding:
     kind: "json_schema" (source: the schema as JSON text), "json_object" (source unused),
     "regex", "choice" (source: a JSON list of strings), "ebnf" (GBNF text), or
     "tagged_json" (source: JSON {"begin", "schema", "end"}: a literal, then JSON valid for
-    the schema, then a literal; how a tool call is forced)."""
+    the schema, then a literal; how a tool call is forced), or "harmony_call" (source:
+    JSON {"calls": [[name, schema], ...]}: one harmony tool-call message of one of the
+    functions, `grammar.harmony_header(name)` then arguments valid for its schema; how a
+    gpt-oss call is forced)."""
 
     kind: str
     source: str = ""

@@ -40,7 +40,12 @@ def served(tiny_model, tmp_path_factory):
     tcfg.pop("chat_template", None)
     (ckpt / "tokenizer_config.json").write_text(json.dumps(tcfg))
     (ckpt / "chat_template.jinja").write_text(TEMPLATE)
-    cfg = transformers.GptOssConfig(
+    # What ends a turn, as gpt-oss's generation_config.json says: <|return|>, <|call|>
+    # and the end of text (save_pretrained writes it in place of the copied one).
+    from tokenizers import Tokenizer
+    ends = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    eos = [ends.token_to_id("<|return|>"), ends.token_to_id("<|call|>"), 1]
+    cfg = transformers.GptOssConfig(eos_token_id=eos, 
         vocab_size=vocab, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
         num_experts_per_tok=2, sliding_window=16, max_position_embeddings=1024,
@@ -109,14 +114,51 @@ def test_chat_renders_through_the_harmony_template_and_splits_channels(served, t
     assert finish == r.choices[0].finish_reason
 
 
-def test_forcing_a_call_on_a_harmony_model_is_a_clear_400(served):
+# Bounded strings: a random model would otherwise write one until max_tokens.
+FORCED_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 10}}}}},
+                {"type": "function", "function": {
+    "name": "book_table", "description": "Book a table.",
+    "parameters": {"type": "object", "required": ["guests", "time"],
+                   "properties": {"guests": {"type": "integer", "minimum": 1, "maximum": 12},
+                                  "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
+                                  "terrace": {"type": "boolean"}}}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather", "book_table"])
+def test_forcing_a_call_on_a_harmony_model_returns_a_valid_call(served, choice):
+    """`tool_choice` "required" or a named function on gpt-oss: the grammar makes even
+    random weights write one harmony call message, read back as a call whose arguments
+    validate against the function's schema; whole and streamed."""
+    import fastjsonschema
     ckpt, d, _, _ = served
     (info,) = d.client().models.list().data
     caps = info.model_extra["capabilities"]
-    assert caps["tool_parser"] == "harmony" and caps["tools"] is True
-    assert caps["tool_choice_required"] is False
-    import openai
-    with pytest.raises(openai.BadRequestError) as err:
-        d.client().chat.completions.create(model=ckpt.name, messages=MESSAGES, tools=TOOLS,
-                                           tool_choice="required", max_tokens=4)
-    assert "harmony" in str(err.value)
+    assert caps["tool_parser"] == "harmony" and caps["tool_choice_required"] is True
+    assert caps["reasoning_parser"] == "harmony"
+    tool_choice = choice if choice == "required" else {"type": "function",
+                                                       "function": {"name": choice}}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+    kw = dict(model=ckpt.name, messages=MESSAGES, tools=FORCED_TOOLS, tool_choice=tool_choice,
+              max_tokens=64, temperature=0)
+    r = d.client().chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    if choice != "required":
+        assert call.function.name == choice
+    args = json.loads(call.function.arguments)
+    fastjsonschema.validate(schemas[call.function.name], args)
+    assert not r.choices[0].message.content
+    assert "<|" not in call.function.arguments
+
+    name, arguments, finish = "", "", None
+    for chunk in d.client().chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            name += tc.function.name or "" if tc.function else ""
+            arguments += tc.function.arguments or "" if tc.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (name, json.loads(arguments), finish) == (call.function.name, args, "tool_calls")

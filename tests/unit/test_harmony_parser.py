@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 
-from appliance.daemon.api_error import ApiError
 from appliance.daemon.tokenizer import ServedTokenizer
 from appliance.daemon.tool_calls import (HarmonyParser, ToolRequest, detect_parser,
                                          forced_grammar, new_parser)
@@ -145,13 +144,82 @@ def test_text_that_is_not_harmony_is_content():
     assert out == "plain answer"
 
 
-def test_forcing_a_call_is_refused_with_a_clear_error():
-    req = ToolRequest([{"type": "function", "function": {"name": "get_time",
-                                                         "parameters": {}}}],
-                      choice="required", names=["get_time"])
-    with pytest.raises(ApiError) as err:
-        forced_grammar("harmony", req)
-    assert err.value.status == 400 and "harmony" in str(err.value)
+WEATHER_SCHEMA = {"type": "object", "required": ["city"],
+                  "properties": {"city": {"type": "string", "maxLength": 12},
+                                 "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+
+
+def _forced(choice="required", name=None):
+    tools = [{"type": "function", "function": {"name": "get_weather",
+                                               "parameters": WEATHER_SCHEMA}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {}}}}]
+    return forced_grammar("harmony", ToolRequest(tools, choice=choice, name=name,
+                                                 names=NAMES))
+
+
+def _walk(book, spec, ids):
+    """Feed ids to a fresh guide; the index of the first one it refuses (None: all taken)."""
+    guide = book.guide(spec)
+    for i, t in enumerate(ids):
+        if t not in book.allowed(guide, ids[:i]):
+            return i
+    return None
+
+
+def test_a_forced_call_is_a_grammar_for_harmonys_call_message(harmony_tok):
+    """`tool_choice` required or named on a harmony model: a grammar whose only outputs
+    are one commentary message to `functions.NAME` (its header written with harmony's
+    special tokens) with arguments valid for NAME's schema, then a stop token."""
+    pytest.importorskip("xgrammar")
+    from appliance.engines.grammar import GrammarBook, check_guided
+    tok = harmony_tok.tok
+    stops = [tok.token_to_id("<|call|>"), 4]
+    book = GrammarBook(harmony_tok.model_dir, 0, stops)
+    required, named = _forced(), _forced("named", "get_time")
+    assert required.kind == named.kind == "harmony_call"
+    check_guided(required)
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False).ids
+
+    call = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+            '{"city": "Paris", "days": 3}')
+    enc = ids(call)
+    assert {tok.token_to_id(m) for m in ("<|channel|>", "<|constrain|>", "<|message|>")} <= set(enc)
+    assert _walk(book, required, enc) is None
+    guide = book.guide(required)
+    assert set(book.allowed(guide, enc)) <= set(stops)          # complete: only a stop
+    # the header's special tokens are the ones allowed first; nothing else special
+    first = book.allowed(book.guide(required), [])
+    assert tok.token_to_id("<|channel|>") in first
+    for m in ("<|start|>", "<|end|>", "<|call|>", "<|return|>", "<|message|>"):
+        assert tok.token_to_id(m) not in first
+    # refused: another channel, an unknown function, arguments against the schema, an
+    # end token inside the arguments, and (named) the other function
+    for bad_text in ("<|channel|>final<|message|>hi",
+                     "<|channel|>commentary to=functions.rm <|constrain|>json<|message|>{}",
+                     call.replace('"days": 3', '"days": 9'),
+                     call.replace('"Paris"', '"Paris and Rome"'),
+                     call[:-1] + "<|call|>"):
+        assert _walk(book, required, ids(bad_text)) is not None, bad_text
+    assert _walk(book, named, enc) is not None
+    time_call = ids("<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}")
+    assert _walk(book, named, time_call) is None
+    assert book.compilations == 2
+
+
+def test_a_forced_calls_text_parses_back_with_marker_text_in_its_arguments():
+    """The grammar reads a header marker inside a JSON string as text of the string; the
+    parser keeps it there (only an end closes a call's arguments)."""
+    text = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+            '{"city": "a<|message|>b<|channel|>"}')
+    _, calls, _ = HarmonyParser(NAMES).split(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == \
+        [("get_weather", {"city": "a<|message|>b<|channel|>"})]
+    # the stop token that ends a forced call (any end of text) is not part of it
+    _, calls, _ = HarmonyParser(NAMES).split(text[:-2] + '"}<|end_of_text|>')
+    assert json.loads(calls[0].arguments) == {"city": "a<|message|>b<|channel|>"}
 
 
 # ---- the daemon's response shapes on a harmony answer --------------------------------
@@ -167,7 +235,7 @@ def _completion(tools):
     from appliance.daemon.completion import Completion
     from appliance.daemon.openai_protocol import parse_request
     body = {"model": MODEL, "messages": USER} | ({"tools": tools} if tools else {})
-    svc = SimpleNamespace(tokenizer=SimpleNamespace(tool_parser="harmony"), model_name=MODEL,
+    svc = SimpleNamespace(tokenizer=SimpleNamespace(tool_parser="harmony", reasoning_parser=None), model_name=MODEL,
                           simulated=False, fingerprint="f", next_request_id=lambda: "r1")
     comp = Completion(svc, parse_request(body, "chat"), "t")
     comp.choices[0].finish_reason = "stop"

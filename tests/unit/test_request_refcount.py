@@ -28,8 +28,9 @@ def test_a_dropped_completion_is_freed_by_reference_counting(n):
     """Without a cycle, the last reference going frees the request and its prompt at
     once, collector or not."""
     req = parse_body(_chat_body(1500, n), "chat")
-    # What a Choice reads of the service at construction: the model's tool-call format.
-    svc = SimpleNamespace(tokenizer=SimpleNamespace(tool_parser=""))
+    # What a Choice reads of the service at construction: the model's tool-call and
+    # reasoning formats.
+    svc = SimpleNamespace(tokenizer=SimpleNamespace(tool_parser="", reasoning_parser=None))
     comp = Completion(svc, req, "t", "rid-1", 1.0)
     comp.prompt = list(range(1000, 3000))
     assert len(comp.choices) == n

@@ -87,3 +87,12 @@ def test_grammar_state_survives_preemption(tiny_model):
     assert reasons == {f"r{i}": "stop" for i in range(6)}
     for rid, ids in out.items():
         valid_pet(tok.decode(ids))
+
+
+def test_a_model_without_an_end_token_refuses_a_grammar_instead_of_failing_a_step(tiny_model):
+    """A complete output's mask allows only stop tokens: with none, nothing at all, and
+    the engine's next step would fail (it killed the worker). Refused up front instead."""
+    from appliance.engines.grammar import GrammarError
+    book = GrammarBook(tiny_model, 0, [])
+    with pytest.raises(GrammarError, match="no end-of-sequence token"):
+        book.guide(GuidedDecoding("regex", "a+"))

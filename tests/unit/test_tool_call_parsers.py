@@ -76,7 +76,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     for parallel, want in ((True, 2), (False, 1)):
         req = parse_request({"model": MODEL, "messages": ASK, "tools": [CLOCK],
                              "parallel_tool_calls": parallel}, "chat")
-        svc = SimpleNamespace(tokenizer=SimpleNamespace(tool_parser="hermes"),
+        svc = SimpleNamespace(tokenizer=SimpleNamespace(tool_parser="hermes", reasoning_parser=None),
                               model_name=MODEL, simulated=False, fingerprint="f",
                               next_request_id=lambda: "r1")
         comp = Completion(svc, req, "t")
