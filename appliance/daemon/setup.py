@@ -144,6 +144,7 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None, persisted: dict | No
     specs = worker_specs(cfg, inv, plan, engine, model_dir, budgets=budgets,
                          profiles=measured_profiles(cfg, inv, plan, engine, model_dir,
                                                     state_dir / "profiles"))
+    specs = cluster_specs(cfg, plan.mode, engine, specs)
     check_cpu_memory(specs, model_dir, psutil.virtual_memory().available)
     from appliance.planner.tuning import batch_tokens_json
     applied = batch_tokens_json(e.max_batch_tokens, {s.worker: (s.role, s.max_batch_tokens)
@@ -311,6 +312,29 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
                            for u in other.device_uuids if u and u not in spec.device_uuids]
     return specs
 
+
+
+def cluster_specs(cfg: Config, mode: str, engine: str,
+                  specs: list[WorkerSpec]) -> list[WorkerSpec]:
+    """The workers a box of `cluster.role` runs (docs/operations/cluster.md): a decode box
+    only the plan's decode workers; a prefill box (the front) only its prefill workers,
+    unless `devices.split` names a decode count itself: then those stay, as the front's
+    own decode capacity for when no decode box is up. Their torch workers register their
+    KV pools with NIXL. "both": every worker, as planned."""
+    role = cfg.cluster.role
+    if role == "both":
+        return specs
+    if mode != "disagg":
+        raise StartupError(f"cluster.role = {role!r} splits prefill and decode between boxes; "
+                           "it needs devices.mode = \"disagg\"")
+    keep = {"decode"} if role == "decode" else (
+        {"prefill", "decode"} if cfg.devices.split != "auto" else {"prefill"})
+    kept = [s for s in specs if s.role in keep]
+    if not any(s.role == role for s in kept):
+        raise StartupError(f"cluster.role = {role!r} but the partition plan has no {role} worker")
+    for spec in kept:
+        spec.nixl = engine == "torch"
+    return kept
 
 
 def weight_bytes(model_spec: str) -> float:

@@ -32,6 +32,7 @@ class WorkerSpec:
     dtype: str = "auto"             # torch engine: auto | float32 | bfloat16 | float16
     fair_queuing: bool = True       # tenants' prompts share prefill steps by weight
     fair_chunk_tokens: int = 0      # prompt chunk while tenants share; 0 = the engine's choice
+    nixl: bool = False              # register the KV pool with a NIXL agent (cluster roles)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
