@@ -31,7 +31,7 @@ from appliance.daemon.cluster_wire import (
 )
 from appliance.daemon.openai_protocol import ApiError
 from appliance.daemon.responses import OPERATIONS, RETRY_AFTER_S, SERVICE, json_response
-from appliance.daemon.router import EngineError, NoWorker, Trace, _free_blocks
+from appliance.daemon.router import EngineError, NoWorker, Trace
 from appliance.daemon.workers import WorkerGone
 from appliance.engines.messages import KvImported
 from appliance.kv.nixl_transport import NixlKvHandle, from_json
@@ -54,14 +54,10 @@ def _authorized(request: web.Request) -> Service:
 
 async def status(request: web.Request):
     svc = _authorized(request)
-    router = svc.router
-    decode = [w for w in router.decode if w.ready]
-    layouts = [w.hello.layout for w in (decode or [w for w in router.prefill if w.ready])
-               if w.hello is not None]
+    free, layout = svc.router.decode_capacity()
     return json_response({
-        "role": svc.cfg.cluster.role, "ready": router.ready(), "model": svc.model_name,
-        "free_kv_blocks": sum(max(0, _free_blocks(w)) for w in decode),
-        "layout": layouts[0] if layouts else None, "simulated": svc.simulated})
+        "role": svc.cfg.cluster.role, "ready": svc.router.ready(), "model": svc.model_name,
+        "free_kv_blocks": free, "layout": layout, "simulated": svc.simulated})
 
 
 async def decode(request: web.Request):

@@ -349,6 +349,14 @@ class Router:
                 dw.close(rid)
 
     # ---- across boxes (docs/operations/cluster.md) ----------------------------------
+    def decode_capacity(self) -> tuple[int, str | None]:
+        """(free KV blocks of the ready decode workers, their KV layout or, with none, the
+        prefill workers'): what this box tells its peers (`GET /cluster/v1/status`)."""
+        ready = [w for w in self.decode if w.ready]
+        layouts = [w.hello.layout for w in (ready or [w for w in self.prefill if w.ready])
+                   if w.hello is not None]
+        return sum(max(0, _free_blocks(w)) for w in ready), (layouts[0] if layouts else None)
+
     async def _decode_on_peer(self, trace: Trace, pw: WorkerLink, ev: PrefillDone,
                               prompt: list[int], params: SamplingParams, share: Share,
                               release) -> AsyncIterator[Step]:
