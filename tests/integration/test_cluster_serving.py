@@ -254,3 +254,87 @@ def test_the_simulator_serves_across_boxes_too(tmp_path, tiny_model):
         for d in (front, dec):
             if d is not None:
                 d.stop()
+
+
+def test_a_decode_worker_pulls_with_nixl_and_recomputes_when_the_pull_cannot_be_used(
+        tiny_model):
+    """The engines of the two boxes, in one process (NIXL moves between two agents the
+    same way): a good handle is pulled (bytes moved, nothing recomputed); one past its
+    deadline or from a pool the prefill worker no longer has is recomputed from the
+    prompt. The tokens are a single worker's every time."""
+    from appliance.engines.messages import (
+        Decode, KvHandle, KvImported, Prefill, PrefillDone, RemoteKv, SamplingParams, Tokens)
+    from appliance.engines.torch_engine import build_torch_engine
+    from appliance.kv.nixl_transport import NixlKvHandle, to_json
+    from appliance.worker.spec import WorkerSpec
+
+    def engine(name, role, nixl=True):
+        return build_torch_engine(WorkerSpec(name, role, "torch", ["cpu0"], "cpu", str(tiny_model),
+                                             kv_cache_bytes=8 << 20, nixl=nixl), tiny_model)
+
+    def run(e, msg):
+        out = e.add(msg)
+        while e.has_work():
+            out += e.step()
+        return out
+
+    pre, dec, agg = engine("prefill0", "prefill"), engine("decode0", "decode"), \
+        engine("agg0", "agg", nixl=False)
+    prompt, params = list(range(5, 70)), SamplingParams(max_tokens=10, temperature=0.0)
+    want = [t for ev in run(agg, Prefill("a", prompt, params, False)) if isinstance(ev, Tokens)
+            for t in ev.tokens]
+    pool = pre.hello_info()["nixl_pool"]
+    info = json.loads(pool)
+
+    def decode(rid, ttl=10.0, pool_id=info["pool_id"]):
+        done = next(ev for ev in run(pre, Prefill(rid, prompt, params, True))
+                    if isinstance(ev, PrefillDone))
+        h = done.handle
+        nh = NixlKvHandle(info["agent"], pool_id, rid, tuple(h.block_ids), h.num_tokens,
+                          time.time() + ttl)
+        kv = KvHandle(f"peer:{info['agent']}", rid, h.block_ids, h.num_tokens, h.layout,
+                      payload=RemoteKv(pool, to_json(nh)), expires_at=time.monotonic() + ttl)
+        events = run(dec, Decode(rid, prompt, done.first_token, params, kv))
+        pre.release(rid)
+        (imported,) = [e for e in events if isinstance(e, KvImported)]
+        return [done.first_token] + [t for e in events if isinstance(e, Tokens)
+                                     for t in e.tokens], imported
+
+    got, imported = decode("r1")
+    assert got == want and dec.kv_recomputes == 0
+    assert imported.transport == "nixl" and imported.nbytes > 0 and imported.seconds > 0
+    got, _ = decode("r2", ttl=-1.0)                 # past its deadline: never read
+    assert got == want and dec.kv_recomputes == 1
+    got, _ = decode("r3", pool_id="0" * 32)         # a pool the peer no longer has
+    assert got == want and dec.kv_recomputes == 2
+    assert dec.blocks.num_free == dec.blocks.num_blocks, "every block came back"
+
+
+def test_a_front_with_decode_workers_of_its_own_decodes_locally_while_no_peer_is_up(
+        tmp_path, tiny_model):
+    """`devices.split` keeps the front's own decode worker: with its decode box down the
+    front is ready and decodes locally; once the box is up, decodes go there."""
+    sim = ["--devices", "cpu", "--engine", "sim", "--sim-speed", "50", "--mode", "disagg"]
+    fp, dp = free_port(), free_port()
+    split = '[devices]\nsplit = "1+1"\n'
+    front = start_daemon(tmp_path / "f", tiny_model, *sim, port=fp,
+                         config=split + cluster_config("prefill", dp))
+    dec = None
+    try:
+        assert {w["role"] for w in front.status()["workers"]} == {"prefill", "decode"}
+        assert front.status()["cluster"]["peers"][0]["up"] is False
+        ask = {"model": front.status()["model"], "prompt": "Hello", "max_tokens": 4,
+               "ignore_eos": True}
+        code, headers, body = front.post("/v1/completions", ask)
+        assert code == 200, body
+        assert ledger_row(front, headers["X-Request-Id"])["decode_worker"] == "decode0"
+        dec = start_daemon(tmp_path / "d", tiny_model, *sim, port=dp,
+                           config=cluster_config("decode", fp))
+        front.wait_for(lambda s: s["cluster"]["peers"][0]["up"], 10, "the peer up")
+        code, headers, body = front.post("/v1/completions", ask)
+        assert code == 200, body
+        assert ledger_row(front, headers["X-Request-Id"])["decode_worker"] == f"peer:{dec.url}"
+    finally:
+        for d in (front, dec):
+            if d is not None:
+                d.stop()
