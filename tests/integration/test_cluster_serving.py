@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import signal
 import sqlite3
-import threading
 import time
 
 import pytest
