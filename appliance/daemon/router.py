@@ -210,7 +210,9 @@ class Router:
             # through each layer, and this one is on every request's path.)
             if self.mode == "agg":
                 gen = self._run_local(trace, None, prompt, params, share)
-            elif self.conditional_tokens and len(prompt) < self.conditional_tokens:
+            elif (self.conditional_tokens and len(prompt) < self.conditional_tokens
+                  and (self.role != "prefill" or any(w.ready for w in self.decode))):
+                # (a front without decode workers of its own sends even short ones on)
                 worker = self._most_free(self.decode)
                 gen = self._run_local(trace, worker, prompt, params, share)
             else:
