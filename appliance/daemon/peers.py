@@ -29,6 +29,7 @@ CONNECT_TIMEOUT_S = 3.0
 # Longest wait for the next line of a decode stream. The first line comes after the KV
 # pull (or a recompute of the prompt); the later ones every decode step or few.
 READ_TIMEOUT_S = 60.0
+SILENCE_CHECK_S = 1.0       # how often a silent stream looks at its peer's poll state
 
 
 class PeerUnavailable(Exception):
@@ -164,6 +165,23 @@ class Peers:
     def status(self) -> list[dict]:
         return [p.status() for p in self.peers]
 
+    async def _next_line(self, resp, peer: Peer, started: float) -> bytes:
+        """The stream's next line (b"" at its end). Gives up after `read_timeout_s` of
+        silence, or sooner once the poll has marked the peer down since the stream began
+        and nothing came for a second: a box that hangs (alive, silent) fails its streams
+        within the poll's timeout, not the read timeout."""
+        silent = 0.0
+        while True:
+            try:
+                return await asyncio.wait_for(resp.content.readline(), SILENCE_CHECK_S)
+            except asyncio.TimeoutError:
+                silent += SILENCE_CHECK_S
+                if not peer.up and peer.since >= started:
+                    raise asyncio.TimeoutError(f"silent while the poll found it down "
+                                               f"({peer.last_error})") from None
+                if silent >= self.read_timeout_s:
+                    raise asyncio.TimeoutError(f"nothing for {silent:g} s") from None
+
     async def decode(self, peer: Peer, order: DecodeOrder) -> AsyncIterator[dict]:
         """The peer's events for `order`, as parsed JSON lines. Raises `PeerUnavailable`
         when the peer could not be reached or refused the order (nothing started there),
@@ -172,8 +190,7 @@ class Peers:
         import aiohttp
         if self._session is None:
             raise PeerUnavailable("the cluster link is not started")
-        timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S,
-                                        sock_read=self.read_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S)
         peer.in_flight += 1
         try:
             try:
@@ -196,8 +213,12 @@ class Peers:
                     raise PeerUnavailable(f"decode peer {peer.url} refused the request "
                                           f"({resp.status}): {err}")
                 finished = False
+                started = time.time()
                 try:
-                    async for line in resp.content:
+                    while True:
+                        line = await self._next_line(resp, peer, started)
+                        if not line:
+                            break
                         if not line.strip():
                             continue
                         ev = orjson.loads(line)
@@ -225,4 +246,6 @@ class Peers:
 
 def _reason(exc: BaseException) -> str:
     text = str(exc).strip()
+    if not text and isinstance(exc, asyncio.TimeoutError):
+        return "TimeoutError: no answer in time"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -207,6 +207,35 @@ def test_a_decode_box_killed_mid_stream_ends_cleanly_and_serves_again_when_back(
     assert out.choices[0].text and out.choices[0].finish_reason == "length"
 
 
+def test_a_decode_box_that_hangs_mid_stream_fails_its_streams_within_seconds(pair):
+    """A box alive but silent (SIGSTOP): the poll finds it down within its 2-s timeout,
+    and a stream from it that has gone silent ends then, not at the 60-s read timeout."""
+    client = pair.front.client(timeout=60)
+    stream = client.completions.create(
+        model=pair.front.status()["model"], prompt="Tell me more", max_tokens=3000,
+        temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks, error, stopped_at = 0, None, None
+    try:
+        try:
+            for _ in stream:
+                chunks += 1
+                if chunks == 3:
+                    pair.decode.proc.send_signal(signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - what the official client raises is the point
+            error = exc
+        took = time.monotonic() - stopped_at
+        assert error is not None, f"the stream ended normally after {chunks} chunks"
+        assert took < 15, f"{took:.1f} s to give up on a silent peer"
+        assert "decode peer" in str(error) or "worker_failed" in str(error), repr(error)
+        pair.front.wait_for(lambda s: s["workers"][0]["kv_blocks_handed_off"] == 0, 10,
+                            "the prefill worker's blocks released")
+    finally:
+        pair.decode.proc.send_signal(signal.SIGCONT)
+    pair.front.wait_for(lambda s: s["cluster"]["peers"][0]["up"], 20, "peer up again")
+    assert complete(pair.front, "Hello, world").choices[0].text
+
+
 def test_a_client_that_goes_away_aborts_its_decode_on_the_decode_box(pair):
     """The front's connection to the decode box closing (its client left, or the front
     restarted) aborts the decode there: the decode box's record of it says aborted, and
