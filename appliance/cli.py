@@ -116,9 +116,6 @@ def cmd_serve(args) -> int:
         if not nixl_installed():
             raise config.ConfigError(f"cluster.role = {cfg.cluster.role!r} moves KV between "
                                      f"boxes with NIXL. {INSTALL_HINT}")
-        print(f"applianced: cluster.role = {cfg.cluster.role!r} is not yet served across "
-              "boxes; this box serves every phase itself (docs/operations/cluster.md)",
-              file=sys.stderr)
     path = args.config or (config.DEFAULT_CONFIG_PATH if config.DEFAULT_CONFIG_PATH.exists()
                            else None)
     return serve(cfg, config.state_dir(cfg, args.state_dir),

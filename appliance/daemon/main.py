@@ -35,6 +35,7 @@ from appliance.daemon.http_parser_errors import ApplianceRunner
 from appliance.daemon.key_watch import KeyWatcher
 from appliance.daemon.listeners import TlsError, TlsSetup, is_loopback_host, tls_setup
 from appliance.daemon.metrics import Metrics
+from appliance.daemon.peers import Peers
 from appliance.daemon.prepare import PreparePool
 from appliance.daemon.router import Router
 from appliance.daemon.server import build_app
@@ -96,8 +97,11 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
                       start_timeout_s=cfg.workers.start_timeout_s)
     pool.ready_listeners.append(
         lambda w: journal.worker_started(w.id, w.proc.pid, list(w.spec.devices)))
+    c = cfg.cluster
+    peers = Peers(c.peers, c.key) if c.role != "both" else None
     router = Router(pool, setup.plan.mode, e.conditional_disagg_tokens, cfg.tenants,
-                    fair_queuing=e.fair_queuing)
+                    fair_queuing=e.fair_queuing, role=c.role, peers=peers,
+                    model_name=lambda: state.model.name)
     t = cfg.telemetry
     telemetry = build_telemetry(
         setup.inventory, setup.plan, worker_cores={s.worker: s.cpu_cores for s in setup.specs},
@@ -135,7 +139,7 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
                    sink=record_sink(sink or LogSink(enabled=cfg.server.log_requests), accounting),
                    prepare_pool=prepare_pool, telemetry=telemetry, journal=journal,
                    workflows=workflows, tenants=tenants, planner=planner,
-                   accounting=accounting, config_path=config_path)
+                   accounting=accounting, config_path=config_path, peers=peers)
 
 
 def warn_if_exposed(cfg: Config, auth: Auth | None = None, tls: bool = False) -> None:
@@ -248,6 +252,9 @@ async def run_daemon(cfg: Config, state_dir: Path, sink: RecordSink | None = Non
         except (WorkerGone, OSError) as exc:
             raise StartupError(str(exc)) from None
         svc.state.model.cap_context(context_limits(svc.pool.workers.values()))
+        if svc.peers is not None:   # polled from now on; the first poll before serving
+            await svc.peers.start()
+            stack.push_async_callback(svc.peers.stop)
         unfinished = len(journal.list(1000, unfinished=True))
         if unfinished:
             systemd.notify(f"STATUS=reconciling {unfinished} unfinished workflow(s)")

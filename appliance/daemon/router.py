@@ -16,17 +16,22 @@ waits in the router's fair queue (`daemon.dispatch`) for the next worker with ro
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from appliance.engines.messages import (
-    Abort, Decode, KvImported, Prefill, PrefillDone, Release, RequestFailed, SamplingParams,
-    TokenLogprob, Tokens,
+    Abort, Decode, KvHandle, KvImported, Prefill, PrefillDone, Release, RemoteKv,
+    RequestFailed, SamplingParams, TokenLogprob, Tokens,
 )
 from appliance.config import TenantConfig
+from appliance.daemon.cluster_wire import DecodeOrder
 from appliance.daemon.dispatch import DispatchQueue, pick_with_room
 from appliance.daemon.fairness import NO_SHARE, Share, TenantGate
+from appliance.daemon.peers import PeerFailed, Peers, PeerUnavailable
+from appliance.kv.nixl_transport import NixlKvHandle, to_json
 from appliance.daemon.workers import Channel, WorkerGone, WorkerLink, WorkerPool
 from appliance.routing import Rotation, most_free
 
@@ -82,8 +87,13 @@ def _free_blocks(w: WorkerLink) -> int:
 
 class Router:
     def __init__(self, pool: WorkerPool, mode: str, conditional_tokens: int = 0,
-                 tenants: dict[str, TenantConfig] | None = None, fair_queuing: bool = True):
+                 tenants: dict[str, TenantConfig] | None = None, fair_queuing: bool = True,
+                 role: str = "both", peers: Peers | None = None,
+                 model_name: Callable[[], str] = lambda: ""):
         self.pool = pool
+        self._model_name = model_name   # what the decode boxes are told the request is for
+        self.role = role            # cluster.role: both | prefill (decodes go to peers) | decode
+        self.peers = peers          # a prefill box's decode peers (None: role both)
         self.gate = TenantGate(tenants)
         self.dispatch = DispatchQueue(fair_queuing)
         self.mode = mode
@@ -148,9 +158,17 @@ class Router:
                                         claim, unclaim, self._first)
 
     def ready(self) -> bool:
+        """Whether a request can be served: on a decode box, when a decode worker is
+        ready (it has no prefill workers by design); on a prefill box, when a prefill
+        worker is and some decode capacity exists (an up decode peer or its own)."""
         if self.mode == "agg":
             return any(w.ready for w in self.agg)
-        return any(w.ready for w in self.prefill) and any(w.ready for w in self.decode)
+        decode = any(w.ready for w in self.decode)
+        if self.role == "decode":
+            return decode
+        if self.role == "prefill" and self.peers is not None:
+            decode = decode or self.peers.any_decode_up()
+        return any(w.ready for w in self.prefill) and decode
 
     def _ready(self, workers: list[WorkerLink], role: str) -> list[WorkerLink]:
         """Ready workers, rotated each call so that ties go round-robin."""
@@ -192,7 +210,9 @@ class Router:
             # through each layer, and this one is on every request's path.)
             if self.mode == "agg":
                 gen = self._run_local(trace, None, prompt, params, share)
-            elif self.conditional_tokens and len(prompt) < self.conditional_tokens:
+            elif (self.conditional_tokens and len(prompt) < self.conditional_tokens
+                  and (self.role != "prefill" or any(w.ready for w in self.decode))):
+                # (a front without decode workers of its own sends even short ones on)
                 worker = self._most_free(self.decode)
                 gen = self._run_local(trace, worker, prompt, params, share)
             else:
@@ -276,8 +296,31 @@ class Router:
         done = False
         dw: WorkerLink | None = None
         pending = 0
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                pw.send(Release(rid))
+                released = True
+                pw.kv_holds = max(0, pw.kv_holds - 1)
         try:
             yield [ev.first_token], None, ev.logprobs
+            if self.role == "prefill" and self.peers is not None:
+                try:
+                    async with contextlib.aclosing(
+                            self._decode_on_peer(trace, pw, ev, prompt, params, share,
+                                                 release)) as remote:
+                        async for step in remote:
+                            yield step
+                            if step[1] is not None:
+                                done = True
+                                return
+                except PeerUnavailable as exc:
+                    # Nothing started there and the KV is still here: decode locally if
+                    # this box has decode workers of its own.
+                    if not any(w.ready for w in self.decode):
+                        raise NoWorker(f"{exc}; this box has no decode worker of its own") \
+                            from None
             dw = self._decode_for(pw)
             trace.decode_worker = dw.id
             dqueue = dw.open(rid)
@@ -293,23 +336,108 @@ class Router:
                     if done:
                         return
                 elif isinstance(dev, KvImported):
-                    pw.send(Release(rid))
-                    released = True
-                    pw.kv_holds = max(0, pw.kv_holds - 1)
+                    release()
                     dw.pending_kv_blocks = max(0, dw.pending_kv_blocks - pending)
                     pending = 0
                 else:
                     self._raise(dev)
         finally:
-            if not released:
-                pw.send(Release(rid))
-                pw.kv_holds = max(0, pw.kv_holds - 1)
+            release()
             if dw is not None:
                 # Clamped: a worker that died meanwhile has already reset its counters.
                 dw.pending_kv_blocks = max(0, dw.pending_kv_blocks - pending)
                 if not done:
                     dw.send(Abort(rid))
                 dw.close(rid)
+
+    # ---- across boxes (docs/operations/cluster.md) ----------------------------------
+    def decode_capacity(self) -> tuple[int, str | None]:
+        """(free KV blocks of the ready decode workers, their KV layout or, with none, the
+        prefill workers'): what this box tells its peers (`GET /cluster/v1/status`)."""
+        ready = [w for w in self.decode if w.ready]
+        layouts = [w.hello.layout for w in (ready or [w for w in self.prefill if w.ready])
+                   if w.hello is not None]
+        return sum(max(0, _free_blocks(w)) for w in ready), (layouts[0] if layouts else None)
+
+    async def _decode_on_peer(self, trace: Trace, pw: WorkerLink, ev: PrefillDone,
+                              prompt: list[int], params: SamplingParams, share: Share,
+                              release) -> AsyncIterator[Step]:
+        """The decode of a request prefilled on `pw`, on the decode peer with the most free
+        KV: it pulls the blocks (NIXL READ) and streams the tokens back. `release` is
+        called once the peer has the KV. Raises `PeerUnavailable` when no peer could take
+        it before anything started there and the KV is still on `pw` (the caller may
+        decode locally), `PeerFailed` once something had."""
+        layout = pw.hello.layout if pw.hello else None
+        peer = self.peers.pick(layout)
+        if peer is None:
+            raise PeerUnavailable("no decode peer is up" if not self.peers.any_decode_up()
+                                  else f"no decode peer holds KV layout {layout}")
+        pool, handle = remote_kv(pw, ev.handle)
+        order = DecodeOrder(
+            request_id=trace.request_id, tenant=share.tenant, model=self._model_name(),
+            prompt=prompt, first_token=ev.first_token, params=params, layout=layout or "",
+            kv_pool=pool, kv_handle=handle, weight=share.weight, priority=share.priority)
+        trace.decode_worker = f"peer:{peer.url}"
+        imported = False
+        async with contextlib.aclosing(self.peers.decode(peer, order)) as events:
+            try:
+                async for e in events:
+                    kind = e.get("event")
+                    if kind == "kv_imported":
+                        imported = True
+                        release()
+                    elif kind == "tokens":
+                        yield e["tokens"], e.get("finish_reason"), e.get("logprobs")
+            except PeerFailed as exc:
+                if not imported:    # the prefill worker still holds the KV: it may go elsewhere
+                    raise PeerUnavailable(str(exc)) from None
+                raise
+
+    async def decode_order(self, trace: Trace, order: DecodeOrder, handle: NixlKvHandle
+                           ) -> AsyncIterator[KvImported | Tokens]:
+        """A decode box's side: run `order` (another box's request, prefilled there) on
+        the decode worker with the most free KV, which pulls the prompt's KV from the
+        prefill box itself. Yields the worker's KvImported (once) and Tokens events;
+        closing early aborts the request on the worker."""
+        rid = order.request_id
+        same = [w for w in self.decode if w.hello is None or w.hello.layout == order.layout]
+        if not same and any(w.ready for w in self.decode):
+            raise EngineError(f"no decode worker here holds KV layout {order.layout} (another "
+                              "model or block size?)", "kv_layout_mismatch")
+        dw = self._most_free(same)
+        trace.decode_worker = dw.id
+        left = handle.expires_at - time.time()
+        kv = KvHandle(worker=f"peer:{handle.agent}", request_id=rid,
+                      block_ids=list(handle.block_ids), num_tokens=handle.num_tokens,
+                      layout=order.layout, payload=RemoteKv(order.kv_pool, order.kv_handle),
+                      expires_at=time.monotonic() + left)
+        queue = dw.open(rid)
+        pending = len(handle.block_ids) + 1
+        dw.pending_kv_blocks += pending
+        done = False
+        try:
+            dw.send(Decode(rid, order.prompt, order.first_token, order.params, kv, order.tenant,
+                           order.weight, order.priority))
+            while True:
+                ev = await _next(queue)
+                if isinstance(ev, Tokens):
+                    if trace.first_token is None:
+                        trace.first_token = time.time()
+                    done = ev.finish_reason is not None
+                    yield ev
+                    if done:
+                        return
+                elif isinstance(ev, KvImported):
+                    dw.pending_kv_blocks = max(0, dw.pending_kv_blocks - pending)
+                    pending = 0
+                    yield ev
+                else:
+                    self._raise(ev)
+        finally:
+            dw.pending_kv_blocks = max(0, dw.pending_kv_blocks - pending)
+            if not done:
+                dw.send(Abort(rid))
+            dw.close(rid)
 
     @staticmethod
     def _raise(ev) -> None:
@@ -318,3 +446,25 @@ class Router:
         if isinstance(ev, RequestFailed):
             raise EngineError(ev.message, ev.code)
         raise EngineError(f"unexpected worker event {type(ev).__name__}")
+
+
+def remote_kv(pw: WorkerLink, handle: KvHandle) -> tuple[str, str]:
+    """(pool info JSON, handle JSON) a decode box pulls `handle`'s blocks of `pw` with:
+    the worker's NIXL pool as its Hello gave it, the handle's deadline in wall-clock time
+    (boxes share no monotonic clock). A simulated worker has no pool: "" (the decode
+    box's simulator only takes the time a transfer takes)."""
+    pool = pw.hello.nixl_pool if pw.hello else None
+    if pool:
+        info = json.loads(pool)
+        agent, pool_id = info["agent"], info["pool_id"]
+    elif pw.hello is not None and pw.hello.simulated:
+        agent, pool_id, pool = f"sim-{pw.id}", "", ""
+    else:
+        raise PeerUnavailable(f"prefill worker {pw.id} has no NIXL agent (its engine cannot "
+                              "hand KV to another box)")
+    left = handle.expires_at - time.monotonic() if math.isfinite(handle.expires_at) else 30.0
+    return pool, to_json(NixlKvHandle(agent=agent, pool_id=pool_id,
+                                      request_id=handle.request_id,
+                                      block_ids=tuple(handle.block_ids),
+                                      num_tokens=handle.num_tokens,
+                                      expires_at=time.time() + left))

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from appliance.daemon import (
     admin, admin_audit, admin_live, admin_plan, admin_tenants, admin_usage, admin_workflows,
-    openai_routes, openapi,
+    cluster_routes, openai_routes, openapi,
 )
 from appliance.daemon.auth import guard
 from appliance.daemon.responses import (
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from appliance.daemon.service import Service
 
 SURFACES = (openai_routes, admin, admin_audit, admin_live, admin_plan, admin_tenants,
-            admin_usage, admin_workflows, openapi)
+            admin_usage, admin_workflows, cluster_routes, openapi)
 
 
 def build_app(svc: Service, max_body_bytes: int, audit: AuditLog) -> web.Application:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from appliance.daemon.accounting_link import AccountingLink
     from appliance.daemon.auth import Auth
     from appliance.daemon.metrics import Metrics
+    from appliance.daemon.peers import Peers
     from appliance.daemon.router import Router
     from appliance.daemon.setup import Setup
     from appliance.daemon.state import ServingState
@@ -68,7 +69,7 @@ class Service:
                  prepare_pool: RequestPreparer, telemetry: Telemetry,
                  journal: Journal, workflows: WorkflowEngine, tenants: TenantPolicy,
                  planner: Planner | None = None, accounting: AccountingLink | None = None,
-                 config_path: Path | None = None):
+                 config_path: Path | None = None, peers: Peers | None = None):
         self.cfg = cfg
         self.setup = setup                  # what start-up decided (never changed after)
         self.state = state                  # what changes: model, partition, admission
@@ -85,6 +86,7 @@ class Service:
         self.accounting = accounting        # None: [accounting] enabled = false
         self.tenants = tenants              # rate limits, enforced budgets ([tenants], [budgets])
         self.config_path = config_path      # what `applianced reload` re-reads; None: defaults
+        self.peers = peers                  # the other boxes of a cluster; None: role both
         self.fingerprint = f"applianced-{__version__}-{setup.engine}"
         self.started_at = time.time()
         self.recovery: dict = {}            # what start-up found and decided (`recover`)
@@ -255,4 +257,6 @@ class Service:
             "workers": workers,
             **live,
             "workflows": {**self.workflows.summary(), "recovery": self.recovery},
+            "cluster": {"role": self.cfg.cluster.role,
+                        "peers": self.peers.status() if self.peers is not None else []},
         }

@@ -144,6 +144,7 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None, persisted: dict | No
     specs = worker_specs(cfg, inv, plan, engine, model_dir, budgets=budgets,
                          profiles=measured_profiles(cfg, inv, plan, engine, model_dir,
                                                     state_dir / "profiles"))
+    specs = cluster_specs(cfg, plan.mode, engine, specs)
     check_cpu_memory(specs, model_dir, psutil.virtual_memory().available)
     from appliance.planner.tuning import batch_tokens_json
     applied = batch_tokens_json(e.max_batch_tokens, {s.worker: (s.role, s.max_batch_tokens)
@@ -299,7 +300,9 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
             kv_cache_bytes=e.kv_cache_bytes, gpu_mem_fraction=e.gpu_mem_fraction,
             handoff_timeout_s=e.handoff_timeout_s, reserve_ratio=e.reserve_ratio,
             prefill_chunk_tokens=e.prefill_chunk_tokens, dtype=e.dtype, fair_queuing=e.fair_queuing,
-            cluster_peers=list(cfg.cluster.peers) if cfg.cluster.role != "both" else []))
+            cluster_peers=list(cfg.cluster.peers) if cfg.cluster.role != "both" else [],
+            # a box of a cluster: its pool with NIXL (workers a workflow starts too)
+            nixl=cfg.cluster.role != "both" and engine == "torch"))
         profile = (profiles or {}).get(slot.worker)
         if profile is not None:
             last = specs[-1]
@@ -312,6 +315,29 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
                            for u in other.device_uuids if u and u not in spec.device_uuids]
     return specs
 
+
+
+def cluster_specs(cfg: Config, mode: str, engine: str,
+                  specs: list[WorkerSpec]) -> list[WorkerSpec]:
+    """The workers a box of `cluster.role` runs (docs/operations/cluster.md): a decode box
+    only the plan's decode workers; a prefill box (the front) only its prefill workers,
+    unless `devices.split` names a decode count itself: then those stay, as the front's
+    own decode capacity for when no decode box is up. Their torch workers register their
+    KV pools with NIXL. "both": every worker, as planned."""
+    role = cfg.cluster.role
+    if role == "both":
+        return specs
+    if mode != "disagg":
+        raise StartupError(f"cluster.role = {role!r} splits prefill and decode between boxes; "
+                           "it needs devices.mode = \"disagg\"")
+    keep = {"decode"} if role == "decode" else (
+        {"prefill", "decode"} if cfg.devices.split != "auto" else {"prefill"})
+    kept = [s for s in specs if s.role in keep]
+    if not any(s.role == role for s in kept):
+        raise StartupError(f"cluster.role = {role!r} but the partition plan has no {role} worker")
+    for spec in kept:
+        spec.nixl = engine == "torch"
+    return kept
 
 
 def weight_bytes(model_spec: str) -> float:

@@ -19,12 +19,13 @@ queued import from a source that died (`detach_peer`) or restarted (a handle who
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Protocol
 
 from appliance.engines.block_manager import BlockManager
 from appliance.engines.messages import (
-    Decode, IterationRecord, KvHandle, KvImported, Prefill, PrefillDone, RequestFailed,
+    Decode, IterationRecord, KvHandle, KvImported, Prefill, PrefillDone, RemoteKv, RequestFailed,
     Tokens, WorkerStats,
 )
 from appliance.engines.scheduler import Batch, Scheduler
@@ -261,6 +262,12 @@ class BatchEngine:
     def _import(self, seqs: list[Sequence]) -> list[Event]:
         events: list[Event] = []
         now = time.monotonic()
+        remote = [s for s in seqs if isinstance(s.handle.payload, RemoteKv)]
+        if remote:      # on another box: each pulled on its own, a failure recomputed
+            seqs = [s for s in seqs if s not in remote]
+            events += self._pull_remote(remote, now)
+            if not seqs:
+                return events
         stale = [s for s in seqs if s.handle.expires_at < now or not self.can_import(s.handle)]
         if stale:
             seqs = [s for s in seqs if s not in stale]
@@ -294,6 +301,43 @@ class BatchEngine:
             seq.num_cached = seq.handle.num_tokens
         self.scheduler.mark_imported(seqs)
         return events
+
+    def _pull_remote(self, seqs: list[Sequence], now: float) -> list[Event]:
+        """Pull each sequence's KV from its source box (`pull_remote`). One that fails or
+        is past its deadline is recomputed here, as a bad local handle is: the answer
+        stays right, only slower. A pull given up on in flight (`dst_unsafe`) may still
+        write its blocks: they are left allocated to nobody until the worker restarts."""
+        events: list[Event] = []
+        done = []
+        for seq in seqs:
+            if seq.handle.expires_at < now:
+                events += self._recompute(seq)
+                continue
+            t0 = time.perf_counter()
+            try:
+                nbytes, transport = self.pull_remote(seq)
+            except Exception as exc:   # noqa: BLE001 - any failure: recompute, keep serving
+                print(f"applianced worker {self.worker}: KV pull for {seq.request_id} "
+                      f"failed, recomputing: {exc}", file=sys.stderr)
+                if getattr(exc, "dst_unsafe", False):
+                    seq.block_table = []    # leaked on purpose (see KvTransferError)
+                    seq.num_cached = 0
+                events += self._recompute(seq)
+                continue
+            seq.num_cached = seq.handle.num_tokens
+            done.append(seq)
+            events.append(KvImported(seq.request_id, seq.handle.worker, transport, nbytes,
+                                     time.perf_counter() - t0))
+        if done:
+            self.scheduler.mark_imported(done)
+        return events
+
+    def pull_remote(self, seq: Sequence) -> tuple[int, str]:
+        """Bring seq's KV from another box into seq.block_table; (bytes, transport).
+        Engines without a NIXL agent (the simulator) only take the time a copy takes,
+        and report the bytes they model."""
+        self.import_kv([seq])
+        return self.kv_import_bytes(seq), "sim"
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.params.stop_token_ids or (

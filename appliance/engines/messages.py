@@ -187,6 +187,10 @@ class Hello:
     # unimplemented sliding window); 0 = not known (TensorRT-LLM checks its own).
     max_context: int = 0
     threads: int = 0            # torch threads of a CPU engine; 0 = not a CPU engine
+    # A worker of a box that joins another (cluster.role != "both"): its KV pool as
+    # registered with its NIXL agent, `appliance.kv.nixl_transport.NixlPoolInfo` as JSON
+    # (what a peer box needs to pull from it). None: no NIXL agent (role "both", sim).
+    nixl_pool: str | None = None
 
 
 @on_the_wire
@@ -240,9 +244,21 @@ class KvImported:
 
     request_id: str
     source_worker: str
-    transport: str = ""
-    nbytes: int = 0
-    seconds: float = 0.0
+    transport: str = ""         # "shm" | "cuda_ipc" (within a box) | "nixl" | "sim"
+    nbytes: int = 0             # bytes moved (0: an import given up)
+    seconds: float = 0.0        # how long the move took
+
+
+@on_the_wire
+@dataclass(slots=True)
+class RemoteKv:
+    """`KvHandle.payload` of a decode whose prompt KV is on another box: what the decode
+    worker pulls it with. Strings of JSON (`appliance.kv.nixl_transport.to_json`), which
+    the daemons pass on unread; `pool` is "" when the source has no NIXL agent (the
+    simulator: the pull is only timed)."""
+
+    pool: str                   # the source worker's NixlPoolInfo
+    handle: str                 # the request's NixlKvHandle
 
 
 @on_the_wire

@@ -95,6 +95,7 @@ class TorchEngine(BatchEngine):
         self._gone: set[str] = set()       # peers that died and have not attached again
         self._unusable: set[str] = set()   # peers whose pool failed the pattern-copy check
         self.memory_plan: MemoryPlan | None = None   # GPU: the profile run's numbers
+        self.nixl = None        # NixlKvAgent of a box that joins another (enable_nixl)
         # Every layer windowed (Mistral v0.1): blocks behind the widest window are freed
         # as a sequence decodes. With any full layer (Gemma 3) every block stays.
         if s.all_layers_slide:
@@ -128,7 +129,37 @@ class TorchEngine(BatchEngine):
         info = super().hello_info()
         if self.model.device.type == "cpu":
             info["threads"] = torch.get_num_threads()
+        if self.nixl is not None:
+            from appliance.kv.nixl_transport import to_json
+            info["nixl_pool"] = to_json(self.nixl.info())
         return info
+
+    # ---- across boxes (cluster roles) -------------------------------------
+    def enable_nixl(self) -> None:
+        """Register this worker's pool with a NIXL agent of its own (once, at start-up):
+        a prefill worker's blocks can then be read by a decode box, and a decode worker
+        pulls a prefill box's blocks with it (`appliance.kv.nixl_transport`)."""
+        from appliance.kv.nixl_transport import NixlKvAgent
+        self.nixl = NixlKvAgent(self.kv, name=f"applianced-{self.worker}-{os.getpid()}-"
+                                              f"{os.urandom(4).hex()}")
+
+    def pull_remote(self, seq: Sequence) -> tuple[int, str]:
+        """NIXL READ of a prefill box's blocks into seq's own; the peer's agent is loaded
+        once per pool incarnation (a restarted peer has a new pool id: loaded again)."""
+        from appliance.kv.nixl_transport import (
+            KvTransferError, NixlKvHandle, NixlPoolInfo, from_json)
+        if self.nixl is None:
+            raise KvTransferError(f"worker {self.worker} has no NIXL agent (cluster.role "
+                                  "is both?)")
+        remote = seq.handle.payload
+        handle = from_json(NixlKvHandle, remote.handle)
+        if not self.nixl.connected(handle.agent, handle.pool_id):
+            self.nixl.connect(from_json(NixlPoolInfo, remote.pool))
+        n = len(handle.block_ids)
+        if n != self.blocks.blocks_for(handle.num_tokens) or n > len(seq.block_table):
+            raise KvTransferError(f"handle of {seq.request_id}: {n} blocks for "
+                                  f"{handle.num_tokens} tokens, {len(seq.block_table)} allocated")
+        return self.nixl.pull(handle, seq.block_table[:n]), "nixl"
 
     def add(self, msg: Prefill | Decode) -> list:
         rid = msg.request_id
@@ -500,6 +531,8 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         fair_queuing=spec.fair_queuing, fair_chunk_tokens=spec.fair_chunk_tokens,
         grammar=GrammarBook(model_dir, model.shape.vocab_size, read_eos_ids(model_dir)))
     engine.memory_plan = plan
+    if spec.nixl:
+        engine.enable_nixl()
     return engine
 
 

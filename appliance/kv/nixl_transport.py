@@ -390,6 +390,11 @@ class NixlKvAgent:
         except Exception:  # noqa: BLE001 - the first read connects, or says what failed
             pass
 
+    def connected(self, agent: str, pool_id: str) -> bool:
+        """Whether this pool incarnation of `agent` is loaded (no `connect` needed)."""
+        peer = self._peers.get(agent)
+        return peer is not None and peer.pool_id == pool_id
+
     def forget(self, agent: str) -> None:
         """Drop a peer (it died or restarted): its handles are refused from now on."""
         if self._peers.pop(agent, None) is None:

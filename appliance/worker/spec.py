@@ -33,6 +33,7 @@ class WorkerSpec:
     fair_queuing: bool = True       # tenants' prompts share prefill steps by weight
     fair_chunk_tokens: int = 0      # prompt chunk while tenants share; 0 = the engine's choice
     cluster_peers: list[str] = field(default_factory=list)  # [cluster] peers: KV crosses boxes
+    nixl: bool = False              # register the KV pool with a NIXL agent (cluster roles)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

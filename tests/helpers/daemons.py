@@ -89,8 +89,9 @@ class Daemon:
 
 
 def start_daemon(tmp_path: Path, model: Path | None, *args: str, config: str | None = None,
-                 timeout: float = 120, env: dict | None = None) -> Daemon:
-    port = free_port()
+                 timeout: float = 120, env: dict | None = None, port: int | None = None) -> Daemon:
+    """`port`: a given one (a daemon restarted where its peers expect it); else a free one."""
+    port = port or free_port()
     tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--state-dir", str(tmp_path / "state")]
