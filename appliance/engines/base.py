@@ -334,10 +334,10 @@ class BatchEngine:
 
     def pull_remote(self, seq: Sequence) -> tuple[int, str]:
         """Bring seq's KV from another box into seq.block_table; (bytes, transport).
-        Engines without a NIXL agent (the simulator) only take the time a copy takes,
-        and report the bytes they model."""
+        Engines without a NIXL agent (the simulator) only take the time a copy takes;
+        nothing moved, so no bytes are counted (a peer's kv_bytes_total stays real)."""
         self.import_kv([seq])
-        return self.kv_import_bytes(seq), "sim"
+        return 0, "sim"
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.params.stop_token_ids or (

@@ -7,13 +7,16 @@ pair serves again once it is back."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import time
 
 import pytest
 
-from helpers.daemons import free_port, http, start_daemon
+from helpers.daemons import ROOT, free_port, http, start_daemon
 
 pytest.importorskip("openai")
 try:
@@ -161,6 +164,34 @@ def test_the_decode_box_bills_its_phase_under_the_fronts_request_id(pair):
     assert dec["decode_worker"] == "decode0" and front["decode_worker"] == f"peer:{pair.decode.url}"
     assert dec["prompt_tokens"] == front["prompt_tokens"]
     assert dec["output_tokens"] == 7        # the first token came from the front's prefill
+
+
+def test_usage_across_both_boxes_joins_a_served_request_into_one_row(pair):
+    """End to end: a request served through the pair, then `applianced usage --url FRONT
+    --url DECODE --by request_id`: one row, counted once, billed by both boxes (the front's
+    prefill, the decode box's decode steps)."""
+    code, headers, body = pair.front.post("/v1/completions", {
+        "model": pair.front.status()["model"], "prompt": "It was a bright cold day",
+        "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+    assert code == 200, body
+    rid = headers["X-Request-Id"]
+    ledger_row(pair.front, rid), ledger_row(pair.decode, rid)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    deadline, row, out = time.monotonic() + 60, None, None
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            [sys.executable, "-m", "appliance", "usage", "--url", pair.front.url, "--url",
+             pair.decode.url, "--by", "request_id,tenant", "--since", "1h", "--json"],
+            capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr
+        rows = [r for r in json.loads(out.stdout)["rows"] if r["request_id"] == rid]
+        assert len(rows) <= 1, rows
+        if rows and rows[0]["boxes"] == [pair.front.url, pair.decode.url]:
+            row = rows[0]
+            break
+        time.sleep(1)
+    assert row is not None, f"no joined row billed by both boxes for {rid}: {out.stdout[-2000:]}"
+    assert row["requests"] == 1 and row["gpu_seconds"] > 0
 
 
 def stream_until_killed(pair, killed_after: int = 3):
