@@ -202,9 +202,11 @@ class Control:
     async def ensure_started(self, slots: list[WorkerSlot], model: ModelRef) -> list[str]:
         """Each slot's worker running on its devices with `model`; a worker of that name
         with other devices, role or model is stopped first. Returns the names started."""
+        from appliance.daemon.setup import cluster_worker_roles
         pool = self.pool
+        roles = cluster_worker_roles(self.cfg)     # a cluster box runs its role's workers only
         todo = []
-        for slot in slots:
+        for slot in (s for s in slots if s.role in roles):
             w = pool.workers.get(slot.worker)
             if (w is not None and w.state in LIVE and w.role == slot.role
                     and tuple(w.spec.devices) == tuple(slot.devices)

@@ -317,6 +317,18 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
 
 
 
+def cluster_worker_roles(cfg: Config) -> set[str]:
+    """The worker roles this box runs under `cluster.role`: start-up and a workflow that
+    (re)starts workers (`Control.ensure_started`) apply the same rule, so a repartition of
+    a decode box never starts prefill workers there."""
+    role = cfg.cluster.role
+    if role == "both":
+        return {"prefill", "decode", "agg"}
+    if role == "decode":
+        return {"decode"}
+    return {"prefill", "decode"} if cfg.devices.split != "auto" else {"prefill"}
+
+
 def cluster_specs(cfg: Config, mode: str, engine: str,
                   specs: list[WorkerSpec]) -> list[WorkerSpec]:
     """The workers a box of `cluster.role` runs (docs/operations/cluster.md): a decode box
@@ -330,8 +342,7 @@ def cluster_specs(cfg: Config, mode: str, engine: str,
     if mode != "disagg":
         raise StartupError(f"cluster.role = {role!r} splits prefill and decode between boxes; "
                            "it needs devices.mode = \"disagg\"")
-    keep = {"decode"} if role == "decode" else (
-        {"prefill", "decode"} if cfg.devices.split != "auto" else {"prefill"})
+    keep = cluster_worker_roles(cfg)
     kept = [s for s in specs if s.role in keep]
     if not any(s.role == role for s in kept):
         raise StartupError(f"cluster.role = {role!r} but the partition plan has no {role} worker")

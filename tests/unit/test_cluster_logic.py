@@ -123,6 +123,32 @@ def test_each_role_runs_its_own_workers_with_nixl():
     assert not any(s.nixl for s in cluster_specs(_cfg("decode"), "disagg", "sim", _specs()))
 
 
+def test_a_workflow_on_a_decode_box_starts_no_prefill_worker():
+    """A repartition's plan names both roles; on a decode box `ensure_started` starts
+    only its decode slots (the start-up rule), so a prefill slot is skipped outright."""
+    import asyncio
+
+    from appliance.daemon.control import Control
+    from appliance.partitions.plan import WorkerSlot
+
+    class Pool:
+        workers: dict = {}
+
+        def add(self, spec):        # reached only for a slot the box should run
+            raise AssertionError(f"started {spec.worker} on a decode box")
+
+    refreshed = []
+    ctl = Control(_cfg("decode"), SimpleNamespace(inventory=None), None, Pool(),
+                  SimpleNamespace(refresh=lambda: refreshed.append(1)), None)
+    slot = WorkerSlot("prefill9", "prefill", ("cpu0",))
+    assert asyncio.run(ctl.ensure_started([slot], None)) == []
+    assert refreshed
+    with pytest.raises(AssertionError, match="started"):
+        ctl.cfg.cluster.role = "both"
+        ctl._spec = lambda slot, model: SimpleNamespace(worker=slot.worker)
+        asyncio.run(ctl.ensure_started([slot], None))
+
+
 def test_a_cluster_role_needs_disagg_and_a_worker_of_its_role():
     with pytest.raises(StartupError, match="devices.mode"):
         cluster_specs(_cfg("prefill"), "agg", "torch", _specs())
