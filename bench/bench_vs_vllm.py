@@ -147,6 +147,21 @@ def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
             "itl_p50_ms": get("inter_token_latency", "p50")}
 
 
+def parse_variant(text: str) -> tuple[str, Path, dict[str, dict[str, str]]]:
+    """'NAME[@ROOT]:section.key=VALUE,...' -> (name, source root, {section: {key: VALUE}});
+    VALUE is a TOML literal (strings quoted)."""
+    head, _, body = text.partition(":")
+    name, _, root = head.partition("@")
+    tables: dict[str, dict[str, str]] = {}
+    for item in filter(None, body.split(",")):
+        key, sep, value = item.partition("=")
+        section, dot, leaf = key.strip().partition(".")
+        if not (sep and dot and leaf):
+            raise SystemExit(f"--variant {text!r}: {item!r} is not section.key=VALUE")
+        tables.setdefault(section, {})[leaf] = value.strip()
+    return name, Path(root).resolve() if root else ROOT, tables
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, help="checkpoint dir (default: the 82m preset)")
@@ -163,6 +178,10 @@ def main() -> None:
     ap.add_argument("--applianced-args", default="", help="extra `applianced serve` flags")
     ap.add_argument("--dtypes", default="auto",
                     help="applianced's `[engine] dtype`, one server each (e.g. auto,bfloat16)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME[@ROOT]:KEY=VAL,...",
+                    help="one more applianced server, configured by dotted TOML keys (e.g. "
+                         "'agg:devices.mode=\"agg\"'); @ROOT runs another checkout's source "
+                         "(the same client against two versions of the engine)")
     ap.add_argument("--quick", action="store_true", help="c=8 only, 2 requests each, 1 round")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -176,14 +195,18 @@ def main() -> None:
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         names = {"vLLM CPU": model.name}
-        for dtype in args.dtypes.split(","):
-            name = "applianced" if dtype == "auto" else f"applianced {dtype}"
-            state = tmp / f"state-{dtype}"
+        configs = [("applianced" if d == "auto" else f"applianced {d}", ROOT,
+                    {"engine": {"dtype": f'"{d}"'}}) for d in args.dtypes.split(",") if d]
+        configs += [parse_variant(v) for v in args.variant]
+        for i, (name, root, tables) in enumerate(configs):
+            state = tmp / f"state-{i}"
             state.mkdir()
-            (state / "config.toml").write_text(f'[engine]\ndtype = "{dtype}"\n')
+            (state / "config.toml").write_text("".join(
+                f"[{section}]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items())
+                for section, keys in tables.items()))
             servers[name] = start_daemon(state, ["--model", str(model), "--engine", "torch",
                                                  "--config", str(state / "config.toml"),
-                                                 *args.applianced_args.split()])
+                                                 *args.applianced_args.split()], root=root)
             names[name] = model.name
         if args.vllm_url:
             servers["vLLM CPU"] = (None, args.vllm_url.rstrip("/"))
