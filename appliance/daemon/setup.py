@@ -113,7 +113,8 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None, persisted: dict | No
     persisted = persisted or {}
     inv = discover(cfg.devices.spec)
     plan = persisted_plan(inv, cfg, persisted.get("partition")) or \
-        plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode)
+        plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode,
+                       cpu_threads=cfg.engine.cpu_threads)
     engine = resolve_engine(cfg.engine.kind, inv)
     check_engine(plan, engine)          # e.g. engine = torch with tp > 1: one clear line
     model = persisted.get("model")
