@@ -242,7 +242,8 @@ def check_cpu_memory(specs: list[WorkerSpec], model_dir: Path, available: int) -
             f"{len(cpu)} CPU worker(s) need {_size(sum(each))} but {_size(available)} of "
             f"memory is available: each holds {_size(weights)} of fp32 weights, a "
             f"{_size(cpu[0].kv_cache_bytes)} KV pool and ~1 GiB of runtime. Use --mode agg "
-            "(one worker), a smaller engine.kv_cache_bytes, or a smaller model")
+            "with engine.cpu_threads = 0 (one worker), a smaller engine.kv_cache_bytes, or a "
+            "smaller model")
 
 
 def _size(nbytes: float) -> str:
