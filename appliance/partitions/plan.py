@@ -235,9 +235,9 @@ def _cpu_plan(cpu: Device, tp: int, manual: tuple[int, int] | None, mode: str,
               cpu_threads: int = 0) -> PartitionPlan:
     """The CPU box: one prefill and one decode process; the daemon splits the cores between
     them (engine.cpu_threads). Agg: one worker on every core, or with `cpu_threads` = T
-    one single-process worker per T cores (each holds the weights): T = 1 keeps every
-    core busy with work of its own, where one worker's threads wait for each other at
-    every op (and for the slowest of them on a loaded machine)."""
+    one worker per T cores (each a process holding the weights): T = 1 keeps every core
+    busy with work of its own, where one worker's threads wait for each other at every op
+    (and for the slowest of them on a loaded machine)."""
     if tp != 1:
         raise PlanError(f"tp={tp} needs GPUs; the CPU runs tp=1")
     if mode == "agg":
