@@ -126,7 +126,8 @@ def cmd_devices(args) -> int:
     from appliance.partitions import discover, format_devices, inventory_json, plan_partition
     cfg = _config(args)
     inv = discover(cfg.devices.spec)
-    plan = plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode)
+    plan = plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode,
+                          cpu_threads=cfg.engine.cpu_threads)
     if args.json:
         print(json.dumps(inventory_json(inv, plan), indent=2))
     else:

@@ -63,6 +63,7 @@ class EngineConfig:
     max_seqs: int = 256               # sequences per batch
     kv_cache_bytes: int = 1 << 30     # KV pool per worker on the CPU
     cpu_threads: int = 0              # CPU workers: torch threads (and cores) each; 0 = split the cores
+                                      # (agg with T > 0: one worker per T cores)
     gpu_mem_fraction: float = 0.9
     reserve_ratio: float = 1.0        # share of max_tokens reserved at admission (1 = never preempt)
     handoff_timeout_s: float = 30.0   # free handed-off KV nobody picked up after this

@@ -8,7 +8,8 @@ table (and --json writes it).
         --requests 4 --rounds 2                                 # issue 26's cells, A B A B
 
 The checkpoint is `applianced model init-tiny --preset 82m` (random Llama, hidden 768,
-12 layers, 81.8M parameters, fp32 on disk) unless --model names one. vLLM runs from its
+12 layers, 81.8M parameters, fp32 on disk) unless --model names one; `--shape qwen3`
+serves the same weights as a Qwen3 (`make_qwen3_model`: q/k norms added). vLLM runs from its
 own venv (`--vllm`, the `vllm` script there; skipped when absent); both servers are up
 at once and are measured ALTERNATELY (A B A B ...: `--rounds`), so load from other jobs
 on the machine falls on both alike; the table gives each cell's median over the rounds.
@@ -18,9 +19,11 @@ Per cell, the client (aiohttp, this process) keeps C requests in flight until C 
   req/s   finished requests / wall time from the first send to the last byte;
   TTFT    time from send to the first streamed token, p50 over requests;
   ITL     (last token time - first token time) / (tokens - 1) per request, p50 — what
-          aiperf calls inter-token latency. NVIDIA's aiperf is the reference client
-          (`--aiperf PATH` also runs it against each server once per cell and prints its
-          req/s and p50s beside ours).
+          aiperf calls inter-token latency;
+  CPU s/request  CPU time of the server's process tree during the cell / requests (warm-up
+          included): the cost of a request whatever share of the cores other jobs leave.
+NVIDIA's aiperf is the reference client (`--aiperf PATH` also runs it against each
+server once per cell and prints its req/s and p50s beside ours).
 """
 from __future__ import annotations
 
@@ -51,6 +54,39 @@ def make_model(cache: Path) -> Path:
     return target
 
 
+def make_qwen3_model(base: Path) -> Path:
+    """The Qwen3-shaped cell's checkpoint: the 82m Llama's weights and tokenizer under a
+    Qwen3 config (Qwen3ForCausalLM: per-head RMSNorm on q and k, head_dim 64, rope theta
+    1e6, no attention bias), with seeded random q/k norm weights (1 + 0.1 N(0, 1)): the
+    same 81.8M parameters (+1.5k), so the cells compare the families' step costs."""
+    target = base.parent / "bench-82m-qwen3"
+    if (target / "model.safetensors").exists():
+        return target
+    import torch
+    from safetensors.torch import load_file, save_file
+    target.mkdir(parents=True, exist_ok=True)
+    for f in base.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, target / f.name)
+    config = json.loads((base / "config.json").read_text())
+    head_dim = config["head_dim"]
+    config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rope_theta=1e6,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                  rms_norm_eps=1e-6, attention_bias=False, use_sliding_window=False,
+                  sliding_window=None, max_window_layers=config["num_hidden_layers"])
+    for key in ("mlp_bias", "pretraining_tp"):
+        config.pop(key, None)
+    weights = load_file(base / "model.safetensors")
+    g = torch.Generator().manual_seed(1)
+    for i in range(config["num_hidden_layers"]):
+        for name in ("q_norm", "k_norm"):
+            weights[f"model.layers.{i}.self_attn.{name}.weight"] = (
+                1.0 + 0.1 * torch.randn(head_dim, generator=g)).to(torch.float32)
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
+
+
 def start_vllm(vllm: str, model: Path, log: Path, timeout: float = 900):
     port = free_port()
     # Defaults but for memory: vLLM's CPU backend reserves 92% of RAM at start and refuses
@@ -63,6 +99,38 @@ def start_vllm(vllm: str, model: Path, log: Path, timeout: float = 900):
                             start_new_session=True)
     return proc, wait_ready(proc, f"http://127.0.0.1:{port}", log, path="/health",
                             timeout=timeout, interval=1, stop=stop)
+
+
+class _Pid:
+    """A server this process did not start (--vllm-pid): enough of a Popen for cpu_seconds."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self) -> int:
+        return 0            # not ours to stop
+
+
+def cpu_seconds(proc: subprocess.Popen | None) -> float:
+    """CPU time (user + system) of a server's whole process tree so far: the daemon and
+    its workers, or vLLM's API server and engine. Per request, it says what a request costs
+    whatever share of the cores other jobs leave the server, which wall-clock rates on a
+    loaded machine do not. Children that exited are not counted (none do mid-run)."""
+    if proc is None:
+        return float("nan")
+    import psutil
+    total = 0.0
+    try:
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+    except psutil.NoSuchProcess:
+        pass
+    return total
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -147,13 +215,32 @@ def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
             "itl_p50_ms": get("inter_token_latency", "p50")}
 
 
+def parse_variant(text: str) -> tuple[str, Path, dict[str, dict[str, str]]]:
+    """'NAME[@ROOT]:section.key=VALUE,...' -> (name, source root, {section: {key: VALUE}});
+    VALUE is a TOML literal (strings quoted)."""
+    head, _, body = text.partition(":")
+    name, _, root = head.partition("@")
+    tables: dict[str, dict[str, str]] = {}
+    for item in filter(None, body.split(",")):
+        key, sep, value = item.partition("=")
+        section, dot, leaf = key.strip().partition(".")
+        if not (sep and dot and leaf):
+            raise SystemExit(f"--variant {text!r}: {item!r} is not section.key=VALUE")
+        tables.setdefault(section, {})[leaf] = value.strip()
+    return name, Path(root).resolve() if root else ROOT, tables
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, help="checkpoint dir (default: the 82m preset)")
+    ap.add_argument("--shape", choices=("llama", "qwen3"), default="llama",
+                    help="without --model: the 82m Llama, or the same weights as a Qwen3")
     ap.add_argument("--vllm", default="/work/wt/_vllm-venv/bin/vllm",
                     help="vLLM's `vllm` script in its own venv ('' to skip)")
     ap.add_argument("--vllm-url", default="",
                     help="a vLLM already serving the same checkpoint (skips starting one)")
+    ap.add_argument("--vllm-pid", type=int, default=0,
+                    help="with --vllm-url: its `vllm serve` process, for CPU s/request")
     ap.add_argument("--aiperf", default="", help="aiperf's script, to run it beside the client")
     ap.add_argument("--concurrency", default="8,32")
     ap.add_argument("--requests", type=int, default=3, help="requests per cell = C × this")
@@ -163,6 +250,10 @@ def main() -> None:
     ap.add_argument("--applianced-args", default="", help="extra `applianced serve` flags")
     ap.add_argument("--dtypes", default="auto",
                     help="applianced's `[engine] dtype`, one server each (e.g. auto,bfloat16)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME[@ROOT]:KEY=VAL,...",
+                    help="one more applianced server, configured by dotted TOML keys (e.g. "
+                         "'agg:devices.mode=\"agg\"'); @ROOT runs another checkout's source "
+                         "(the same client against two versions of the engine)")
     ap.add_argument("--quick", action="store_true", help="c=8 only, 2 requests each, 1 round")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -172,21 +263,28 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-vs-vllm-"))
     model = args.model or make_model(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                                      / "applianced-bench")
+    if args.shape == "qwen3" and not args.model:
+        model = make_qwen3_model(model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         names = {"vLLM CPU": model.name}
-        for dtype in args.dtypes.split(","):
-            name = "applianced" if dtype == "auto" else f"applianced {dtype}"
-            state = tmp / f"state-{dtype}"
+        configs = [("applianced" if d == "auto" else f"applianced {d}", ROOT,
+                    {"engine": {"dtype": f'"{d}"'}}) for d in args.dtypes.split(",") if d]
+        configs += [parse_variant(v) for v in args.variant]
+        for i, (name, root, tables) in enumerate(configs):
+            state = tmp / f"state-{i}"
             state.mkdir()
-            (state / "config.toml").write_text(f'[engine]\ndtype = "{dtype}"\n')
+            (state / "config.toml").write_text("".join(
+                f"[{section}]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items())
+                for section, keys in tables.items()))
             servers[name] = start_daemon(state, ["--model", str(model), "--engine", "torch",
                                                  "--config", str(state / "config.toml"),
-                                                 *args.applianced_args.split()])
+                                                 *args.applianced_args.split()], root=root)
             names[name] = model.name
         if args.vllm_url:
-            servers["vLLM CPU"] = (None, args.vllm_url.rstrip("/"))
+            servers["vLLM CPU"] = (_Pid(args.vllm_pid) if args.vllm_pid else None,
+                                   args.vllm_url.rstrip("/"))
         elif args.vllm and Path(args.vllm).exists():
             servers["vLLM CPU"] = start_vllm(args.vllm, model, tmp / "vllm.log")
         else:
@@ -195,17 +293,22 @@ def main() -> None:
         for c in levels:
             samples: dict[str, list[dict]] = {n: [] for n in servers}
             for r in range(args.rounds):
-                for name, (_, url) in servers.items():       # A B A B
+                for name, (proc, url) in servers.items():       # A B A B
+                    before = cpu_seconds(proc)
                     s = asyncio.run(cell(url, names[name], c, c * args.requests,
                                          args.prompt_tokens, args.output_tokens, vocab,
                                          seed=1000 * r + c))
+                    # warm-up requests included: (C x requests + 2) per cell
+                    s["cpu_s_per_req"] = ((cpu_seconds(proc) - before) / (s["requests"] + 2)
+                                          if proc is not None else float("nan"))
                     print(f"  c={c} round {r + 1} {name}: {s['req_s']:.2f} req/s, TTFT p50 "
-                          f"{s['ttft_p50_s']:.2f} s, ITL p50 {s['itl_p50_ms']:.1f} ms", flush=True)
+                          f"{s['ttft_p50_s']:.2f} s, ITL p50 {s['itl_p50_ms']:.1f} ms, "
+                          f"{s['cpu_s_per_req']:.2f} CPU s/request", flush=True)
                     samples[name].append(s)
             for name, ss in samples.items():
                 row = {"concurrency": c, "server": name, "rounds": len(ss),
                        **{k: statistics.median(s[k] for s in ss)
-                          for k in ("req_s", "ttft_p50_s", "itl_p50_ms")}}
+                          for k in ("req_s", "ttft_p50_s", "itl_p50_ms", "cpu_s_per_req")}}
                 if args.aiperf:
                     row["aiperf"] = run_aiperf(args.aiperf, servers[name][1], model, c,
                                                c * args.requests, args.prompt_tokens,
@@ -213,10 +316,12 @@ def main() -> None:
                 rows.append(row)
         print(f"\n{model.name}: {args.prompt_tokens}-token prompts, {args.output_tokens} output "
               f"tokens, medians of {args.rounds} alternating round(s)")
-        print("| concurrency | server | req/s | TTFT p50 | ITL p50 |\n|---|---|---:|---:|---:|")
+        print("| concurrency | server | req/s | TTFT p50 | ITL p50 | CPU s/request |\n"
+              "|---|---|---:|---:|---:|---:|")
         for row in rows:
             print(f"| {row['concurrency']} | {row['server']} | {row['req_s']:.2f} | "
-                  f"{row['ttft_p50_s']:.2f} s | {row['itl_p50_ms']:.1f} ms |")
+                  f"{row['ttft_p50_s']:.2f} s | {row['itl_p50_ms']:.1f} ms | "
+                  f"{row['cpu_s_per_req']:.2f} |")
         by = {(r["concurrency"], r["server"]): r for r in rows}
         for c in levels:
             v = by.get((c, "vLLM CPU"))

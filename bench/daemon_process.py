@@ -19,13 +19,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_daemon(state: Path, args: list[str], timeout: float = 300) -> tuple[subprocess.Popen, str]:
-    """Start `applianced serve` on 127.0.0.1; return (process, base URL) once /ready."""
+def start_daemon(state: Path, args: list[str], timeout: float = 300,
+                 root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """Start `applianced serve` on 127.0.0.1; return (process, base URL) once /ready.
+    `root`: the source tree to run (another checkout's, to compare two versions of the
+    engine with the same client; `python -m` puts it first on sys.path)."""
     port = free_port()
     cmd = [sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--state-dir", str(state), *args]
     proc = subprocess.Popen(cmd, stdout=open(state / "daemon.log", "wb"), stderr=subprocess.STDOUT,
-                            cwd=ROOT, env={**os.environ, "APPLIANCED_LOG": "WARNING"})
+                            cwd=root, env={**os.environ, "APPLIANCED_LOG": "WARNING"})
     url = f"http://127.0.0.1:{port}"
     return proc, wait_ready(proc, url, state / "daemon.log", timeout=timeout)
 

@@ -113,7 +113,8 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None, persisted: dict | No
     persisted = persisted or {}
     inv = discover(cfg.devices.spec)
     plan = persisted_plan(inv, cfg, persisted.get("partition")) or \
-        plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode)
+        plan_partition(inv, tp=cfg.devices.tp, split=cfg.devices.split, mode=cfg.devices.mode,
+                       cpu_threads=cfg.engine.cpu_threads)
     engine = resolve_engine(cfg.engine.kind, inv)
     check_engine(plan, engine)          # e.g. engine = torch with tp > 1: one clear line
     model = persisted.get("model")
@@ -242,7 +243,8 @@ def check_cpu_memory(specs: list[WorkerSpec], model_dir: Path, available: int) -
             f"{len(cpu)} CPU worker(s) need {_size(sum(each))} but {_size(available)} of "
             f"memory is available: each holds {_size(weights)} of fp32 weights, a "
             f"{_size(cpu[0].kv_cache_bytes)} KV pool and ~1 GiB of runtime. Use --mode agg "
-            "(one worker), a smaller engine.kv_cache_bytes, or a smaller model")
+            "with engine.cpu_threads = 0 (one worker), a smaller engine.kv_cache_bytes, or a "
+            "smaller model")
 
 
 def _size(nbytes: float) -> str:

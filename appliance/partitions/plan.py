@@ -59,12 +59,14 @@ class PartitionPlan:
         }
 
 
-def plan_partition(inv: Inventory, tp: int = 1, split: str = "auto", mode: str = "disagg") -> PartitionPlan:
+def plan_partition(inv: Inventory, tp: int = 1, split: str = "auto", mode: str = "disagg",
+                   cpu_threads: int = 0) -> PartitionPlan:
     """Plan workers over the inventory's usable GPUs (lost ones excluded), or the CPU.
 
     disagg: W = N/tp workers, P = W//2 prefill and the rest decode, unless `split` is
     "P+D" (worker counts; may leave devices idle, and then N need not divide by tp).
-    agg: W workers that each run both phases.
+    agg: W workers that each run both phases; on the CPU one with every core, or with
+    `cpu_threads` = T (engine.cpu_threads) one per T cores.
     """
     if mode not in MODES:
         raise PlanError(f"unknown mode {mode!r}: expected 'disagg' or 'agg'")
@@ -87,7 +89,7 @@ def plan_partition(inv: Inventory, tp: int = 1, split: str = "auto", mode: str =
             if mig:
                 what = mig_note
             raise PlanError(f"no usable devices: {what}")
-        return _cpu_plan(cpu, tp, manual, mode)
+        return _cpu_plan(cpu, tp, manual, mode, cpu_threads)
 
     n = len(gpus)
     if tp > n:
@@ -229,15 +231,22 @@ def _parse_split(split: str) -> tuple[int, int]:
     return prefill_n, decode_n
 
 
-def _cpu_plan(cpu: Device, tp: int, manual: tuple[int, int] | None, mode: str) -> PartitionPlan:
+def _cpu_plan(cpu: Device, tp: int, manual: tuple[int, int] | None, mode: str,
+              cpu_threads: int = 0) -> PartitionPlan:
     """The CPU box: one prefill and one decode process; the daemon splits the cores between
-    them (engine.cpu_threads)."""
+    them (engine.cpu_threads). Agg: one worker on every core, or with `cpu_threads` = T
+    one worker per T cores (each a process holding the weights): T = 1 keeps every core
+    busy with work of its own, where one worker's threads wait for each other at every op
+    (and for the slowest of them on a loaded machine)."""
     if tp != 1:
         raise PlanError(f"tp={tp} needs GPUs; the CPU runs tp=1")
     if mode == "agg":
-        slot = WorkerSlot("agg0", "agg", (cpu.id,))
-        reason = f"CPU only ({cpu.cores} cores): 1 agg worker on {cpu.id}"
-        return PartitionPlan(mode="agg", prefill=(), decode=(), agg=(slot,), tp=1, reason=reason)
+        n = max(1, cpu.cores // cpu_threads) if cpu_threads > 0 else 1
+        slots = tuple(WorkerSlot(f"agg{i}", "agg", (cpu.id,)) for i in range(n))
+        reason = (f"CPU only ({cpu.cores} cores): {n} agg workers on {cpu.id}, {cpu_threads} "
+                  f"core(s) each" if n > 1 else f"CPU only ({cpu.cores} cores): 1 agg worker "
+                  f"on {cpu.id}")
+        return PartitionPlan(mode="agg", prefill=(), decode=(), agg=slots, tp=1, reason=reason)
     if manual is not None and manual != (1, 1):
         raise PlanError(
             f"split {manual[0]}+{manual[1]} is not possible on the CPU: it runs exactly one "

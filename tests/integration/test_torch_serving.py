@@ -103,15 +103,58 @@ def test_cpu_workers_run_on_their_own_cores(disagg, tiny_model, tmp_path):
                            capture_output=True, text=True, timeout=60, cwd=ROOT).stdout
     line = next(ln for ln in shown.splitlines() if ln.startswith("decode0"))
     assert f"cpu0 cores {core_ranges(workers['decode0']['cpu_cores'])}" in line, shown
-    # engine.cpu_threads: an agg worker with two threads, on two cores where there are.
+    # engine.cpu_threads: agg workers with two threads each, on two cores where there are
+    # (one per two cores: one worker on this 2-core box).
     d = start_daemon(tmp_path / "agg2", tiny_model, "--devices", "cpu", "--engine", "torch",
                      "--mode", "agg", config="[engine]\ncpu_threads = 2\n")
     try:
-        (w,) = d.status()["workers"]
+        w = d.status()["workers"][0]
+        assert len(d.status()["workers"]) == max(1, len(cores) // 2)
         assert w["threads"] == 2 and len(w["cpu_cores"]) == min(2, len(cores))
         assert sorted(os.sched_getaffinity(w["pid"])) == w["cpu_cores"]
         r = complete(d, [5, 6, 7, 8], 4)
         assert r.usage.completion_tokens == 4
+    finally:
+        d.stop()
+
+
+def test_agg_one_single_threaded_worker_per_core(tiny_model, tok, reference, tmp_path):
+    """`--mode agg` with engine.cpu_threads = 1: one agg worker per core, each on its own
+    core with one thread; requests sent together are spread over them, and each gives
+    transformers' greedy tokens, with prompts chunked into mixed steps."""
+    cores = sorted(os.sched_getaffinity(0))
+    d = start_daemon(tmp_path / "agg-per-core", tiny_model, "--devices", "cpu", "--engine",
+                     "torch", "--mode", "agg",
+                     config="[engine]\ncpu_threads = 1\nprefill_chunk_tokens = 16\n")
+    try:
+        workers = d.status()["workers"]
+        assert [w["worker"] for w in workers] == [f"agg{i}" for i in range(len(cores))]
+        assert [w["cpu_cores"] for w in workers] == [[c] for c in cores]
+        assert {w["threads"] for w in workers} == {1}
+        for w in workers:
+            assert sorted(os.sched_getaffinity(w["pid"])) == w["cpu_cores"]
+        before = {w["worker"]: w["iterations"] or 0 for w in workers}
+        asked = [tok.encode(p) for p in PROMPTS] * 2
+        got: dict[int, str] = {}
+
+        def run(i: int) -> None:
+            got[i] = complete(d, asked[i], 24).choices[0].text
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(asked))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i, ids in enumerate(asked):
+            assert got.get(i) == tok.decode(reference(ids, 24)), i
+        deadline = time.monotonic() + 10      # stats arrive every 50 ms while busy
+        while True:
+            after = {w["worker"]: w["iterations"] or 0 for w in d.status()["workers"]}
+            busy = [name for name in after if after[name] > before[name]]
+            if len(busy) >= min(2, len(cores)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert len(busy) >= min(2, len(cores)), (before, after)
     finally:
         d.stop()
 

@@ -581,6 +581,21 @@ def test_cpu_plans():
     assert agg.prefill == () and agg.decode == ()
 
 
+@pytest.mark.parametrize("cores, threads, workers", [
+    (2, 0, 1), (2, 1, 2), (8, 3, 2), (8, 2, 4), (2, 4, 1), (1, 1, 1)])
+def test_cpu_agg_workers_per_thread_count(cores, threads, workers):
+    """Agg on the CPU: one worker on every core, or with engine.cpu_threads = T one per T
+    cores; disagg is 1 + 1 whatever T."""
+    import dataclasses
+    inv = discover("cpu")
+    inv = dataclasses.replace(inv, devices=(dataclasses.replace(inv.devices[0], cores=cores),))
+    plan = plan_partition(inv, mode="agg", cpu_threads=threads)
+    assert [(w.worker, w.role, w.devices) for w in plan.agg] == [
+        (f"agg{i}", "agg", ("cpu0",)) for i in range(workers)]
+    assert one_line(plan.reason) and f"{workers} agg worker" in plan.reason
+    assert len(plan_partition(inv, cpu_threads=threads).workers()) == 2
+
+
 # --------------------------------------------------------------------------- output
 
 

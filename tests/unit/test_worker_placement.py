@@ -2,6 +2,7 @@
 then their peers (by UUID), and CPU workers split the cores of the daemon's cpuset."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ def test_gpu_workers_see_their_own_gpus_first_then_their_peers():
     ("disagg", 0, [4], {"prefill0": [4], "decode0": [4]}),               # one core: shared
     ("disagg", 2, [0, 1, 2], {"prefill0": [0, 1], "decode0": [0, 2]}),   # too few: overlap
     ("agg", 0, list(range(8)), {"agg0": list(range(8))}),
+    ("agg", 1, [0, 1], {"agg0": [0], "agg1": [1]}),                      # one per core
 ])
 def test_cpu_workers_split_the_cores(mode, threads, cores, want):
     from appliance.config import Config
@@ -45,7 +47,9 @@ def test_cpu_workers_split_the_cores(mode, threads, cores, want):
     cfg = Config()
     cfg.engine.cpu_threads = threads
     inv = discover("cpu")
-    specs = worker_specs(cfg, inv, plan_partition(inv, mode=mode), "torch", Path("/m"), cores)
+    inv = dataclasses.replace(inv, devices=(dataclasses.replace(inv.devices[0], cores=len(cores)),))
+    plan = plan_partition(inv, mode=mode, cpu_threads=threads)
+    specs = worker_specs(cfg, inv, plan, "torch", Path("/m"), cores)
     assert {s.worker: s.cpu_cores for s in specs} == want
     assert {s.worker: s.cpu_threads for s in specs} == {
         w: threads or len(c) for w, c in want.items()}
