@@ -15,7 +15,6 @@ waits in the router's fair queue (`daemon.dispatch`) for the next worker with ro
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -186,7 +185,9 @@ class Router:
         Closing the generator early (client gone, stop string) aborts the request on
         whichever worker holds it and releases any handed-off KV."""
         share = self.gate.share(tenant, priority)
-        await self.gate.acquire(share)
+        if not self.gate.try_acquire(share):
+            await self.gate.acquire(share)
+        gen = None
         try:
             # (No generator of its own for the choice of path: every token passes
             # through each layer, and this one is on every request's path.)
@@ -197,10 +198,11 @@ class Router:
                 gen = self._run_local(trace, worker, prompt, params, share)
             else:
                 gen = self._run_disagg(trace, prompt, params, share)
-            async with contextlib.aclosing(gen):
-                async for item in gen:
-                    yield item
+            async for item in gen:
+                yield item
         finally:
+            if gen is not None:
+                await gen.aclose()      # (as contextlib.aclosing, without its frames)
             self.gate.release(share.tenant)
 
     async def _run_local(self, trace: Trace, worker: WorkerLink | None, prompt: list[int],
