@@ -3,6 +3,7 @@ negligible, so what is measured is HTTP + tokenization + routing + IPC + SSE.
 
     .venv/bin/python bench/bench_serving.py [--seconds 5] [--devices cpu] [--mode disagg]
     .venv/bin/python bench/bench_serving.py --accounting compare [--repeats 3]
+    .venv/bin/python bench/bench_serving.py --fair-queuing off     # arrival order throughout
 
 `--accounting compare` measures what chargeback costs: daemons with `[accounting]
 enabled = false` and `true` take turns at concurrency 64 and with 32 streams, in pairs
@@ -113,7 +114,8 @@ def _accounting_cpu(daemon: psutil.Process) -> float:
 def _daemon(tmp: Path, args, accounting: bool):
     cfg = tmp / f"accounting-{accounting}.toml"
     # 1 s windows so the measured level's windows close within it
-    cfg.write_text(f"[accounting]\nenabled = {'true' if accounting else 'false'}\nwindow_s = 1.0\n")
+    cfg.write_text(f"[accounting]\nenabled = {'true' if accounting else 'false'}\nwindow_s = 1.0\n"
+                   f"[engine]\nfair_queuing = {'true' if args.fair_queuing == 'on' else 'false'}\n")
     global MODEL
     spec = ["--model-spec", args.model_spec] if args.model_spec else []
     proc, url = start_daemon(tmp, ["--engine", "sim", "--sim-speed", str(args.sim_speed),
@@ -231,6 +233,9 @@ def main() -> int:
     p.add_argument("--accounting", choices=["on", "off", "compare"], default="on",
                    help="chargeback in the daemon (default on, as shipped); compare: off vs on")
     p.add_argument("--repeats", type=int, default=3, help="--accounting compare: rounds of off+on")
+    p.add_argument("--fair-queuing", choices=["on", "off"], default="on",
+                   help="[engine] fair_queuing: the engines' and the router's fair queues "
+                        "(default on, as shipped); off: arrival order")
     args = p.parse_args()
     try:
         import uvloop
@@ -250,7 +255,8 @@ def main() -> int:
             proc.wait(30)
     result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()},
-              "devices": args.devices, "mode": args.mode, "chat_16_tokens": chat,
+              "devices": args.devices, "mode": args.mode, "fair_queuing": args.fair_queuing,
+              "chat_16_tokens": chat,
               "stream_32x256": stream, "date": time.strftime("%Y-%m-%d")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -50,6 +50,28 @@ def has_room(w, tokens: int) -> bool:
             and w.pending_prefill_tokens + tokens <= QUEUE_STEPS * spec.max_batch_tokens)
 
 
+def decode_room(decode: Sequence, committed: int, need: int) -> bool:
+    """Whether the decode side can take one more request of `need` KV blocks (its prompt
+    and its longest answer) beside the `committed` blocks of the requests the router has
+    already sent on their way to it (placed on a prefill worker, and not yet finished).
+    Without this a flood is prefilled faster than its decodes finish: the decode worker
+    has no KV to import the handoffs into, and those that wait past `handoff_timeout_s`
+    are prefilled again there (the prefill work thrown away). With nothing committed
+    (an idle decode side), a request that no decode worker could hold even empty, or a
+    decode side that has not reported its size yet, nothing is held back (the decode
+    worker's own admission decides, as before)."""
+    if committed == 0 or not decode:
+        return True
+    capacity = 0
+    largest = 0
+    for w in decode:
+        if w.stats is None:
+            return True
+        capacity += w.stats.kv_blocks_total
+        largest = max(largest, w.stats.kv_blocks_total)
+    return need > largest or committed + need <= capacity
+
+
 def pick_with_room(candidates: Sequence[W], tokens: int,
                    room: Callable[[W, int], bool] = has_room) -> W | None:
     """The least-queued candidate with room for the prompt; None when all are saturated."""
@@ -67,6 +89,7 @@ class Waiter:
     tokens: int
     tenant: str
     claim: Callable                      # (worker) -> what the request needs to go on
+    kv: int = 0                          # KV blocks it will need on the decode side
     left: bool = False
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -81,8 +104,11 @@ class DispatchQueue:
     that error, as a new request would, rather than wait for a worker that may never
     come). With `fair=False` every request is one tenant's: arrival order."""
 
-    def __init__(self, fair: bool = True):
+    def __init__(self, fair: bool = True, admits: Callable[[int], bool] | None = None):
         self.fair = fair
+        # Room beyond the first stage's (disagg: the decode side's KV) for a request of
+        # so many KV blocks; while the queue's head has none, everybody waits, in fair order.
+        self.admits = admits
         self.queue: FairQueue[Waiter] = FairQueue()
         self._depth: dict[str, int] = {}
 
@@ -93,12 +119,13 @@ class DispatchQueue:
         return self._depth.get(tenant, 0)
 
     async def wait(self, tokens: int, tenant: str, weight: float, priority: int,
-                   claim: Callable, unclaim: Callable, candidates: Callable[[], list]):
+                   claim: Callable, unclaim: Callable, candidates: Callable[[], list],
+                   kv: int = 0):
         """Wait for a worker; returns `claim(worker)`, made when the worker was chosen
         (so its counters count this request before anything else is dispatched). A
         request cancelled after its worker was chosen gives the claim back (`unclaim`)
         and passes the room on."""
-        waiter = Waiter(tokens, tenant, claim)
+        waiter = Waiter(tokens, tenant, claim, kv)
         key = tenant if self.fair else ""
         self.queue.push(waiter, key, weight if self.fair else 1.0, priority if self.fair else 0)
         self._depth[tenant] = self._depth.get(tenant, 0) + 1
@@ -146,6 +173,8 @@ class DispatchQueue:
                     queue.remove(w)
                     if not w.future.done():
                         w.future.set_exception(exc)
+                return
+            if self.admits is not None and not self.admits(waiter.kv):
                 return
             worker = pick_with_room(ready, waiter.tokens)
             if worker is None:

@@ -70,13 +70,21 @@ class TenantGate:
         """Requests of `tenant` waiting for a slot."""
         return len(self._waiting.get(tenant, ()))
 
-    async def acquire(self, share: Share) -> None:
-        """Take a slot of the tenant's `max_concurrent`, waiting for one if need be."""
+    def try_acquire(self, share: Share) -> bool:
+        """Take a slot at once if one is free and nobody of the tenant waits for one (no
+        coroutine: this is every request's path); False: `acquire` waits for one."""
         tenant = share.tenant
         n = self.inflight.get(tenant, 0)
         if share.max_concurrent <= 0 or (n < share.max_concurrent and not self._waiting.get(tenant)):
             self.inflight[tenant] = n + 1
+            return True
+        return False
+
+    async def acquire(self, share: Share) -> None:
+        """Take a slot of the tenant's `max_concurrent`, waiting for one if need be."""
+        if self.try_acquire(share):
             return
+        tenant = share.tenant
         fut = asyncio.get_running_loop().create_future()
         heap = self._waiting.setdefault(tenant, [])
         heapq.heappush(heap, (share.priority, next(self._order), fut))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from appliance.daemon.api_error import ApiError, bad  # noqa: F401 (ApiError: re-exported)
-from appliance.daemon.openai_schema import BODIES, UNSUPPORTED_UNLESS, default
+from appliance.daemon.openai_schema import BODIES, DEFAULTS, UNSUPPORTED_UNLESS
 from appliance.daemon.structured import parse_guided
 from appliance.daemon.tool_calls import ToolRequest, message_fields, parse_tools
 from appliance.engines.messages import GuidedDecoding, SamplingParams
@@ -70,10 +70,10 @@ class GenerationRequest:
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p)
 
 
-def _value(body: dict, key: str, endpoint: str):
-    """The field, or its declared default when absent or null (the schema checked it)."""
-    value = body.get(key)
-    return default(endpoint, key) if value is None else value
+def _values(body: dict, endpoint: str) -> dict:
+    """Every declared field: the body's, or its declared default when absent or null
+    (the schema checked it). One merge per request rather than a look-up per field."""
+    return DEFAULTS[endpoint] | {k: v for k, v in body.items() if v is not None}
 
 
 def _int(value):
@@ -149,12 +149,13 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
             continue
         raise bad(f"'{unsupported}' is not supported", unsupported, "unsupported_parameter")
     BODIES[endpoint].check(body)
-    n = _int(_value(body, "n", endpoint))
+    values = _values(body, endpoint)
+    n = _int(values["n"])
     guided = parse_guided(body)
     if body.get("best_of") not in (None, n):
         raise bad("'best_of' other than n is not supported", "best_of",
                   "unsupported_parameter")
-    stream = _value(body, "stream", endpoint)
+    stream = values["stream"]
     include_usage = False
     if body.get("stream_options") is not None:
         if not stream:
@@ -168,7 +169,7 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         max_tokens = _int(body.get("max_tokens"))
         if max_tokens == 0 and not echo:      # 0 with echo: score the prompt
             raise bad("'max_tokens' must be at least 1 (0 only with echo=true)", "max_tokens")
-    ignore_eos = _value(body, "ignore_eos", endpoint)
+    ignore_eos = values["ignore_eos"]
     if ignore_eos and guided is not None:
         raise bad("'ignore_eos' cannot be combined with a structured output: the grammar "
                   "ends the output", "ignore_eos")
@@ -176,19 +177,19 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
     top_k = _int(body.get("top_k")) or 0
     req = GenerationRequest(
         endpoint=endpoint, model=body["model"], stream=stream, include_usage=include_usage,
-        max_tokens=max_tokens, temperature=float(_value(body, "temperature", endpoint)),
-        top_p=float(_value(body, "top_p", endpoint)), seed=_int(body.get("seed")),
+        max_tokens=max_tokens, temperature=float(values["temperature"]),
+        top_p=float(values["top_p"]), seed=_int(body.get("seed")),
         stop=[stop] if isinstance(stop, str) else list(stop or ()), ignore_eos=ignore_eos,
         top_k=max(top_k, 0),     # -1 is vLLM's "off", as 0
-        frequency_penalty=float(_value(body, "frequency_penalty", endpoint)),
-        presence_penalty=float(_value(body, "presence_penalty", endpoint)),
+        frequency_penalty=float(values["frequency_penalty"]),
+        presence_penalty=float(values["presence_penalty"]),
         logit_bias=_logit_bias(body), logprobs=_logprobs(body, endpoint), echo=echo, n=n,
         guided=guided, min_tokens=_int(body.get("min_tokens")) or 0,
-        repetition_penalty=float(_value(body, "repetition_penalty", endpoint)),
-        min_p=float(_value(body, "min_p", endpoint)),
+        repetition_penalty=float(values["repetition_penalty"]),
+        min_p=float(values["min_p"]),
         stop_token_ids=tuple(sorted({int(t) for t in body.get("stop_token_ids") or ()})),
-        skip_special_tokens=_value(body, "skip_special_tokens", endpoint),
-        include_stop_str_in_output=_value(body, "include_stop_str_in_output", endpoint),
+        skip_special_tokens=values["skip_special_tokens"],
+        include_stop_str_in_output=values["include_stop_str_in_output"],
         priority=_int(body.get("priority")))
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise bad(f"'min_tokens' ({req.min_tokens}) must not exceed max_tokens "

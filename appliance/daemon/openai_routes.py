@@ -99,8 +99,10 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
             svc.rejected(endpoint, tenant, rid, arrival, err.message)
         raise err
     policy = svc.tenants
+    # A tenant without limits or an enforced budget skips the checks (the usual case).
+    limited = policy.limited(tenant)
     # The tenant's spent budget and its requests-per-minute: before the body is read.
-    if (refusal := policy.admit(tenant)) is not None:
+    if limited and (refusal := policy.admit(tenant)) is not None:
         svc.rejected(endpoint, tenant, rid, arrival, refusal.message, refusal.reason)
         raise _limited(refusal, headers)
     raw = await request.read()
@@ -113,22 +115,25 @@ async def generation(request: web.Request, endpoint: str) -> web.StreamResponse:
         svc.state.preparing -= 1
     comp = Completion(svc, req, tenant, rid, arrival)
     comp.prompt, comp.max_tokens = prompt, max_tokens
-    # a spent deprioritizing budget: the lowest class (fair queuing orders by it)
-    req.priority = policy.request_priority(tenant, req.priority)
     n = len(comp.choices)   # each choice is a generation of its own on the workers
-    # Tokens per minute need the count: prompt + the output the request may make.
-    asked = len(prompt) + n * (req.max_tokens or 0)
-    reservation, refusal = policy.reserve(tenant, asked)
-    if refusal is not None:
-        svc.rejected(endpoint, tenant, rid, arrival, refusal.message, refusal.reason)
-        raise _limited(refusal, headers)
+    reservation = None
+    if limited:
+        # a spent deprioritizing budget: the lowest class (fair queuing orders by it)
+        req.priority = policy.request_priority(tenant, req.priority)
+        # Tokens per minute need the count: prompt + the output the request may make.
+        asked = len(prompt) + n * (req.max_tokens or 0)
+        reservation, refusal = policy.reserve(tenant, asked)
+        if refusal is not None:
+            svc.rejected(endpoint, tenant, rid, arrival, refusal.message, refusal.reason)
+            raise _limited(refusal, headers)
     if (err := _refusal(svc, n, headers)) is not None:
         policy.finished_unstarted(tenant, reservation)
         if err.code == "overloaded":
             comp.status, comp.error = "rejected", err.message
             svc.finished(comp)
         raise err
-    headers.update(policy.headers(tenant))
+    if limited:
+        headers.update(policy.headers(tenant))
     svc.state.inflight += n
     policy.started(tenant)
     try:

@@ -150,5 +150,10 @@ COMPLETIONS = Body({
 BODIES = {"chat": CHAT, "completions": COMPLETIONS}
 
 
+# endpoint -> field -> its declared default (None: none), looked up per field per request
+DEFAULTS = {endpoint: {name: prop.get("default") for name, prop in body.schema["properties"].items()}
+            for endpoint, body in BODIES.items()}
+
+
 def default(endpoint: str, name: str):
-    return BODIES[endpoint].schema["properties"][name].get("default")
+    return DEFAULTS[endpoint][name]

@@ -28,7 +28,7 @@ from appliance.engines.messages import (
 )
 from appliance.config import TenantConfig
 from appliance.daemon.cluster_wire import DecodeOrder
-from appliance.daemon.dispatch import DispatchQueue, pick_with_room
+from appliance.daemon.dispatch import DispatchQueue, decode_room, pick_with_room
 from appliance.daemon.fairness import NO_SHARE, Share, TenantGate
 from appliance.daemon.peers import PeerFailed, Peers, PeerUnavailable
 from appliance.kv.nixl_transport import NixlKvHandle, to_json
@@ -95,8 +95,15 @@ class Router:
         self.role = role            # cluster.role: both | prefill (decodes go to peers) | decode
         self.peers = peers          # a prefill box's decode peers (None: role both)
         self.gate = TenantGate(tenants)
-        self.dispatch = DispatchQueue(fair_queuing)
         self.mode = mode
+        # disagg: a request goes to a prefill worker only when the decode side can take
+        # its KV too (`dispatch.decode_room`); until then it waits in the fair queue.
+        # Its blocks (prompt + longest answer) count from its placement to its end. A
+        # front's decodes go to its peers (their KV is theirs to refuse): not gated here.
+        self.dispatch = DispatchQueue(
+            fair_queuing, self._decode_room if mode == "disagg" and role != "prefill" else None)
+        self._decode_need: dict[str, int] = {}       # request -> blocks it will take there
+        self.decode_committed = 0                     # blocks of the requests placed
         self.conditional_tokens = conditional_tokens
         self.routed: set[str] = set(pool.workers)
         self._rotation = Rotation()
@@ -137,25 +144,36 @@ class Router:
     async def _place(self, rid: str, tokens: int, share: Share):
         """A first-stage worker for the request, claimed (its channel open, its prompt
         counted): at once when one has room and nobody waits, else in fair order."""
+        need = self._decode_need.get(rid, 0)
         if not self.dispatch.queue:
             w = pick_with_room(self._first(), tokens)
-            if w is not None:
+            if w is not None and (not need or self._decode_room(need)):
                 queue = w.open(rid)
                 w.pending_prefill_tokens += tokens
+                self.decode_committed += need
                 return w, queue
 
         def claim(w: WorkerLink):
             queue = w.open(rid)
             w.pending_prefill_tokens += tokens
+            self.decode_committed += need
             return w, queue
 
         def unclaim(placed) -> None:
             w = placed[0]
             w.pending_prefill_tokens = max(0, w.pending_prefill_tokens - tokens)
+            self.decode_committed -= need
             w.close(rid)
 
-        return await self.dispatch.wait(tokens, share.tenant, share.weight, share.priority,
-                                        claim, unclaim, self._first)
+        try:
+            return await self.dispatch.wait(tokens, share.tenant, share.weight, share.priority,
+                                            claim, unclaim, self._first, need)
+        except BaseException:
+            self._decode_need.pop(rid, None)      # never placed: nothing committed
+            raise
+
+    def _decode_room(self, need: int) -> bool:
+        return decode_room([w for w in self.decode if w.ready], self.decode_committed, need)
 
     def ready(self) -> bool:
         """Whether a request can be served: on a decode box, when a decode worker is
@@ -204,7 +222,9 @@ class Router:
         Closing the generator early (client gone, stop string) aborts the request on
         whichever worker holds it and releases any handed-off KV."""
         share = self.gate.share(tenant, priority)
-        await self.gate.acquire(share)
+        if not self.gate.try_acquire(share):
+            await self.gate.acquire(share)
+        gen = None
         try:
             # (No generator of its own for the choice of path: every token passes
             # through each layer, and this one is on every request's path.)
@@ -216,12 +236,20 @@ class Router:
                 worker = self._most_free(self.decode)
                 gen = self._run_local(trace, worker, prompt, params, share)
             else:
+                block = self.decode[0].spec.block_size if self.decode else 16
+                self._decode_need[trace.request_id] = \
+                    -(-(len(prompt) + params.max_tokens) // block) + 1
                 gen = self._run_disagg(trace, prompt, params, share)
-            async with contextlib.aclosing(gen):
-                async for item in gen:
-                    yield item
+            async for item in gen:
+                yield item
         finally:
+            if gen is not None:
+                await gen.aclose()      # (as contextlib.aclosing, without its frames)
             self.gate.release(share.tenant)
+            need = self._decode_need.pop(trace.request_id, None)
+            if need is not None and gen is not None and trace.prefill_worker is not None:
+                self.decode_committed -= need      # placed: its decode KV is given back
+                self._pump()
 
     async def _run_local(self, trace: Trace, worker: WorkerLink | None, prompt: list[int],
                          params: SamplingParams, share: Share = NO_SHARE):

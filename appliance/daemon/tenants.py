@@ -149,6 +149,7 @@ class TenantPolicy:
         self.tenants: dict[str, TenantConfig] = {}
         self.budgets = budgets
         self.states: dict[str, TenantState] = {}
+        self._limited: dict[str, bool] = {}     # tenant -> `limited(tenant)`, until a reload
         self.reloads = 0
         self.reloaded_at: float | None = None
         self._period: tuple[str, float, float] = ("", 0.0, 0.0)    # (period, start, end)
@@ -164,6 +165,7 @@ class TenantPolicy:
         forgives a burst nor refuses a tenant that has been quiet."""
         self.tenants = dict(tenants)
         self.budgets = budgets
+        self._limited = {}
         now = self.clock()
         for name, st in self.states.items():
             self._fit(st, self.config(name), now)
@@ -234,6 +236,21 @@ class TenantPolicy:
         return asked
 
     # ---- admission ---------------------------------------------------------------------
+    def limited(self, tenant: str) -> bool:
+        """Whether anything here can refuse or reorder `tenant`'s requests: a request or
+        token limit, or a budget that rejects or deprioritizes. Most tenants of most
+        boxes have none; their requests skip `admit`, `request_priority`, `reserve` and
+        `headers` (nothing to check, reserve or report), and cost a dictionary look-up."""
+        limited = self._limited.get(tenant)
+        if limited is None:
+            tc = self.config(tenant)
+            limited = (tc.requests_per_minute > 0 or tc.tokens_per_minute > 0
+                       or self.enforce_mode(tenant) != "alert")
+            if len(self._limited) > 10_000:      # (tenants are the keys': a few)
+                self._limited.clear()
+            self._limited[tenant] = limited
+        return limited
+
     def admit(self, tenant: str) -> Refusal | None:
         """Before the body is read: a rejecting budget that is spent, then the request
         bucket. Takes the request's token when it admits."""

@@ -13,7 +13,7 @@ import pytest
 from appliance.daemon.dispatch import QUEUE_STEPS, DispatchQueue, has_room, pick_with_room
 from appliance.daemon.router import NoWorker, Router, Trace
 from appliance.daemon.workers import WorkerPool
-from appliance.engines.messages import Prefill, SamplingParams, Tokens
+from appliance.engines.messages import Prefill, PrefillDone, SamplingParams, Tokens, WorkerStats
 from appliance.config import TenantConfig
 from appliance.worker.spec import WorkerSpec
 
@@ -309,5 +309,88 @@ def test_dispatch_queue_gives_back_a_grant_its_request_no_longer_wants():
         await asyncio.gather(tasks["a2"], return_exceptions=True)
         assert len(q) == 0 and q.depth("a") == 0 and q.queue.clock.vt == {}
         assert len(claims) == 2 and w.inflight == 1
+
+    asyncio.run(scenario())
+
+
+# ---- the decode side's KV (disagg) ----------------------------------------------------
+
+def _stats(w, total: int) -> None:
+    """A worker's stats report as `WorkerLink._read` keeps it, without a process."""
+    w.stats = WorkerStats(w.id, 0, 0, 0, total, total, 0, 0, 0.0, 0, 0)
+
+
+def _done(pool: WorkerPool, rid: str) -> None:
+    """The prefill worker finishes `rid` outright (its answer was one token)."""
+    pool.workers["p0"].channels[rid].put(PrefillDone(rid, 7, None, "length"))
+
+
+def test_requests_wait_in_fair_order_for_kv_on_the_decode_side():
+    async def scenario():
+        pool = _pool(_spec("p0", role="prefill", max_seqs=100, max_batch_tokens=10 ** 6),
+                     _spec("d0", role="decode"))
+        router = Router(pool, "disagg")
+        _stats(pool.workers["d0"], total=12)
+        # 32-token prompts and 1-token answers (block size 16): 3 blocks, and one for the
+        # first token. The prefill worker has room for all; the decode side for three.
+        flood = [Client(router, f"f{i}", "flood", tokens=32) for i in range(5)]
+        await _settle()
+        assert _sent(pool) == ["f0", "f1", "f2"] and router.depth("flood") == 2
+        assert router.decode_committed == 12
+        polite = Client(router, "p0", "polite", tokens=32)
+        await _settle()
+        assert router.depth("polite") == 1          # behind the queue, not past it
+        # a request ends: its blocks are free again, and the polite one goes first
+        _done(pool, "f0")
+        await _settle()
+        assert flood[0].steps == [([7], "length", None)]
+        assert _sent(pool) == ["f0", "f1", "f2", "p0"] and router.depth("flood") == 2
+        for rid, then in (("f1", "f3"), ("f2", "f4")):
+            _done(pool, rid)
+            await _settle()
+            assert _sent(pool)[-1] == then
+        for rid in ("p0", "f3", "f4"):
+            _done(pool, rid)
+        await asyncio.gather(*(c.task for c in (*flood, polite)))
+        assert router.decode_committed == 0 and len(router.dispatch) == 0
+        assert all(not w.channels and w.inflight == 0 for w in pool.workers.values())
+
+    asyncio.run(scenario())
+
+
+def test_decode_kv_holds_back_nothing_it_cannot_judge():
+    async def scenario():
+        pool = _pool(_spec("p0", role="prefill", max_seqs=100, max_batch_tokens=10 ** 6),
+                     _spec("d0", role="decode"))
+        router = Router(pool, "disagg")
+        d0 = pool.workers["d0"]
+        # no stats report yet: not held back
+        first = [Client(router, f"a{i}", "t", tokens=32) for i in range(3)]
+        await _settle()
+        assert _sent(pool) == ["a0", "a1", "a2"]
+        # reported: a request that d0 could not hold even empty is not held back (the
+        # decode worker's own admission decides, as before); one that fits waits
+        _stats(d0, total=12)
+        huge = Client(router, "huge", "t", tokens=16 * 20)
+        await _settle()
+        assert _sent(pool)[-1] == "huge"
+        small = Client(router, "small", "t", tokens=32)
+        await _settle()
+        assert _sent(pool)[-1] == "huge" and router.depth("t") == 1
+        # one cancelled while it waits commits nothing
+        small.task.cancel()
+        await _settle()
+        assert router.depth("t") == 0 and router.decode_committed == 4 * 3 + 22
+        for c in (*first, huge):
+            c.task.cancel()
+        await asyncio.gather(*(c.task for c in (*first, huge, small)), return_exceptions=True)
+        assert router.decode_committed == 0
+        # an idle decode side takes any request, whatever it reported
+        _stats(d0, total=1)
+        alone = Client(router, "alone", "t", tokens=32)
+        await _settle()
+        assert _sent(pool)[-1] == "alone"
+        _done(pool, "alone")
+        await alone.task
 
     asyncio.run(scenario())
