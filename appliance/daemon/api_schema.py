@@ -72,7 +72,10 @@ class Body:
             if len(self._by_keys) >= SPECIALIZED_KEY_SETS:
                 return self._validate
             import fastjsonschema
-            cut = {**self.schema, "properties": {k: v for k, v in props.items() if k in keys}}
+            # (required keys stay declared: with additionalProperties false, a required
+            # key missing from `properties` is a schema fastjsonschema refuses to compile)
+            kept = keys | set(self.schema.get("required", ()))
+            cut = {**self.schema, "properties": {k: v for k, v in props.items() if k in kept}}
             check = self._by_keys[keys] = fastjsonschema.compile(cut)
         return check
 
