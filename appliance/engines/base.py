@@ -458,7 +458,9 @@ class BatchEngine:
 
     def stats(self) -> WorkerStats:
         return WorkerStats(
-            worker=self.worker, waiting=len(self.scheduler.waiting),
+            worker=self.worker,
+            # an import whose KV is still arriving from another box waits too
+            waiting=len(self.scheduler.waiting) + len(self.scheduler.importing),
             running=len(self.scheduler.running),
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
             kv_blocks_total=self.blocks.num_blocks, kv_blocks_free=self.blocks.num_free,
