@@ -18,7 +18,7 @@ APPLIANCE_SRC names (e.g. a `git worktree` of the commit before the asynchronous
 whose decode worker pulls inside its engine step). ~1 min each on this 2-core machine:
 
     .venv/bin/python bench/bench_pull_stall.py --tcp      # -> bench/results/pull_stall.json
-    git worktree add /tmp/before be4ce5a~1 && APPLIANCE_SRC=/tmp/before \\
+    git worktree add /tmp/before 040e9de && APPLIANCE_SRC=/tmp/before \\
         .venv/bin/python bench/bench_pull_stall.py --tcp --out bench/results/pull_stall_before.json
 """
 from __future__ import annotations
