@@ -515,6 +515,38 @@ def test_a_request_aborted_while_its_pull_is_in_flight_frees_its_blocks_when_it_
     assert dec.blocks.num_free == dec.blocks.num_blocks
 
 
+def test_a_pull_unfinished_at_deadline_plus_margin_is_given_up_and_its_blocks_kept(boxes):
+    """A READ still "PROC" at the handle's deadline + margin (a peer that hangs): given up
+    on, its request recomputed with the right answer, and its destination blocks left
+    allocated to nobody (`dst_unsafe`: the READ may still land), while the worker goes on
+    stepping instead of hanging. Runs last on these engines: it leaks on purpose."""
+    from appliance.engines.messages import Prefill, SamplingParams
+    pre, dec, agg = boxes
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    prompt = list(range(300, 365))
+    out = agg.add(Prefill("ref2", prompt, params, False))
+    while agg.has_work():
+        out += agg.step()
+    want = _tokens(out, "ref2")
+    link, margin = SlowLink(dec.nixl._agent), dec.nixl.margin_s
+    dec.nixl._agent, dec.nixl.margin_s = link, 0.2
+    recomputes = dec.kv_recomputes
+    try:
+        first, msg = _remote_decode(pre, "hung", prompt, params, ttl=0.5)
+        events = dec.add(msg)
+        t0 = time.monotonic()
+        while dec.has_work():
+            events += dec.step()
+            assert time.monotonic() - t0 < 30, "the worker hangs on the READ"
+    finally:
+        dec.nixl._agent, dec.nixl.margin_s = link.real, margin
+        pre.release("hung")
+    assert [first] + _tokens(events, "hung") == want
+    assert dec.kv_recomputes == recomputes + 1
+    leaked = dec.blocks.num_blocks - dec.blocks.num_free
+    assert leaked == dec.blocks.blocks_for(len(prompt) + 1)
+
+
 def test_a_front_with_decode_workers_of_its_own_decodes_locally_while_no_peer_is_up(
         tmp_path, tiny_model):
     """`devices.split` keeps the front's own decode worker: with its decode box down the
