@@ -38,6 +38,10 @@ Event = Any
 # raced a free is detected whatever the margin; the margin only makes that rare.
 HANDOFF_MARGIN_S = 2.0
 
+# How long a step sleeps when nothing but pulls from another box is in flight: the worker
+# waits for their READs without spinning a core, and sees one end within this.
+PULL_POLL_S = 0.0005
+
 
 class KvLayoutError(ValueError):
     """A KV handle whose layout does not match this pool: refused, never reinterpreted."""
@@ -88,6 +92,11 @@ class BatchEngine:
         self._seqs: dict[str, Sequence] = {}
         # request id -> (sequence, instant after which the blocks are freed unreleased)
         self._handed_off: dict[str, tuple[Sequence, float]] = {}
+        # request id -> (sequence, pending pull, perf_counter at its start): KV in flight
+        # from another box (`begin_pull`), polled at every step (`check_pull`).
+        self._pulls: dict[str, tuple[Sequence, Any, float]] = {}
+        # Aborted while their pull was in flight: their blocks are freed when it ends.
+        self._abandoned: set[str] = set()
         self.kv_recomputes = 0
         self.iterations = 0
         self.busy_s = 0.0
@@ -177,7 +186,7 @@ class BatchEngine:
 
     def add(self, msg: Prefill | Decode) -> list[Event]:
         rid = msg.request_id
-        if rid in self._seqs or rid in self._handed_off:
+        if rid in self._seqs or rid in self._handed_off or rid in self._pulls:
             return [RequestFailed(rid, f"request id {rid} is already on worker {self.worker}")]
         if isinstance(msg, Decode):
             if msg.handle.layout != self.layout():
@@ -206,7 +215,10 @@ class BatchEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.remove(seq)
-            self.blocks.free(seq)
+            if request_id in self._pulls:    # a READ is still writing its blocks
+                self._abandoned.add(request_id)
+            else:
+                self.blocks.free(seq)
         self.release(request_id)
 
     def release(self, request_id: str) -> None:
@@ -215,7 +227,7 @@ class BatchEngine:
             self.blocks.free(held[0])
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._pulls)
 
     def sweep(self, now: float) -> list[Event]:
         """Free handed-off KV whose decode side never acknowledged it (`now`:
@@ -227,21 +239,24 @@ class BatchEngine:
         return []
 
     def step(self) -> list[Event]:
+        # Pulls from another box that ended since the last step join this one's batch.
+        events: list[Event] = self._poll_pulls() if self._pulls else []
         batch = self.scheduler.schedule()
         if batch is None or not batch.seqs:
-            return []
+            if self._pulls and not events:      # only READs in flight: wait, don't spin
+                time.sleep(PULL_POLL_S)
+            return events
         start = time.time()
         t0 = time.perf_counter()
         P = batch.num_prefill
         entries = [(s.request_id, s.step_tokens, s.num_cached + s.step_tokens) if i < P
                    else (s.request_id, 1, len(s.tokens)) for i, s in enumerate(batch.seqs)]
-        events: list[Event] = []
         if batch.phase == "kv_import":
-            events = self._import(batch.seqs)
+            events += self._import(batch.seqs)
             entries = [(s.request_id, 0, s.num_cached) for s in batch.seqs]
         else:
             tokens = self.run_batch(batch)
-            events = self._postprocess(batch, tokens)
+            events += self._postprocess(batch, tokens)
         wall = time.perf_counter() - t0
         self.iterations += 1
         self.busy_s += wall
@@ -303,27 +318,51 @@ class BatchEngine:
         return events
 
     def _pull_remote(self, seqs: list[Sequence], now: float) -> list[Event]:
-        """Pull each sequence's KV from its source box (`pull_remote`). One that fails or
-        is past its deadline is recomputed here, as a bad local handle is: the answer
-        stays right, only slower. A pull given up on in flight (`dst_unsafe`) may still
-        write its blocks: they are left allocated to nobody until the worker restarts."""
+        """Start pulling each sequence's KV from its source box (`begin_pull`); each then
+        waits in the scheduler's `importing` list, its blocks allocated, while the running
+        sequences keep decoding, and joins them in the step after its READ is done
+        (`_poll_pulls`). One past its deadline, or whose pull cannot start, is recomputed
+        here, as a bad local handle is: the answer stays right, only slower."""
         events: list[Event] = []
-        done = []
         for seq in seqs:
             if seq.handle.expires_at < now:
                 events += self._recompute(seq)
                 continue
             t0 = time.perf_counter()
             try:
-                nbytes, transport = self.pull_remote(seq)
+                pending = self.begin_pull(seq)
             except Exception as exc:   # noqa: BLE001 - any failure: recompute, keep serving
-                print(f"applianced worker {self.worker}: KV pull for {seq.request_id} "
-                      f"failed, recomputing: {exc}", file=sys.stderr)
-                if getattr(exc, "dst_unsafe", False):
-                    seq.block_table = []    # leaked on purpose (see KvTransferError)
-                    seq.num_cached = 0
-                events += self._recompute(seq)
+                events += self._pull_failed(seq, exc)
                 continue
+            self._pulls[seq.request_id] = (seq, pending, t0)
+            self.scheduler.importing.append(seq)
+        return events + self._poll_pulls()
+
+    def _poll_pulls(self) -> list[Event]:
+        """Check every pull in flight (`check_pull`): a done one makes its sequence run, a
+        failed one is recomputed (`_pull_failed`); the others stay in flight."""
+        events: list[Event] = []
+        done = []
+        for rid, (seq, pending, t0) in list(self._pulls.items()):
+            try:
+                result = self.check_pull(pending)
+            except Exception as exc:   # noqa: BLE001 - any failure: recompute, keep serving
+                del self._pulls[rid]
+                if rid in self._abandoned:          # aborted meanwhile: nobody to recompute
+                    self._abandoned.discard(rid)
+                    if not getattr(exc, "dst_unsafe", False):
+                        self.blocks.free(seq)
+                    continue
+                events += self._pull_failed(seq, exc)
+                continue
+            if result is None:
+                continue
+            del self._pulls[rid]
+            if rid in self._abandoned:
+                self._abandoned.discard(rid)
+                self.blocks.free(seq)
+                continue
+            nbytes, transport = result
             seq.num_cached = seq.handle.num_tokens
             done.append(seq)
             events.append(KvImported(seq.request_id, seq.handle.worker, transport, nbytes,
@@ -331,6 +370,29 @@ class BatchEngine:
         if done:
             self.scheduler.mark_imported(done)
         return events
+
+    def _pull_failed(self, seq: Sequence, exc: Exception) -> list[Event]:
+        """Recompute seq after its pull failed. A pull given up on in flight
+        (`dst_unsafe`) may still write its blocks: they are left allocated to nobody
+        until the worker restarts."""
+        print(f"applianced worker {self.worker}: KV pull for {seq.request_id} "
+              f"failed, recomputing: {exc}", file=sys.stderr)
+        if getattr(exc, "dst_unsafe", False):
+            seq.block_table = []    # leaked on purpose (see KvTransferError)
+            seq.num_cached = 0
+        return self._recompute(seq)
+
+    def begin_pull(self, seq: Sequence) -> Any:
+        """Start bringing seq's KV from another box into seq.block_table; what it returns
+        is polled with `check_pull` at every step until that returns (bytes, transport).
+        Here, for engines without an asynchronous transport: `pull_remote`, done at once."""
+        return self.pull_remote(seq)
+
+    def check_pull(self, pending: Any) -> tuple[int, str] | None:
+        """(bytes, transport) once the pull `begin_pull` started is complete, None while
+        it is in flight; raises if it failed (``dst_unsafe`` set: its blocks may still
+        be written)."""
+        return pending
 
     def pull_remote(self, seq: Sequence) -> tuple[int, str]:
         """Bring seq's KV from another box into seq.block_table; (bytes, transport).
@@ -396,7 +458,9 @@ class BatchEngine:
 
     def stats(self) -> WorkerStats:
         return WorkerStats(
-            worker=self.worker, waiting=len(self.scheduler.waiting),
+            worker=self.worker,
+            # an import whose KV is still arriving from another box waits too
+            waiting=len(self.scheduler.waiting) + len(self.scheduler.importing),
             running=len(self.scheduler.running),
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
             kv_blocks_total=self.blocks.num_blocks, kv_blocks_free=self.blocks.num_free,

@@ -3,7 +3,8 @@
 Prefill-first and never mixed (nano-vllm's rule): a step is either a batch of
 prompts under a token budget, or one decode token for every running sequence.
 Sequences arriving with a KV handle (disaggregated decode) skip prefill: they are
-admitted in a `kv_import` step that copies their blocks in.
+admitted in a `kv_import` step that copies their blocks in (or, from another box, starts
+the pull: the sequence waits in `importing` until its KV has arrived).
 
 Chunked prefill (`chunk_tokens` > 0) lifts the never-mixed rule: every step decodes one
 token for each running sequence and carries at most `chunk_tokens` prompt tokens along
@@ -65,6 +66,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []   # admitted, prompt partly computed (chunked)
+        # Admitted with their blocks allocated, their KV still arriving from another box
+        # (an asynchronous pull): not scheduled until `mark_imported` (or `requeue`).
+        self.importing: list[Sequence] = []
         self.preemptions = 0
         self.clock = VirtualClock()
         # Sequences in the schedule per (priority, tenant): more than one key is the only
@@ -94,14 +98,14 @@ class Scheduler:
         return self.fair and len(self._seen) > 1
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling)
+        return bool(self.waiting or self.running or self.prefilling or self.importing)
 
     def queued_prefill_tokens(self) -> int:
         return (sum(s.uncached for s in self.waiting if s.handle is None)
                 + sum(s.uncached for s in self.prefilling))
 
     def schedule(self) -> Batch | None:
-        admitted = len(self.running) + len(self.prefilling)
+        admitted = len(self.running) + len(self.prefilling) + len(self.importing)
         if self.waiting and admitted < self.max_seqs and not self.prefilling \
                 and self.waiting[0].handle is not None:
             batch = self._admit_imports()      # a copy, no forward pass: a step of its own
@@ -129,7 +133,7 @@ class Scheduler:
     def _admit_imports(self) -> Batch | None:
         seqs = []
         while (self.waiting and self.waiting[0].handle is not None
-               and len(self.running) + len(seqs) < self.max_seqs):
+               and len(self.running) + len(self.importing) + len(seqs) < self.max_seqs):
             seq = self.waiting[0]
             if not self.blocks.can_admit(seq, use_cache=False):
                 break
@@ -156,7 +160,7 @@ class Scheduler:
             seq.step_tokens = min(seq.uncached, budget - tokens)
             tokens += seq.step_tokens
             seqs.append(seq)
-        room = self.max_seqs - len(self.running) - len(self.prefilling)
+        room = self.max_seqs - len(self.running) - len(self.prefilling) - len(self.importing)
         while (self.waiting and self.waiting[0].handle is None and room > 0
                and not (chunked and tokens >= budget)):
             seq = self.waiting[0]
@@ -214,7 +218,7 @@ class Scheduler:
         clock = self.clock
         for _, tenant in queues:
             clock.join(tenant)
-        room = self.max_seqs - len(self.running) - len(self.prefilling)
+        room = self.max_seqs - len(self.running) - len(self.prefilling) - len(self.importing)
         seqs: list[Sequence] = []
         granted: dict[int, int] = {}       # id(seq) -> tokens this step
         tokens = 0
@@ -274,6 +278,8 @@ class Scheduler:
         recomputed here, first in line, like a preempted one."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if seq in self.importing:
+            self.importing.remove(seq)
         seq.handle = None
         seq.num_cached = 0
         seq.status = Status.WAITING
@@ -282,6 +288,8 @@ class Scheduler:
 
     def mark_imported(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
+            if seq in self.importing:
+                self.importing.remove(seq)
             seq.handle = None
             seq.status = Status.RUNNING
         self.running.extend(seqs)
@@ -297,7 +305,9 @@ class Scheduler:
                 self._classes.pop(key, None)
                 if not self._classes:
                     self.clock.forget(())
-        if seq in self.prefilling:
+        if seq in self.importing:
+            self.importing.remove(seq)
+        elif seq in self.prefilling:
             self.prefilling.remove(seq)
         elif seq.status is Status.RUNNING:
             self.running.remove(seq)

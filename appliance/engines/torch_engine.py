@@ -143,8 +143,9 @@ class TorchEngine(BatchEngine):
         self.nixl = NixlKvAgent(self.kv, name=f"applianced-{self.worker}-{os.getpid()}-"
                                               f"{os.urandom(4).hex()}")
 
-    def pull_remote(self, seq: Sequence) -> tuple[int, str]:
-        """NIXL READ of a prefill box's blocks into seq's own; the peer's agent is loaded
+    def begin_pull(self, seq: Sequence):
+        """Post the NIXL READ of a prefill box's blocks into seq's own (`check_pull`
+        sees it end: the running sequences decode meanwhile); the peer's agent is loaded
         once per pool incarnation (a restarted peer has a new pool id: loaded again)."""
         from appliance.kv.nixl_transport import (
             KvTransferError, NixlKvHandle, NixlPoolInfo, from_json)
@@ -159,7 +160,11 @@ class TorchEngine(BatchEngine):
         if n != self.blocks.blocks_for(handle.num_tokens) or n > len(seq.block_table):
             raise KvTransferError(f"handle of {seq.request_id}: {n} blocks for "
                                   f"{handle.num_tokens} tokens, {len(seq.block_table)} allocated")
-        return self.nixl.pull(handle, seq.block_table[:n]), "nixl"
+        return self.nixl.start_pull(handle, seq.block_table[:n])
+
+    def check_pull(self, pending) -> tuple[int, str] | None:
+        moved = self.nixl.check_pull(pending)
+        return None if moved is None else (moved, "nixl")
 
     def add(self, msg: Prefill | Decode) -> list:
         rid = msg.request_id

@@ -56,8 +56,8 @@ if TYPE_CHECKING:  # torch is imported where a pool is handled: the daemon check
 
 __all__ = [
     "INSTALL_HINT", "KvHandleExpired", "KvTransferError", "NixlKvAgent", "NixlKvHandle",
-    "NixlPoolInfo", "NixlUnavailable", "block_descriptors", "from_json", "import_nixl",
-    "loopback_check", "nixl_available", "nixl_installed", "to_json",
+    "NixlPoolInfo", "NixlPull", "NixlUnavailable", "block_descriptors", "from_json",
+    "import_nixl", "loopback_check", "nixl_available", "nixl_installed", "to_json",
 ]
 
 INSTALL_HINT = ("NIXL is not installed: pip install 'applianced[cluster]' "
@@ -186,6 +186,19 @@ class NixlPoolInfo:
     dtype: str                  # "float32", "bfloat16", ...
     mem_type: str               # "DRAM" or "VRAM"
     dev_id: int                 # GPU ordinal on its box for VRAM; 0 for DRAM
+
+
+@dataclass(slots=True)
+class NixlPull:
+    """A READ `NixlKvAgent.start_pull` posted: poll it with `check_pull` until it ends.
+    Lives in the decode worker only (never crosses a process)."""
+
+    handle: NixlKvHandle
+    xfer: Any                   # the NIXL request handle (None: nothing to read)
+    nbytes: int
+    give_up: float              # wall clock: the handle's deadline + the margin
+    state: str = "PROC"         # NIXL's transfer state: "PROC", "DONE" or "ERR"
+    ended: bool = False         # its request released: no longer writing our blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,12 +419,24 @@ class NixlKvAgent:
 
     def pull(self, handle: NixlKvHandle, dst_block_ids: Sequence[int],
              poll_s: float = 0.0002) -> int:
-        """READ the handle's blocks into ``dst_block_ids`` of our pool; complete when this
-        returns (the caller may then tell the prefill side to free). Returns the bytes read.
+        """READ the handle's blocks into ``dst_block_ids`` of our pool and wait for it:
+        `start_pull`, then `check_pull` every ``poll_s`` until it ends. Complete when this
+        returns (the caller may then tell the prefill side to free). Returns the bytes read;
+        raises what those two raise."""
+        pending = self.start_pull(handle, dst_block_ids)
+        while (moved := self.check_pull(pending)) is None:
+            time.sleep(poll_s)
+        return moved
 
-        Raises `KvHandleExpired` if the handle is past its deadline (before the read, or
-        past deadline + margin after it), `KvTransferError` if the peer is unknown, was
-        replaced, failed the read or did not finish it by deadline + margin."""
+    def start_pull(self, handle: NixlKvHandle, dst_block_ids: Sequence[int]) -> NixlPull:
+        """Post the READ of the handle's blocks into ``dst_block_ids`` of our pool and
+        return at once (NIXL's transfers are non-blocking: UCX's progress thread moves the
+        bytes); `check_pull` says when it ended. A decode worker keeps stepping its running
+        sequences meanwhile. Until `check_pull` has returned bytes or raised, the
+        destination blocks are being written: the caller must not reuse them.
+
+        Raises `KvHandleExpired` if the handle is past its deadline, `KvTransferError` if
+        the peer is unknown or was replaced, or the read cannot be posted."""
         peer = self._peers.get(handle.agent)
         if peer is None:
             raise KvTransferError(f"KV handle from unknown peer {handle.agent}")
@@ -426,9 +451,9 @@ class NixlKvAgent:
         src, dst = block_descriptors(peer.base_addr, peer.shape[2], int(self.pool.data_ptr()),
                                      self.pool.shape[2], peer.shape, self.pool.dtype,
                                      handle.block_ids, list(dst_block_ids))
-        if not src:
-            return 0
         give_up = handle.expires_at + self.margin_s
+        if not src:
+            return NixlPull(handle, None, 0, give_up, "DONE", ended=True)
         local = self._agent.get_xfer_descs([(a, n, self._dev_id) for a, n in dst],
                                            self._mem_type)
         remote = self._agent.get_xfer_descs([(a, n, peer.dev_id) for a, n in src],
@@ -437,26 +462,58 @@ class NixlKvAgent:
             xfer = self._agent.initialize_xfer("READ", local, remote, handle.agent)
         except Exception as exc:
             raise KvTransferError(f"cannot start the KV read from {handle.agent}: {exc}") from None
+        pending = NixlPull(handle, xfer, sum(n for _, n in dst), give_up)
+        try:
+            pending.state = self._agent.transfer(xfer)
+        except Exception as exc:  # nixlBind raises its own exception types
+            self._end(pending, KvTransferError(f"KV read from {handle.agent} failed: {exc}"))
+        return pending
+
+    def check_pull(self, pending: NixlPull) -> int | None:
+        """None while the READ is in flight (NIXL state "PROC") and not past the handle's
+        deadline + margin; the bytes read once it is "DONE" (its request released: the
+        caller may tell the prefill side to free). Raises `KvTransferError` when it ended
+        in an error state, or was given up on in flight at deadline + margin (then with
+        ``dst_unsafe``); `KvHandleExpired` when it finished after deadline + margin."""
+        if pending.ended:
+            if pending.state != "DONE":
+                raise KvTransferError(f"KV read for {pending.handle.request_id} already failed")
+            return pending.nbytes
+        agent = pending.handle.agent
         failure: KvTransferError | None = None
         try:
-            state = self._agent.transfer(xfer)
-            while state == "PROC":
-                if time.time() > give_up:
+            if pending.state == "PROC":
+                if time.time() > pending.give_up:
                     failure = KvTransferError(
-                        f"KV read from {handle.agent} did not finish by the handle's "
+                        f"KV read from {agent} did not finish by the handle's "
                         f"deadline + {self.margin_s:g} s (peer unreachable?); its "
                         "destination blocks may still be written: do not reuse them")
                     failure.dst_unsafe = True
-                    break
-                time.sleep(poll_s)
-                state = self._agent.check_xfer_state(xfer)
-            if failure is None and state != "DONE":
-                failure = KvTransferError(f"KV read from {handle.agent} failed (peer gone?)")
+                else:
+                    pending.state = self._agent.check_xfer_state(pending.xfer)
+                    if pending.state == "PROC":
+                        return None
+            if failure is None and pending.state != "DONE":
+                failure = KvTransferError(f"KV read from {agent} failed (peer gone?)")
         except Exception as exc:  # nixlBind raises its own exception types
-            failure = KvTransferError(f"KV read from {handle.agent} failed: {exc}")
+            pending.state = "ERR"
+            failure = KvTransferError(f"KV read from {agent} failed: {exc}")
+        self._end(pending, failure)
+        if time.time() > pending.give_up:
+            raise KvHandleExpired(
+                f"KV read for {pending.handle.request_id} finished after the source may have "
+                "freed its blocks; recompute the prompt")
+        return pending.nbytes
+
+    def _end(self, pending: NixlPull, failure: KvTransferError | None) -> None:
+        """Release the READ's request; raise ``failure`` (made ``dst_unsafe`` if a failed
+        read could not be cancelled)."""
+        pending.ended = True
+        if failure is not None and pending.state == "DONE":
+            pending.state = "ERR"
         try:
             # NIXL tries to cancel an active read here (see `dst_unsafe`).
-            self._agent.release_xfer_handle(xfer)
+            self._agent.release_xfer_handle(pending.xfer)
         except Exception:  # noqa: BLE001 - not cancellable: NIXL keeps the request
             if failure is not None and not failure.dst_unsafe:
                 failure = KvTransferError(f"{failure}; the read could not be cancelled: do "
@@ -464,8 +521,3 @@ class NixlKvAgent:
                 failure.dst_unsafe = True
         if failure is not None:
             raise failure
-        if time.time() > give_up:
-            raise KvHandleExpired(
-                f"KV read for {handle.request_id} finished after the source may have freed "
-                "its blocks; recompute the prompt")
-        return sum(n for _, n in dst)

@@ -369,6 +369,184 @@ def test_a_decode_worker_pulls_with_nixl_and_recomputes_when_the_pull_cannot_be_
     assert dec.blocks.num_free == dec.blocks.num_blocks, "every block came back"
 
 
+class SlowLink:
+    """The decode engine's real nixl_agent, but its READs report NIXL's own states as a
+    slow link would: "PROC" while `state` says so (the read is posted for real; only its
+    completion is held back), then the real state; "ERR" to fail them."""
+
+    def __init__(self, real):
+        self.real, self.state, self.checks = real, "PROC", 0
+
+    def transfer(self, xfer):
+        real = self.real.transfer(xfer)
+        return self.state or real
+
+    def check_xfer_state(self, xfer):
+        self.checks += 1
+        return self.state or self.real.check_xfer_state(xfer)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.fixture(scope="module")
+def boxes(tiny_model):
+    """A prefill and a decode torch engine with NIXL agents of their own, and a single
+    agg engine for the reference answers, in this process."""
+    from appliance.engines.torch_engine import build_torch_engine
+    from appliance.worker.spec import WorkerSpec
+
+    def engine(name, role, nixl=True):
+        return build_torch_engine(WorkerSpec(name, role, "torch", ["cpu0"], "cpu", str(tiny_model),
+                                             kv_cache_bytes=8 << 20, nixl=nixl), tiny_model)
+    return engine("prefill1", "prefill"), engine("decode1", "decode"), \
+        engine("agg1", "agg", nixl=False)
+
+
+def _remote_decode(pre, rid, prompt, params, ttl=10.0):
+    """Prefill rid on `pre` and the Decode message a decode box gets for it (a RemoteKv
+    handle, as the front sends)."""
+    from appliance.engines.messages import Decode, KvHandle, PrefillDone, Prefill, RemoteKv
+    from appliance.kv.nixl_transport import NixlKvHandle, to_json
+    out = pre.add(Prefill(rid, prompt, params, True))
+    while pre.has_work():
+        out += pre.step()
+    done = next(ev for ev in out if isinstance(ev, PrefillDone))
+    pool = pre.hello_info()["nixl_pool"]
+    info = json.loads(pool)
+    h = done.handle
+    nh = NixlKvHandle(info["agent"], info["pool_id"], rid, tuple(h.block_ids), h.num_tokens,
+                      time.time() + ttl)
+    kv = KvHandle(f"peer:{info['agent']}", rid, h.block_ids, h.num_tokens, h.layout,
+                  payload=RemoteKv(pool, to_json(nh)), expires_at=time.monotonic() + ttl)
+    return done.first_token, Decode(rid, prompt, done.first_token, params, kv)
+
+
+def _tokens(events, rid):
+    from appliance.engines.messages import Tokens
+    return [t for e in events if isinstance(e, Tokens) and e.request_id == rid
+            for t in e.tokens]
+
+
+def test_running_sequences_keep_decoding_while_a_pull_from_another_box_is_in_flight(boxes):
+    """A READ held "PROC" at the NIXL boundary (a long prompt over a slow link): the
+    decode worker's running sequence gets a token at every step meanwhile, the pulled one
+    waits (blocks allocated, not scheduled) and joins once the READ is DONE, with the
+    single box's tokens; one that ends "ERR" is recomputed, right all the same."""
+    from appliance.engines import base
+    from appliance.engines.messages import KvImported, Prefill, SamplingParams
+    pre, dec, agg = boxes
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    prompt = list(range(5, 70))
+    out = agg.add(Prefill("ref", prompt, params, False))
+    while agg.has_work():
+        out += agg.step()
+    want = _tokens(out, "ref")
+
+    link = SlowLink(dec.nixl._agent)
+    dec.nixl._agent = link
+    try:
+        running = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        events = dec.add(Prefill("run", list(range(100, 120)), running, False))
+        while not _tokens(events, "run"):
+            events += dec.step()
+        first, msg = _remote_decode(pre, "slow", prompt, params)
+        free_before = dec.blocks.num_free
+        events = dec.add(msg) + dec.step()        # a step of its own posts the READ
+        assert not _tokens(events, "run") and not _tokens(events, "slow")
+        for _ in range(6):
+            step = dec.step()
+            events += step
+            assert _tokens(step, "run"), "the running sequence got no token this step"
+            assert not any(isinstance(e, KvImported) for e in step)
+        assert [s.request_id for s in dec.scheduler.importing] == ["slow"]
+        assert dec.blocks.num_free < free_before, "its blocks are allocated while it waits"
+        assert not _tokens(events, "slow") and link.checks >= 6
+        link.state = None                                 # the READ completes
+        while dec.has_work():
+            events += dec.step()
+        (imported,) = [e for e in events if isinstance(e, KvImported)]
+        assert imported.request_id == "slow" and imported.transport == "nixl"
+        assert imported.nbytes > 0
+        assert [first] + _tokens(events, "slow") == want and dec.kv_recomputes == 0
+        assert len(_tokens(events, "run")) == 40 - 1
+
+        # Nothing else to run: a step waits a little for the READ instead of spinning.
+        link.state = "PROC"
+        first, msg = _remote_decode(pre, "idle", prompt, params)
+        events = dec.add(msg) + dec.step()                # posts the READ
+        t0 = time.perf_counter()
+        assert dec.step() == [] and time.perf_counter() - t0 >= base.PULL_POLL_S
+        link.state = "ERR"                                # the peer died mid-read
+        while dec.has_work():
+            events += dec.step()
+        assert [first] + _tokens(events, "idle") == want and dec.kv_recomputes == 1
+    finally:
+        dec.nixl._agent = link.real
+        pre.release("slow")
+        pre.release("idle")
+    assert dec.blocks.num_free == dec.blocks.num_blocks, "every block came back"
+
+
+def test_a_request_aborted_while_its_pull_is_in_flight_frees_its_blocks_when_it_ends(boxes):
+    """The READ still writes the blocks after the abort: they are freed only once it has
+    ended, never handed to another request before."""
+    from appliance.engines.messages import SamplingParams
+    pre, dec, _ = boxes
+    link = SlowLink(dec.nixl._agent)
+    dec.nixl._agent = link
+    try:
+        _, msg = _remote_decode(pre, "gone", list(range(5, 70)),
+                                SamplingParams(max_tokens=5, temperature=0.0))
+        dec.add(msg)
+        dec.step()
+        held = dec.blocks.num_blocks - dec.blocks.num_free
+        assert held > 0
+        dec.abort("gone")
+        assert dec.blocks.num_blocks - dec.blocks.num_free == held and dec.has_work()
+        dec.step()
+        assert dec.blocks.num_blocks - dec.blocks.num_free == held, "freed mid-READ"
+        link.state = None
+        while dec.has_work():
+            assert dec.step() == []                       # nothing for a gone request
+    finally:
+        dec.nixl._agent = link.real
+        pre.release("gone")
+    assert dec.blocks.num_free == dec.blocks.num_blocks
+
+
+def test_a_pull_unfinished_at_deadline_plus_margin_is_given_up_and_its_blocks_kept(boxes):
+    """A READ still "PROC" at the handle's deadline + margin (a peer that hangs): given up
+    on, its request recomputed with the right answer, and its destination blocks left
+    allocated to nobody (`dst_unsafe`: the READ may still land), while the worker goes on
+    stepping instead of hanging. Runs last on these engines: it leaks on purpose."""
+    from appliance.engines.messages import Prefill, SamplingParams
+    pre, dec, agg = boxes
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    prompt = list(range(300, 365))
+    out = agg.add(Prefill("ref2", prompt, params, False))
+    while agg.has_work():
+        out += agg.step()
+    want = _tokens(out, "ref2")
+    link, margin = SlowLink(dec.nixl._agent), dec.nixl.margin_s
+    dec.nixl._agent, dec.nixl.margin_s = link, 0.2
+    recomputes = dec.kv_recomputes
+    try:
+        first, msg = _remote_decode(pre, "hung", prompt, params, ttl=0.5)
+        events = dec.add(msg)
+        t0 = time.monotonic()
+        while dec.has_work():
+            events += dec.step()
+            assert time.monotonic() - t0 < 30, "the worker hangs on the READ"
+    finally:
+        dec.nixl._agent, dec.nixl.margin_s = link.real, margin
+        pre.release("hung")
+    assert [first] + _tokens(events, "hung") == want
+    assert dec.kv_recomputes == recomputes + 1
+    leaked = dec.blocks.num_blocks - dec.blocks.num_free
+    assert leaked == dec.blocks.blocks_for(len(prompt) + 1)
+
+
 def test_a_front_with_decode_workers_of_its_own_decodes_locally_while_no_peer_is_up(
         tmp_path, tiny_model):
     """`devices.split` keeps the front's own decode worker: with its decode box down the

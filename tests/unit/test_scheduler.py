@@ -258,6 +258,49 @@ def test_decode_role_is_admitted_by_kv_import_then_decodes():
     assert d.uncached == 1                            # only the first token is fed
 
 
+def test_an_import_in_flight_holds_its_blocks_and_its_seat_but_is_not_scheduled():
+    """A pull from another box in flight (the engine moved the sequence to `importing`):
+    the running sequence decodes alone, the import counts against max_seqs and keeps the
+    scheduler busy, and it joins the decode batch once marked imported."""
+    sched = make(num_blocks=32, budget=64, max_seqs=2)
+    a = seq("a", 8, max_tokens=20)
+    sched.add(a)
+    run(sched, sched.schedule())
+    d = handle_seq("d", 10, start=100)
+    sched.add(d)
+    batch = sched.schedule()
+    assert batch.phase == "kv_import" and batch.seqs == [d]
+    sched.importing.append(d)                         # what the engine does for a pull
+    c = seq("c", 8, start=200)
+    sched.add(c)
+    for _ in range(3):
+        batch = sched.schedule()
+        assert batch.phase == "decode" and batch.seqs == [a]   # c waits: 2 seats taken
+        run(sched, batch)
+    assert list(sched.waiting) == [c] and d.block_table and sched.has_work()
+    d.num_cached = d.handle.num_tokens
+    sched.mark_imported([d])
+    assert sched.importing == [] and sched.schedule().seqs == [a, d]
+
+
+def test_a_failed_import_in_flight_is_requeued_for_recompute():
+    sched = make(num_blocks=16, budget=64)
+    d = handle_seq("d", 10)
+    sched.add(d)
+    sched.schedule()
+    sched.importing.append(d)
+    sched.blocks.free(d)
+    sched.requeue(d)
+    assert sched.importing == [] and list(sched.waiting) == [d] and d.role is Role.FULL
+    assert sched.schedule().phase == "prefill"
+    e = handle_seq("e", 10, start=100)                # aborted while its READ is in flight
+    sched.add(e)
+    assert sched.schedule().seqs == [e]
+    sched.importing.append(e)
+    sched.remove(e)
+    assert sched.importing == [] and e.status is Status.FINISHED and e not in sched.running
+
+
 def test_imports_that_do_not_fit_wait():
     sched = make(num_blocks=4, budget=16)
     d1, d2 = handle_seq("d1", 12), handle_seq("d2", 12, start=100)   # 13 tokens: 4 blocks each
