@@ -15,10 +15,9 @@ from pathlib import Path
 from appliance.planner.profiles import load_profile, simulated_profile
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
-# A torch CPU worker's prefill step budget when no measured profile says how long a step
-# takes: at C = 32 on the 2-core development machine, 8,192-token steps kept the decode
-# worker idle while all 32 prompts prefilled together; 1,024 halved TTFT
-# (docs/benchmarks.md, "Against vLLM's CPU build").
+# A torch CPU worker's prefill step budget (engine.cpu_prefill_step_ms > 0) when no
+# measured profile says how long a step takes: the budget measured against 8,192 at C = 32
+# on the 2-core development machine (docs/benchmarks.md, "Against vLLM's CPU build").
 CPU_DEFAULT_STEP_TOKENS = 1024
 
 

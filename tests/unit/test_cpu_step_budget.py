@@ -1,7 +1,8 @@
-"""engine.cpu_prefill_step_ms: a torch CPU worker's prefill token budget is capped so one
-step takes about that long (by its measured profile; 1,024 tokens without one), so in
+"""engine.cpu_prefill_step_ms > 0: a torch CPU worker's prefill token budget is capped so
+one step takes about that long (by its measured profile; 1,024 tokens without one), so in
 disagg the decode worker gets prompts as each short step ends instead of after one
-8,192-token step (docs/engines/torch.md)."""
+8,192-token step. Off by default: measured, it cost CPU per request for a TTFT gain only
+some rounds showed (docs/engines/torch.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,15 +45,15 @@ def _specs(mode: str, cfg: Config, engine: str = "torch", profiles: dict | None 
 
 
 def test_cpu_prefill_workers_get_the_capped_budget_decode_keeps_its_own():
+    assert Config().engine.cpu_prefill_step_ms == 0        # off by default
+    assert _specs("disagg", Config()) == {"prefill0": 8192, "decode0": 8192}
     cfg = Config()
-    assert cfg.engine.cpu_prefill_step_ms == 150
+    cfg.engine.cpu_prefill_step_ms = 150
     assert _specs("disagg", cfg) == {"prefill0": CPU_DEFAULT_STEP_TOKENS, "decode0": 8192}
     assert _specs("disagg", cfg, profiles={"prefill0": _profile()})["prefill0"] == 2048
+    assert _specs("disagg", cfg, engine="sim") == {"prefill0": 8192, "decode0": 8192}
     cfg.engine.cpu_threads = 1
     assert _specs("agg", cfg) == {"agg0": CPU_DEFAULT_STEP_TOKENS, "agg1": CPU_DEFAULT_STEP_TOKENS}
-    off = Config()
-    off.engine.cpu_prefill_step_ms = 0
-    assert _specs("disagg", off) == {"prefill0": 8192, "decode0": 8192}
 
 
 def test_status_says_why_the_budget_is_below_the_configured_one():
