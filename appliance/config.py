@@ -60,6 +60,8 @@ class EngineConfig:
     sim_speed: float = 1.0            # simulated time runs this many times faster than real
     block_size: int = 16
     max_batch_tokens: int = 8192      # prefill token budget per iteration; 0 = the profile's knee
+    cpu_prefill_step_ms: int = 0      # >0: torch CPU workers' budget capped so a prefill step takes
+                                      # ~this (measured profile; without one 1024 tokens); 0 = no cap
     max_seqs: int = 256               # sequences per batch
     kv_cache_bytes: int = 1 << 30     # KV pool per worker on the CPU
     cpu_threads: int = 0              # CPU workers: torch threads (and cores) each; 0 = split the cores
@@ -369,6 +371,9 @@ def validate(cfg: Config) -> Config:
     if cfg.engine.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError("config: engine.dtype must be auto, float32, bfloat16 or float16, "
                           f"got {cfg.engine.dtype!r}")
+    if cfg.engine.cpu_prefill_step_ms < 0:
+        raise ConfigError("config: engine.cpu_prefill_step_ms must be 0 (no cap) or positive, "
+                          f"got {cfg.engine.cpu_prefill_step_ms}")
     if cfg.engine.cpu_threads < 0:
         raise ConfigError(f"config: engine.cpu_threads must be 0 (auto) or more, got {cfg.engine.cpu_threads}")
     if not 0.0 <= cfg.engine.reserve_ratio <= 1.0:

@@ -278,7 +278,7 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
     `profiles`: measured profiles per worker, whose ~50 ms prefill step is the worker's
     fair chunk (`engines.fair_queue`)."""
     from appliance.engines.fair_queue import chunk_for_step_time
-    from appliance.planner.tuning import DEFAULT_MAX_BATCH_TOKENS
+    from appliance.planner.tuning import DEFAULT_MAX_BATCH_TOKENS, cpu_step_tokens
     e = cfg.engine
     devices = {d.id: d for d in inv.devices}
     specs = []
@@ -306,8 +306,11 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
             # a box of a cluster: its pool with NIXL (workers a workflow starts too)
             nixl=cfg.cluster.role != "both" and engine == "torch"))
         profile = (profiles or {}).get(slot.worker)
+        last = specs[-1]
+        if engine == "torch" and first.kind == "cpu" and last.role != "decode":
+            last.max_batch_tokens = cpu_step_tokens(last.max_batch_tokens, e.cpu_prefill_step_ms,
+                                                    profile, block_size=last.block_size)
         if profile is not None:
-            last = specs[-1]
             last.fair_chunk_tokens = chunk_for_step_time(
                 profile.prefill_s, align=last.block_size, lo=last.block_size,
                 hi=max(last.block_size, last.max_batch_tokens))

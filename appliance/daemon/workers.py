@@ -22,6 +22,7 @@ from appliance.engines.messages import (
 from appliance.daemon import supervisor
 from appliance.daemon.supervisor import program_command
 from appliance.worker import wire
+from appliance.worker.cpu_env import cpu_worker_env
 from appliance.worker.cuda_env import gpu_worker_env
 from appliance.worker.spec import WorkerSpec
 
@@ -68,6 +69,8 @@ def worker_env(spec: WorkerSpec, base) -> dict[str, str]:
         # CUDA IPC can only open a peer's KV pool on a device this process can see.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.device_uuids + spec.peer_uuids)
         env.update(gpu_worker_env(env))    # KV pools must be exportable: no expandable segments
+    else:
+        env.update(cpu_worker_env(env))    # OpenMP threads sleep, not spin, between ops
     return env
 
 

@@ -15,6 +15,27 @@ from pathlib import Path
 from appliance.planner.profiles import load_profile, simulated_profile
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
+# A torch CPU worker's prefill step budget (engine.cpu_prefill_step_ms > 0) when no
+# measured profile says how long a step takes: the budget measured against 8,192 at C = 32
+# on the 2-core development machine (docs/benchmarks.md, "Against vLLM's CPU build").
+CPU_DEFAULT_STEP_TOKENS = 1024
+
+
+def cpu_step_tokens(configured: int, step_ms: int, profile=None, *, block_size: int = 16) -> int:
+    """A torch CPU worker's prefill token budget: `configured` (engine.max_batch_tokens or
+    its auto value) capped so one prefill step takes about `step_ms` (engine.cpu_prefill_step_ms)
+    by the worker's measured `profile`, or `CPU_DEFAULT_STEP_TOKENS` without one. Why: the
+    prefill worker hands a prompt to the decode worker only when its step ends, so on a
+    few cores one long step leaves the decode side idle while a wave of prompts prefills,
+    and every prompt of the wave waits for the whole step's first tokens. A prompt longer
+    than the budget still runs (alone, as the scheduler does for any budget)."""
+    if step_ms <= 0:
+        return configured
+    if profile is None:
+        return min(configured, CPU_DEFAULT_STEP_TOKENS)
+    from appliance.engines.fair_queue import chunk_for_step_time
+    return chunk_for_step_time(profile.prefill_s, step_ms / 1000, align=block_size,
+                               lo=block_size, hi=max(block_size, configured))
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +80,10 @@ def batch_tokens_json(configured: int, workers: dict[str, tuple[str, int]],
                 next(iter(workers), None))
     out = {"configured": configured, "value": workers[lead][1] if lead else configured,
            "workers": {w: t for w, (_, t) in workers.items()}}
-    if configured > 0:
+    if configured > 0 and out["value"] < configured:
+        out.update(source="cpu step", why=f"engine.max_batch_tokens = {configured} capped by "
+                   "engine.cpu_prefill_step_ms on this CPU worker")
+    elif configured > 0:
         out.update(source="configured", why="engine.max_batch_tokens in the config")
     elif lead in budgets:
         out.update(source=budgets[lead].source, why=budgets[lead].why)

@@ -155,8 +155,8 @@ def test_peer_pool_that_fails_the_pattern_copy_check_is_not_read(tiny_model, cap
 
 def test_gpu_workers_never_get_expandable_segments():
     """The daemon's environment for a GPU worker forces expandable_segments off in both
-    names torch reads, keeping the operator's other allocator options; CPU workers are
-    left alone."""
+    names torch reads, keeping the operator's other allocator options; CPU workers get
+    no allocator setting."""
     from appliance.daemon.workers import worker_env
 
     gpu = WorkerSpec(worker="decode0", role="decode", engine="torch", devices=["gpu1"],
@@ -172,4 +172,4 @@ def test_gpu_workers_never_get_expandable_segments():
     assert "PYTORCH_ALLOC_CONF" not in worker_env(gpu, {})
     cpu = WorkerSpec(worker="decode0", role="decode", engine="torch", devices=["cpu0"],
                      device_kind="cpu", model_dir="/m")
-    assert worker_env(cpu, base) == base
+    assert worker_env(cpu, base) == {**base, "OMP_WAIT_POLICY": "PASSIVE"}
