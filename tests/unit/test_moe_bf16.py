@@ -39,10 +39,9 @@ CASES = {"qwen3_moe-norm": (_qwen3_moe, True), "qwen3_moe-raw": (_qwen3_moe, Fal
          "gpt_oss": (_gpt_oss, None)}
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_moe_block_is_bitwise_transformers_in_bf16(case, tmp_path):
-    make, arg = CASES[case]
-    cls, cfg = make(arg)
+def _bf16_pair(cls, cfg, tmp_path):
+    """transformers' model with seeded weights (norms near 1), saved and loaded back in
+    bf16, and ours loaded from the same directory in bf16."""
     torch.manual_seed(0)
     ref = cls(cfg).eval()
     g = torch.Generator().manual_seed(1)
@@ -55,6 +54,14 @@ def test_moe_block_is_bitwise_transformers_in_bf16(case, tmp_path):
     ref = cls.from_pretrained(tmp_path, dtype=torch.bfloat16,
                               attn_implementation="eager").eval()
     ours = load_model(tmp_path, dtype=torch.bfloat16)
+    return ref, ours
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_moe_block_is_bitwise_transformers_in_bf16(case, tmp_path):
+    make, arg = CASES[case]
+    cls, cfg = make(arg)
+    ref, ours = _bf16_pair(cls, cfg, tmp_path)
 
     routed, blocks = [], []
     for layer in ref.model.layers:
@@ -128,18 +135,7 @@ def test_bf16_greedy_parity_with_transformers_on_clear_prompts(make, tmp_path):
     from appliance.engines.kv_pool import allocate_kv_pool
     from appliance.engines.layers.attention import AttnBatch
     cls, cfg = make()
-    torch.manual_seed(0)
-    ref = cls(cfg).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            norm = "norm" in name
-            p.copy_((1.0 if name.endswith("norm.weight") else 0.0)
-                    + (0.2 if norm else 0.15) * torch.randn(p.shape, generator=g))
-    ref.save_pretrained(tmp_path, safe_serialization=True)
-    ref = cls.from_pretrained(tmp_path, dtype=torch.bfloat16,
-                              attn_implementation="eager").eval()
-    ours = load_model(tmp_path, dtype=torch.bfloat16)
+    ref, ours = _bf16_pair(cls, cfg, tmp_path)
     k = cfg.num_experts_per_tok
     router_logits: list[torch.Tensor] = []
     for layer in ref.model.layers:
