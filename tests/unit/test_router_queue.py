@@ -329,7 +329,7 @@ def test_requests_wait_in_fair_order_for_kv_on_the_decode_side():
     async def scenario():
         pool = _pool(_spec("p0", role="prefill", max_seqs=100, max_batch_tokens=10 ** 6),
                      _spec("d0", role="decode"))
-        router = Router(pool, "disagg")
+        router = Router(pool, "disagg", decode_kv_gate=True)
         _stats(pool.workers["d0"], total=12)
         # 32-token prompts and 1-token answers (block size 16): 3 blocks, and one for the
         # first token. The prefill worker has room for all; the decode side for three.
@@ -362,7 +362,7 @@ def test_decode_kv_holds_back_nothing_it_cannot_judge():
     async def scenario():
         pool = _pool(_spec("p0", role="prefill", max_seqs=100, max_batch_tokens=10 ** 6),
                      _spec("d0", role="decode"))
-        router = Router(pool, "disagg")
+        router = Router(pool, "disagg", decode_kv_gate=True)
         d0 = pool.workers["d0"]
         # no stats report yet: not held back
         first = [Client(router, f"a{i}", "t", tokens=32) for i in range(3)]
