@@ -214,7 +214,7 @@ def test_fleet_sums_the_ratio_lists_sites_and_merges_tenants():
                 assert sites == ["local", "paris"]
                 await asyncio.to_thread(b.stop)
                 text = await wait_screen(app, pilot, lambda t: "unreachable" in t,
-                                         what="box 2 down")
+                                         timeout=60, what="box 2 down")   # (its reconnects back off)
                 assert "1/2 appliances reachable" in text and b.url in text
                 await pilot.press("1", "a")                       # the second box's overview
                 await wait_screen(app, pilot, lambda t: "paris/box2" in t.splitlines()[0],
