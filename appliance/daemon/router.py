@@ -102,9 +102,8 @@ class Router:
         # front's decodes go to its peers (their KV is theirs to refuse): not gated here.
         # Off by default: with it on, a cancelled model swap left requests waiting for
         # good (tests/integration/test_workflows.py, the swap cancelled after its switch).
-        self.dispatch = DispatchQueue(
-            fair_queuing, self._decode_room if decode_kv_gate and mode == "disagg"
-            and role != "prefill" else None)
+        self.gated = decode_kv_gate and mode == "disagg" and role != "prefill"
+        self.dispatch = DispatchQueue(fair_queuing, self._decode_room if self.gated else None)
         self._decode_need: dict[str, int] = {}       # request -> blocks it will take there
         self.decode_committed = 0                     # blocks of the requests placed
         self.conditional_tokens = conditional_tokens
@@ -239,9 +238,10 @@ class Router:
                 worker = self._most_free(self.decode)
                 gen = self._run_local(trace, worker, prompt, params, share)
             else:
-                block = self.decode[0].spec.block_size if self.decode else 16
-                self._decode_need[trace.request_id] = \
-                    -(-(len(prompt) + params.max_tokens) // block) + 1
+                if self.gated:      # (no bookkeeping on the request path when ungated)
+                    block = self.decode[0].spec.block_size if self.decode else 16
+                    self._decode_need[trace.request_id] = \
+                        -(-(len(prompt) + params.max_tokens) // block) + 1
                 gen = self._run_disagg(trace, prompt, params, share)
             async for item in gen:
                 yield item
