@@ -87,14 +87,15 @@ def make_qwen3_model(base: Path) -> Path:
     return target
 
 
-def start_vllm(vllm: str, model: Path, log: Path, timeout: float = 900):
+def start_vllm(vllm: str, model: Path, log: Path, timeout: float = 900,
+               extra: tuple[str, ...] = ()):
     port = free_port()
     # Defaults but for memory: vLLM's CPU backend reserves 92% of RAM at start and refuses
     # to start where other jobs use more than 8%; 1 GiB of KV, as applianced's workers have.
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.Popen([vllm, "serve", str(model), "--host", "127.0.0.1", "--port",
                              str(port), "--served-model-name", model.name,
-                             "--gpu-memory-utilization", "0.5"],
+                             "--gpu-memory-utilization", "0.5", *extra],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     return proc, wait_ready(proc, f"http://127.0.0.1:{port}", log, path="/health",

@@ -313,8 +313,12 @@ class Completion:
     def logprob_entries(self, entries: list) -> list[dict]:
         """OpenAI chat shape: each token's own text, its bytes, logprob and alternatives.
         A token's text is decoded alone, so a piece of a multi-byte character shows as
-        U+FFFD (with those bytes), as in vLLM."""
+        U+FFFD (with those bytes), as in vLLM; with `return_tokens_as_token_ids` each
+        token is named "token_id:N" instead, which says exactly which token it was."""
         decode = self.svc.tokenizer.decode
+        if self.req.tokens_as_ids:
+            def decode(ids: list[int]) -> str:
+                return f"token_id:{ids[0]}"
 
         def one(token: int, logprob: float | None) -> dict:
             text = decode([token])

@@ -50,6 +50,7 @@ class GenerationRequest:
     priority: int | None = None         # vLLM's: lower is served first; None: the tenant's
     chat_template_kwargs: dict | None = None  # chat: extra variables for the template
     thinking: bool = False              # chat: the rendered prompt opened a <think> block
+    tokens_as_ids: bool = False         # logprobs name tokens "token_id:N" (vLLM's option)
 
     def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...] = (),
                  choice: int = 0) -> SamplingParams:
@@ -190,7 +191,8 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         stop_token_ids=tuple(sorted({int(t) for t in body.get("stop_token_ids") or ()})),
         skip_special_tokens=values["skip_special_tokens"],
         include_stop_str_in_output=values["include_stop_str_in_output"],
-        priority=_int(body.get("priority")))
+        priority=_int(body.get("priority")),
+        tokens_as_ids=values["return_tokens_as_token_ids"])
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise bad(f"'min_tokens' ({req.min_tokens}) must not exceed max_tokens "
                   f"({req.max_tokens})", "min_tokens")

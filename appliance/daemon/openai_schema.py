@@ -89,6 +89,9 @@ COMMON = {
     "ignore_eos": _flag(False, "Generate max_tokens whatever the model says (benchmarks); "
                                "not with a structured output."),
     "skip_special_tokens": _flag(True, "Leave special tokens out of the text."),
+    "return_tokens_as_token_ids": _flag(False, "vLLM's: logprobs name each token "
+                                               "'token_id:N' rather than by its text (exact "
+                                               "where a token is part of a character)."),
     "include_stop_str_in_output": _flag(False, "Keep the stop string that ended the output."),
     "priority": _int(-(1 << 31), "vLLM's scheduling class: lower is served first. It may "
                      "lower a request's standing below its tenant's class, never raise it "

@@ -54,6 +54,30 @@ def test_skip_special_tokens_false_shows_them(daemon):
     assert shown["choices"][0]["text"] == "<|start_header_id|>" * 2
 
 
+def test_return_tokens_as_token_ids_names_the_sampled_and_alternative_ids(daemon, tiny_model):
+    """Each logprob entry names its token "token_id:N": the ids, decoded, give the text
+    (exact even where a token is part of a character), with the same log-probabilities."""
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tiny_model / "tokenizer.json"))
+    named = complete(daemon, max_tokens=12, logprobs=2)["choices"][0]
+    ids = complete(daemon, max_tokens=12, logprobs=2,
+                   return_tokens_as_token_ids=True)["choices"][0]
+    tokens = ids["logprobs"]["tokens"]
+    assert all(t.startswith("token_id:") for t in tokens)
+    as_ints = [int(t.split(":", 1)[1]) for t in tokens]
+    assert tok.decode(as_ints) == named["text"] == ids["text"]
+    assert ids["logprobs"]["token_logprobs"] == named["logprobs"]["token_logprobs"]
+    top = ids["logprobs"]["top_logprobs"][0]
+    assert len(top) == 2 and all(k.startswith("token_id:") for k in top)
+    code, _, chat = daemon.post("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "temperature": 0, "logprobs": True, "top_logprobs": 1,
+        "return_tokens_as_token_ids": True})
+    assert code == 200, chat
+    entries = chat["choices"][0]["logprobs"]["content"]
+    assert len(entries) == 3 and all(e["token"].startswith("token_id:") for e in entries)
+
+
 def test_include_stop_str_in_output(daemon):
     text = complete(daemon, max_tokens=24)["choices"][0]["text"]
     stop = text[8:11]
