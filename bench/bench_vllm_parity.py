@@ -45,6 +45,12 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
             "top": lp.get("top_logprobs") or [], "text": choice["text"]}
 
 
+def top2_gap(top: dict | None) -> float:
+    """How far apart a position's two likeliest tokens are (inf when not reported)."""
+    values = sorted((top or {}).values(), reverse=True)
+    return values[0] - values[1] if len(values) >= 2 else float("inf")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, help="checkpoint dir (default: the 82m preset)")
@@ -96,6 +102,11 @@ def main() -> None:
     equal = sum(r["equal"] for r in rows)
     print(f"\n{model.name} ({args.dtype}): {equal}/{len(rows)} prompts equal token for token "
           f"over {args.max_tokens} greedy tokens")
+    gaps = [min(top2_gap(r["applianced_top2"]), top2_gap(r["vllm_top2"]))
+            for r in rows if not r["equal"]]
+    if gaps:
+        print(f"where they part, the closer server's two likeliest tokens were at most "
+              f"{max(gaps):.2e} apart in log-probability (a near-tie)")
     if args.json:
         args.json.write_text(json.dumps({"model": model.name, "dtype": args.dtype,
                                          "max_tokens": args.max_tokens, "rows": rows}, indent=2))
