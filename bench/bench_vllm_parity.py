@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_vllm import make_model, make_qwen3_model, start_vllm, stop  # noqa: E402
+from bench_vs_vllm import checkpoint, start_vllm, stop  # noqa: E402
 from daemon_process import start_daemon  # noqa: E402
 
 
@@ -62,10 +62,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-parity-"))
-    model = args.model or make_model(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-                                     / "applianced-bench")
-    if args.shape == "qwen3" and not args.model:
-        model = make_qwen3_model(model)
+    model = checkpoint(args.model, args.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(7)
     prompts = [[rng.randrange(16, vocab) for _ in range(n)]

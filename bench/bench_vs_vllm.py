@@ -87,6 +87,15 @@ def make_qwen3_model(base: Path) -> Path:
     return target
 
 
+def checkpoint(model: Path | None, shape: str) -> Path:
+    """`--model`, else the 82m preset under the user's cache, as a Qwen3 for `--shape qwen3`."""
+    if model:
+        return model
+    base = make_model(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                      / "applianced-bench")
+    return make_qwen3_model(base) if shape == "qwen3" else base
+
+
 def start_vllm(vllm: str, model: Path, log: Path, timeout: float = 900,
                extra: tuple[str, ...] = ()):
     port = free_port()
@@ -262,10 +271,7 @@ def main() -> None:
         args.concurrency, args.requests, args.rounds = "8", 2, 1
     levels = [int(c) for c in args.concurrency.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="bench-vs-vllm-"))
-    model = args.model or make_model(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-                                     / "applianced-bench")
-    if args.shape == "qwen3" and not args.model:
-        model = make_qwen3_model(model)
+    model = checkpoint(args.model, args.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
