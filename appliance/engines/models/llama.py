@@ -107,16 +107,36 @@ class Get(Protocol):
     def has(self, name: str) -> bool: ...
 
 
+# A CPU prefill step runs its MLP this many rows at a time. Each row's result is the same
+# (the rows are independent), but a whole 8,192-token step's gate/up output (64 MiB in
+# bf16 for the 82m model) goes through DRAM three times (written, read by silu, read by
+# the product); 1,024 rows stay in the caches. Measured in CPU time, one thread, bf16,
+# hidden 768 / intermediate 2,048: 455 -> 392 ms per layer-MLP at 8,192 rows, 106 -> 99
+# at 2,048 (`bench/profile_prefill_step.py` for the whole step).
+MLP_ROWS = 1024
+
+
 @dataclass(slots=True)
 class DenseMLP:
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up fused into one matmul."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up fused into one matmul; on
+    the CPU in slices of `MLP_ROWS` rows."""
 
     gate_up: Linear  # [2*intermediate, hidden]
     down: Linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        if T <= MLP_ROWS or x.device.type != "cpu":
+            return self._rows(x)
+        out = torch.empty_like(x)       # down maps back to the hidden size
+        for a in range(0, T, MLP_ROWS):
+            out[a:a + MLP_ROWS] = self._rows(x[a:a + MLP_ROWS])
+        return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        h = F.silu(gate)
+        return self.down(h.mul_(up))
 
 
 @dataclass(slots=True)
