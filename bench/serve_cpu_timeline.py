@@ -1,0 +1,104 @@
+"""Where a served CPU layout's time goes, per process: one `bench_vs_vllm.py` cell against
+one applianced, with each process's CPU time sampled every 50 ms. Not a test: prints each
+process's CPU seconds per request and busy share, and a timeline (one line per --bin).
+
+    .venv/bin/python bench/serve_cpu_timeline.py --concurrency 32 --requests 1 \
+        --set 'engine.dtype="bfloat16"'
+
+Which worker is which comes from its `--spec` (its "worker" name); other children (the
+request preparers, the accounting process) are summed as "other". A line where one worker
+is busy and the other at 0% is a core left idle: in disagg with one wave of requests the
+prefill and decode workers take turns.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_vs_vllm as vs  # noqa: E402
+from daemon_process import ROOT, start_daemon  # noqa: E402
+
+
+def processes(root_pid: int) -> dict[int, str]:
+    import psutil
+    names = {root_pid: "daemon"}
+    for child in psutil.Process(root_pid).children(recursive=True):
+        try:
+            found = re.search(r'"worker":\s*"(\w+)"', " ".join(child.cmdline()))
+        except psutil.Error:
+            continue
+        names[child.pid] = found.group(1) if found else "other"
+    return names
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, help="checkpoint dir (default: the 82m preset)")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=1, help="requests = concurrency x this")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config key, VALUE a TOML literal (repeatable)")
+    ap.add_argument("--bin", type=float, default=1.0, help="timeline resolution, seconds")
+    args = ap.parse_args()
+    import psutil
+    model = args.model or vs.make_model(Path.home() / ".cache" / "applianced-bench")
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    _, _, tables = vs.parse_variant("x:" + ",".join(args.set))
+    state = Path(tempfile.mkdtemp(prefix="cpu-timeline-"))
+    (state / "config.toml").write_text("".join(
+        f"[{section}]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items())
+        for section, keys in tables.items()))
+    proc, url = start_daemon(state, ["--model", str(model), "--engine", "torch",
+                                     "--config", str(state / "config.toml")], root=ROOT)
+    try:
+        names = processes(proc.pid)
+        samples: list[tuple[float, dict[str, float]]] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                row: dict[str, float] = {}
+                for pid, name in names.items():
+                    try:
+                        t = psutil.Process(pid).cpu_times()
+                    except psutil.Error:
+                        continue
+                    row[name] = row.get(name, 0.0) + t.user + t.system
+                samples.append((time.perf_counter(), row))
+                done.wait(0.05)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        cell = asyncio.run(vs.cell(url, model.name, args.concurrency,
+                                   args.concurrency * args.requests, 256, 64, vocab,
+                                   seed=args.concurrency))
+        done.set()
+        sampler.join()
+    finally:
+        vs.stop(proc)
+    (t0, first), (t1, last) = samples[0], samples[-1]
+    wall, requests = t1 - t0, cell["requests"] + 2          # the cell's 2 warm-up requests
+    print(f"{cell['req_s']:.2f} req/s, TTFT p50 {cell['ttft_p50_s']:.2f} s, ITL p50 "
+          f"{cell['itl_p50_ms']:.1f} ms; {wall:.1f} s sampled, load average "
+          f"{psutil.getloadavg()[0]:.1f}")
+    print("| process | CPU s | CPU s/request | busy |\n|---|---:|---:|---:|")
+    for name in sorted(last):
+        used = last[name] - first.get(name, 0.0)
+        print(f"| {name} | {used:.2f} | {used / requests:.3f} | {used / wall:.0%} |")
+    step = max(1, round(args.bin / 0.05))
+    for i in range(0, len(samples) - step, step):
+        (a, ra), (b, rb) = samples[i], samples[i + step]
+        print(f"{a - t0:6.1f} s  " + "  ".join(
+            f"{n} {(rb[n] - ra.get(n, 0.0)) / (b - a):4.0%}" for n in sorted(rb)))
+
+
+if __name__ == "__main__":
+    main()
