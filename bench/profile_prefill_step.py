@@ -78,7 +78,9 @@ def main() -> None:
     ap.add_argument("--prompts", default="1,8,32", help="prompts per step, comma-separated")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per size (median)")
-    ap.add_argument("--prefault", action="store_true", help="touch every page of the KV pool first (a fresh pool's first writes page-fault: compare)")
+    ap.add_argument("--prefault", action="store_true",
+                    help="touch every page of the KV pool first (a fresh pool's first "
+                         "writes page-fault: compare)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not (args.model / "config.json").exists():
