@@ -47,6 +47,20 @@ def test_compiled_decode_gives_the_same_tokens(tiny_model):
     eager = _greedy(model, prompts, 24, "off")
     compiled = _greedy(model, prompts, 24, "decode")
     assert compiled == eager
+    # everything was compiled at start-up (set_compile): no batch size compiles again in
+    # a step, with a request waiting for it (a batch of 1 included)
+    from torch._dynamo.utils import counters
+    warm = counters["stats"]["unique_graphs"]
+    for n in (1, 3):        # engines on the same model, its compiled glue kept
+        eng = TorchEngine(model=model, worker="w", devices=("cpu",), num_blocks=64,
+                          block_size=16, max_batch_tokens=4096, max_seqs=8, max_context=512,
+                          eos_token_ids=(), share_pool=False)
+        for i, p in enumerate(prompts[:n]):
+            eng.add(Prefill(f"s{i}", p, SamplingParams(max_tokens=4, temperature=0.0,
+                                                       ignore_eos=True), handoff=False))
+        while eng.has_work():
+            eng.step()
+    assert counters["stats"]["unique_graphs"] == warm
     assert all(len(t) == 24 for t in compiled.values())
 
 

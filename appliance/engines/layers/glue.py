@@ -81,12 +81,16 @@ def compile_glue(device: torch.device, dtype: torch.dtype, hidden: int, eps: flo
             inductor_config.emulate_precision_casts = True
             glue = Glue(torch.compile(_rms_norm, dynamic=True),
                         torch.compile(_add_rms_norm, dynamic=True), True)
+            # As the forward calls them: the weight an ordinary tensor (dynamo guards on
+            # that), the rows made under inference_mode; at 1 row (dynamo specializes a
+            # size of 1) and two more sizes (the dynamic graph), so no step's batch size
+            # compiles later, with a request waiting for it.
+            w = torch.ones(hidden, device=device, dtype=dtype)
             with torch.inference_mode():
-                for rows in (2, 3):     # two sizes: the dynamic graph, not one per size
+                for rows in (1, 2, 3):
                     h = torch.zeros(rows, hidden, device=device, dtype=dtype)
-                    w = torch.ones(hidden, device=device, dtype=dtype)
                     glue.rms_norm(h, w, eps)
-                    glue.add_rms_norm(h, h, w, eps)
+                    glue.add_rms_norm(h, torch.zeros_like(h), w, eps)   # two tensors
             return glue
         except Exception as exc:  # noqa: BLE001 - any failure: serve eager, say why
             lines = str(exc).strip().splitlines()
