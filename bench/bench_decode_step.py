@@ -19,6 +19,7 @@ CPU time; shares are of the profiled total, milliseconds scaled to the unprofile
     .venv/bin/python bench/bench_decode_step.py                   # 82m bf16, B = 1, 8, 32
     .venv/bin/python bench/bench_decode_step.py --qwen3           # the Qwen3-shaped model
     .venv/bin/python bench/bench_decode_step.py --compile decode  # torch.compile of decode
+    .venv/bin/python bench/bench_decode_step.py --compare-compile # eager vs compiled, A B A B
     .venv/bin/python bench/bench_decode_step.py --json out.json   # rows for a comparison
 """
 from __future__ import annotations
@@ -229,6 +230,40 @@ def run(args) -> list[dict]:
     return rows
 
 
+def compare_compile(args) -> list[dict]:
+    """Eager against ``engine.compile = "decode"`` on one engine, alternating (eager two
+    steps, compiled two steps, 8 times): the load of other jobs falls on both alike."""
+    from appliance.engines.layers.glue import compile_glue, eager_glue
+    torch.set_num_threads(args.threads)
+    cpu_heap.keep_freed_memory()
+    d = model_dir(args.qwen3)
+    model = load_model(d, device=torch.device("cpu"), dtype=getattr(torch, args.dtype))
+    t0 = time.perf_counter()
+    compiled = compile_glue(model.device, model.dtype, model.shape.hidden_size,
+                            model.shape.rms_norm_eps, "bench")
+    print(f"compiled in {time.perf_counter() - t0:.1f} s wall (compiled: {compiled.compiled})")
+    rows = []
+    for B in [int(b) for b in args.batches.split(",")]:
+        eng = build(model, B, args.prompt, 60, "off")
+        res: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for _ in range(3):
+            eng.step()
+        for _ in range(8):
+            for name, glue in (("eager", eager_glue()), ("compiled", compiled)):
+                model.decode_glue = glue
+                eng.step()
+                c0 = time.process_time()
+                eng.step()
+                eng.step()
+                res[name].append((time.process_time() - c0) / 2 * 1e3)
+        row = dict(model=d.name, batch=B, **{f"{k}_cpu_ms": statistics.median(v)
+                                             for k, v in res.items()})
+        rows.append(row)
+        print(f"{d.name} B={B}: eager {row['eager_cpu_ms']:.2f} ms, compiled "
+              f"{row['compiled_cpu_ms']:.2f} ms CPU per step (medians of 8 pairs)", flush=True)
+    return rows
+
+
 def floor_gflops(batch: int) -> float:
     """bf16 GFLOPS per core of the packed Linear measured on this machine's AVX512-BF16
     core (the session's peak.py): ~45 at M = 1, 160-180 at M = 8-32."""
@@ -245,10 +280,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compile", default="off", help="engine compile mode (off | decode)")
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false")
+    ap.add_argument("--compare-compile", action="store_true",
+                    help="eager vs engine.compile=decode, alternating on one engine")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
     args.floor_gflops = floor_gflops
-    rows = run(args)
+    rows = compare_compile(args) if args.compare_compile else run(args)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 
