@@ -75,6 +75,7 @@ class EngineConfig:
     tool_parser: str = ""             # "" = from the chat template; hermes | llama3_json | mistral | harmony | none
     reasoning_parser: str = ""        # "" = from the chat template; qwen3 | none
     dtype: str = "auto"               # torch weights and KV: auto | float32 | bfloat16 | float16
+    compile: str = "off"              # torch: off | decode (torch.compile a decode step's norms/adds)
 
 
 @dataclass
@@ -371,6 +372,8 @@ def validate(cfg: Config) -> Config:
     if cfg.engine.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError("config: engine.dtype must be auto, float32, bfloat16 or float16, "
                           f"got {cfg.engine.dtype!r}")
+    if cfg.engine.compile not in ("off", "decode"):
+        raise ConfigError(f"config: engine.compile must be off or decode, got {cfg.engine.compile!r}")
     if cfg.engine.cpu_prefill_step_ms < 0:
         raise ConfigError("config: engine.cpu_prefill_step_ms must be 0 (no cap) or positive, "
                           f"got {cfg.engine.cpu_prefill_step_ms}")

@@ -301,7 +301,8 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
                               else DEFAULT_MAX_BATCH_TOKENS), max_seqs=e.max_seqs,
             kv_cache_bytes=e.kv_cache_bytes, gpu_mem_fraction=e.gpu_mem_fraction,
             handoff_timeout_s=e.handoff_timeout_s, reserve_ratio=e.reserve_ratio,
-            prefill_chunk_tokens=e.prefill_chunk_tokens, dtype=e.dtype, fair_queuing=e.fair_queuing,
+            prefill_chunk_tokens=e.prefill_chunk_tokens, dtype=e.dtype, compile=e.compile,
+            fair_queuing=e.fair_queuing,
             cluster_peers=list(cfg.cluster.peers) if cfg.cluster.role != "both" else [],
             # a box of a cluster: its pool with NIXL (workers a workflow starts too)
             nixl=cfg.cluster.role != "both" and engine == "torch"))

@@ -37,6 +37,7 @@ from appliance.engines.sequence import Sequence
 from appliance.engines.kv_pool import kv_pool_bytes_per_block, layout_tag
 from appliance.engines.layers import attention_backends
 from appliance.engines.layers.attention import AttnBatch
+from appliance.engines.layers.glue import COMPILE_MODES, compile_glue, eager_glue
 from appliance.engines.loader import load_model
 from appliance.engines.models.llama import LlamaModel
 from appliance.kv import handoff
@@ -100,6 +101,18 @@ class TorchEngine(BatchEngine):
         # as a sequence decodes. With any full layer (Gemma 3) every block stays.
         if s.all_layers_slide:
             self.kv_window = max(w for w in s.layer_windows if w is not None)
+
+    def set_compile(self, mode: str) -> None:
+        """``[engine] compile``: "decode" runs a decode step's residual adds and norms
+        through torch.compile (`layers.glue`; compiled here, at start-up), "off" eager.
+        Where it cannot compile, one line on stderr and eager."""
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"engine.compile must be one of {', '.join(COMPILE_MODES)}, "
+                             f"got {mode!r}")
+        m = self.model
+        m.decode_glue = (eager_glue() if mode == "off" else
+                         compile_glue(m.device, m.dtype, m.shape.hidden_size,
+                                      m.shape.rms_norm_eps, self.worker))
 
     # ---- contract hooks ---------------------------------------------------
     def layout(self) -> str:
@@ -536,6 +549,8 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         fair_queuing=spec.fair_queuing, fair_chunk_tokens=spec.fair_chunk_tokens,
         grammar=GrammarBook(model_dir, model.shape.vocab_size, read_eos_ids(model_dir)))
     engine.memory_plan = plan
+    if spec.compile != "off" and spec.role != "prefill":   # a prefill worker never decodes
+        engine.set_compile(spec.compile)
     if spec.nixl:
         engine.enable_nixl()
     return engine

@@ -30,6 +30,7 @@ class WorkerSpec:
     reserve_ratio: float = 1.0
     prefill_chunk_tokens: int = 0   # > 0: prompts are prefilled in chunks of this many tokens
     dtype: str = "auto"             # torch engine: auto | float32 | bfloat16 | float16
+    compile: str = "off"            # torch engine: off | decode (layers.glue)
     fair_queuing: bool = True       # tenants' prompts share prefill steps by weight
     fair_chunk_tokens: int = 0      # prompt chunk while tenants share; 0 = the engine's choice
     cluster_peers: list[str] = field(default_factory=list)  # [cluster] peers: KV crosses boxes

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from appliance.engines.kv_pool import layout_tag
 from appliance.engines.layers import attention_backends
 from appliance.engines.layers.attention import AttnBatch, PagedAttention
+from appliance.engines.layers.glue import Glue, eager_glue
 from appliance.engines.layers.linear import Linear
 from appliance.engines.layers.norm import head_rms_norm_
 from appliance.models.shape import LlamaShape
@@ -229,6 +230,9 @@ class LlamaModel(torch.nn.Module):
         self.rope_cos = torch.cat((cos, cos), -1).to(embed.device, embed.dtype)
         self.rope_sin = torch.cat((-sin, sin), -1).to(embed.device, embed.dtype)
         self.attn = PagedAttention(shape, embed.device, embed.dtype)
+        # Residual adds and norms: eager, or compiled for decode steps (`layers.glue`).
+        self.glue = eager_glue()
+        self.decode_glue: Glue = self.glue
 
     @property
     def attention(self) -> str:
@@ -281,9 +285,12 @@ class LlamaModel(torch.nn.Module):
         sin = self.rope_sin[positions].unsqueeze(1)
         eps = s.rms_norm_eps
 
+        glue = self.decode_glue if batch.prompts() == 0 else self.glue
         h = self.embed[input_ids]  # [T, D]
+        # Each residual add is done with the norm after it (one compiled loop, `glue`).
+        x = glue.rms_norm(h, self.layers[0].attn_norm, eps)
+        last_layer = len(self.layers) - 1
         for li, layer in enumerate(self.layers):
-            x = F.rms_norm(h, (s.hidden_size,), layer.attn_norm, eps)
             qkv = layer.qkv(x).view(T, H + 2 * KVH, hd)
             if layer.q_norm is not None:
                 head_rms_norm_(qkv[:, :H], layer.q_norm, eps)
@@ -300,10 +307,12 @@ class LlamaModel(torch.nn.Module):
 
             o = self.attn(li, q, k, v, kv, k_cache, v_cache, batch, plan, window=s.window(li),
                           sinks=layer.sinks)
-            h = h + layer.o(o)
-
-            x = F.rms_norm(h, (s.hidden_size,), layer.mlp_norm, eps)
-            h = h + layer.mlp(x)
+            h, x = glue.add_rms_norm(h, layer.o(o), layer.mlp_norm, eps)
+            delta = layer.mlp(x)
+            if li < last_layer:
+                h, x = glue.add_rms_norm(h, delta, self.layers[li + 1].attn_norm, eps)
+            else:
+                h = h + delta
 
         if batch.hidden_rows is not None:
             rows = batch.hidden_rows.to(h.device)
