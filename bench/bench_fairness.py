@@ -41,6 +41,23 @@ def config(fair: bool) -> str:
             '[tenants.polite]\nweight = 1\n[tenants.flood]\nweight = 1\n')
 
 
+def simulated_ttfts(log: str, tenant: str, t0: float, t1: float) -> list[float]:
+    """The simulated times to first token (`simulated_ttft_s`: on the simulated prefill
+    device's clock, from the request's arrival at its worker) of `tenant`'s requests that
+    arrived at the daemon in [t0, t1] (time.time()), from the `--log-requests` lines of
+    the daemon's log. The machine's load and the daemon's own latency do not stretch them:
+    they say what the scheduler did, where the wall-clock TTFT also says how busy the
+    machine running the simulation was."""
+    out = []
+    for line in log.splitlines():
+        if line.startswith("{") and '"simulated_ttft_s"' in line:
+            rec = json.loads(line)
+            if (rec["tenant"] == tenant and t0 <= rec["arrival"] <= t1
+                    and rec["simulated_ttft_s"] is not None):
+                out.append(rec["simulated_ttft_s"])
+    return out
+
+
 async def polite_round(client, n: int, max_tokens: int) -> list[float]:
     """n concurrent short prompts; each one's seconds to its first content chunk."""
     async def one(i: int) -> float:
