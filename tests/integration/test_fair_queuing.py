@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from helpers.daemons import ROOT
+from helpers.daemons import ROOT, http
 
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_fairness import MODEL, POLITE_KEY, Flood, config, polite, simulated_ttfts  # noqa: E402
@@ -33,6 +33,8 @@ def test_a_polite_tenant_keeps_its_ttft_under_a_flood(daemon_factory, tiny_model
     d = daemon_factory("--devices", "sim:2xH100", "--model-spec", MODEL, "--sim-speed", SPEED,
                        "--log-requests", model=tiny_model, config=config(fair=True))
 
+    depths: dict[str, int] = {}
+
     async def scenario() -> dict:
         client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key=POLITE_KEY, max_retries=0,
                                     timeout=120)
@@ -41,6 +43,7 @@ def test_a_polite_tenant_keeps_its_ttft_under_a_flood(daemon_factory, tiny_model
         alone = await polite(client, 6, 4, 8, 0.1)
         a1 = time.time()
         flood = Flood(d.url, 96, 8000, 16)
+        sampling = None
         flood.start()
         try:
             deadline = time.monotonic() + 120
@@ -52,11 +55,15 @@ def test_a_polite_tenant_keeps_its_ttft_under_a_flood(daemon_factory, tiny_model
             t0 = time.monotonic()
             await asyncio.sleep(4.0)
             t1 = time.monotonic()
+            sampling = asyncio.create_task(router_queues(d.url, depths))
             b0 = time.time()
-            busy = await polite(client, 5, 4, 8, 0.1, seconds=4.0)
+            # (limit: without fair queuing one round waits ~1 min behind the flood)
+            busy = await polite(client, 5, 4, 8, 0.1, seconds=4.0, limit=6.0)
             b1 = time.time()
             t2 = time.monotonic()
         finally:
+            if sampling is not None:
+                sampling.cancel()
             flood.stop()
         return {"alone": alone, "busy": busy, "flood_alone": flood.rate(t0, t1),
                 "flood_shared": flood.rate(t1, t2), "errors": flood.errors,
@@ -75,15 +82,32 @@ def test_a_polite_tenant_keeps_its_ttft_under_a_flood(daemon_factory, tiny_model
     print(f"polite TTFT p50 (simulated) alone {1e3 * alone:.1f} ms, under the flood "
           f"{1e3 * busy:.1f} ms ({busy / alone:.2f}x); wall clock {1e3 * wall_alone:.1f} -> "
           f"{1e3 * wall_busy:.1f} ms ({wall_busy / wall_alone:.2f}x); flood "
-          f"{r['flood_alone']:.0f} -> {r['flood_shared']:.0f} prompt tokens/s")
+          f"{r['flood_alone']:.0f} -> {r['flood_shared']:.0f} prompt tokens/s; deepest router "
+          f"queue {depths}")
     assert r["errors"] == 0
     # Alone, a polite round is one prefill step of a 70B model (~27 ms simulated), or two
     # when its four prompts reach the worker in two frames.
     assert 0.02 < alone < 0.1, sim_alone
     assert busy <= 3 * alone, (sim_alone, sim_busy)
+    # The simulated times start at the prefill worker; before it, the router held the
+    # flood's surplus in its fair queue (the worker saturated), and no polite request ever
+    # waited there: it went ahead of the flood to the worker at once (first come, first
+    # served, it would wait there behind the whole flood).
+    assert depths.get("flood", 0) > 0 and depths.get("polite", 0) == 0, depths
     # Two tenants of weight 1: the flood's fair share is half the box; the polite tenant
     # uses far less, so the flood keeps most of its throughput, and never less than half.
     assert r["flood_shared"] >= 0.5 * r["flood_alone"] > 0
     # The weights and the polite tenant's requests reached the worker's fair queue.
     prefill = d.worker("prefill0")
     assert prefill["iterations"] > 0
+
+
+async def router_queues(url: str, deepest: dict[str, int]) -> None:
+    """Each tenant's deepest queue at the router (`/admin/v1/tenants`), sampled until
+    cancelled."""
+    while True:
+        code, _, body = await asyncio.to_thread(http, "GET", url + "/admin/v1/tenants")
+        assert code == 200, body
+        for t in body["tenants"]:
+            deepest[t["tenant"]] = max(deepest.get(t["tenant"], 0), t["queue_depth"] or 0)
+        await asyncio.sleep(0.05)
