@@ -81,17 +81,22 @@ async def polite_round(client, n: int, max_tokens: int) -> list[float]:
 
 
 async def polite(client, rounds: int, n: int, max_tokens: int, pause: float,
-                 seconds: float = 0.0, limit: float = float("inf")) -> list[float]:
+                 seconds: float = 0.0, limit: float = float("inf"),
+                 jitter: float = 0.0, seed: int = 0) -> list[float]:
     """`rounds` rounds and rounds for at least `seconds`, but no round started after
-    `limit` seconds (without fair queuing one round waits for the whole flood)."""
+    `limit` seconds (without fair queuing one round waits for the whole flood). Between
+    rounds `pause` seconds and up to `jitter` more (seeded): rounds paced by the answers
+    alone can fall into step with the flood's prefill steps, and then always find the
+    step under way at the same point."""
     out: list[float] = []
+    rng = random.Random(seed)
     t0 = time.monotonic()
     done = 0
     while (done < rounds or time.monotonic() < t0 + seconds) and (
             done == 0 or time.monotonic() < t0 + limit):
         out += await polite_round(client, n, max_tokens)
         done += 1
-        await asyncio.sleep(pause)
+        await asyncio.sleep(pause + rng.uniform(0, jitter))
     return out
 
 

@@ -8,8 +8,10 @@ The simulated clock (`sim_clock`) is the simulated device's own time: the modell
 seconds of the steps it has run. It does not move with the wall between steps, so the
 daemon's latency and the machine's load (which stretch what a client measures) do not
 reach it. Each request's arrival (when the worker read it off its socket) is placed on
-it: during a step, at the point of that step it arrived in (the step's wall time scaled
-by `speed`, at most the step's length); between steps, at the last step's end. A
+it at the point of the step under way it arrived in: the step's share of the wall is its
+sleep and the worker's own time before it (at most as long again), so a loaded machine,
+which stretches those gaps, places arrivals no differently; after the last step, at its
+end. A
 prompt's simulated time to first token is the clock at the end of the step that makes
 its first token, less its arrival: the steps it waited for (the rest of the one under
 way, then whatever the scheduler ran before it) and its own. `PrefillDone` carries it
@@ -54,7 +56,8 @@ class SimEngine(BatchEngine):
         self._pickable = set(vocab_ids) | set(self.eos_token_ids)
         self.speed = speed
         self.sim_clock = 0.0
-        # The last step: its wall start and end (time.time()) and its start on the clock.
+        # The last step: the start of its share of the wall (the worker's time since the
+        # step before, then its sleep) and its end (time.time()), its start on the clock.
         self._wall_start = self._wall_end = 0.0
         self._sim_start = 0.0
         m = timing.model
@@ -82,12 +85,13 @@ class SimEngine(BatchEngine):
         return events
 
     def sim_time_at(self, wall: float) -> float:
-        """`wall` (time.time()) on the simulated clock: within the last step, scaled by
-        `speed` (at most that step's length); after it, its end; before it, its start."""
+        """`wall` (time.time()) on the simulated clock: within the last step's share of the
+        wall, at the same fraction of the step; after it, its end; before it, its start."""
         if wall >= self._wall_end:
             return self.sim_clock
-        into = (wall - self._wall_start) * self.speed
-        return self._sim_start + min(max(0.0, into), self.sim_clock - self._sim_start)
+        span = self._wall_end - self._wall_start
+        into = (wall - self._wall_start) / span if span > 0 else 1.0
+        return self._sim_start + min(max(0.0, into), 1.0) * (self.sim_clock - self._sim_start)
 
     def new_sampler(self, request_id: str, params, drawn: int = 0) -> SimSampler:
         seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
@@ -114,7 +118,8 @@ class SimEngine(BatchEngine):
     def _sleep(self, seconds: float) -> None:
         """One step of `seconds` simulated time: the clock moves by it, the wall by
         `seconds / speed`."""
-        self._wall_start = time.time()
+        now = time.time()
+        self._wall_start = max(self._wall_end, now - seconds / self.speed)
         self._sim_start = self.sim_clock
         self.sim_clock += seconds
         seconds /= self.speed

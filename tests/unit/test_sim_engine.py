@@ -537,13 +537,14 @@ def test_simulated_ttft_counts_the_steps_a_prompt_waited_for_not_the_wall():
     assert eng.add(Prefill("late", prompt(32, 9), SamplingParams(max_tokens=4), True),
                    received=time.time()) == []
     assert first(eng.step(), "late").simulated_ttft_s == pytest.approx(step(32))
-    # Half-way through a step (in wall time, scaled by the speed): half of it is waited.
+    # Half-way through a step's share of the wall (its sleep, and the worker's time since
+    # the step before): half of the step is waited.
     slow = SimEngine(timing=TIMING, vocab_ids=VOCAB, speed=1.0, worker="w1", devices=("g",),
                      num_blocks=512, block_size=BS, max_batch_tokens=4096, max_seqs=32,
                      max_context=SPEC.max_context)
     slow.add(Prefill("long", prompt(4000), SamplingParams(max_tokens=4), True))
     slow.step()
-    mid = slow._wall_start + step(4000) / 2
+    mid = (slow._wall_start + slow._wall_end) / 2
     slow.add(Prefill("mid", prompt(32, 7), SamplingParams(max_tokens=4), True), received=mid)
     done = first(slow.step(), "mid")
     assert done.simulated_ttft_s == pytest.approx(step(4000) / 2 + step(32), abs=1e-6)
