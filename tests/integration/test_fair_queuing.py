@@ -105,6 +105,11 @@ def test_a_polite_tenant_keeps_its_ttft_under_a_flood(daemon_factory, tiny_model
     # Alone, a polite prompt is one prefill step of a 70B model on an idle worker (~27 ms
     # simulated: the weights' read), whatever the machine's load.
     assert 0.02 < alone < 0.04 and max(sim_alone) < 0.04, sim_alone
+    # The simulated times start at the prefill worker; before it, the router held the
+    # flood's surplus in its fair queue (the worker saturated), and no polite request ever
+    # waited there: it went ahead of the flood to the worker at once (first come, first
+    # served, it would wait there behind the whole flood).
+    assert depths.get("flood", 0) > 0 and depths.get("polite", 0) == 0, depths
     # Each polite prompt waited for the rest of the step under way and then its own, each
     # one fair chunk (~50 ms; up to ~56 at the flood's 8k-token context), and for nothing
     # else: first in line at the router and at the worker. (The first ones, one per
@@ -112,11 +117,6 @@ def test_a_polite_tenant_keeps_its_ttft_under_a_flood(daemon_factory, tiny_model
     # once the polite one has been quiet for SHARED_WINDOW_S, 10 s.)
     assert len(sim_busy) >= 40, len(sim_busy)
     assert all(t <= 2 * 1.15 * FAIR_STEP_S for t in sorted(sim_busy)[:-4]), sorted(sim_busy)
-    # The simulated times start at the prefill worker; before it, the router held the
-    # flood's surplus in its fair queue (the worker saturated), and no polite request ever
-    # waited there: it went ahead of the flood to the worker at once (first come, first
-    # served, it would wait there behind the whole flood).
-    assert depths.get("flood", 0) > 0 and depths.get("polite", 0) == 0, depths
     # Two tenants of weight 1: the flood's fair share is half the box; the polite tenant
     # uses far less, so the flood keeps most of its throughput, and never less than half.
     assert r["flood_shared"] >= 0.5 * r["flood_alone"] > 0
