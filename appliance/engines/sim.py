@@ -11,11 +11,10 @@ reach it. Each request's arrival (when the worker read it off its socket) is pla
 it at the point of the step under way it arrived in: the step's share of the wall is its
 sleep and the worker's own time before it (at most as long again), so a loaded machine,
 which stretches those gaps, places arrivals no differently; after the last step, at its
-end. A
-prompt's simulated time to first token is the clock at the end of the step that makes
-its first token, less its arrival: the steps it waited for (the rest of the one under
-way, then whatever the scheduler ran before it) and its own. `PrefillDone` carries it
-(`simulated_ttft_s`), the request's record too.
+end. A prompt's simulated time to first token is the clock at the end of the step that
+makes its first token, less its arrival: the steps it waited for (the rest of the one
+under way, then whatever the scheduler ran before it) and its own. `PrefillDone`
+carries it (`simulated_ttft_s`), the request's record too.
 """
 from __future__ import annotations
 
