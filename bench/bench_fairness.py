@@ -10,7 +10,13 @@ throughput (prompt tokens per second completed) alone and with the polite tenant
 beside it, against the share the polite tenant's own work leaves it.
 
 Times are simulated GPU time (the simulator's roofline), served by the real daemon
-over HTTP; at --speed 1 the simulated box runs in real time.
+over HTTP; at --speed 1 the simulated box runs in real time. Two TTFTs are reported:
+the client's, on the wall clock (`ttft_*`: what a client of this simulated box sees,
+the daemon's own latency included, and stretched by whatever else loads the machine
+running the simulation), and the simulated one (`sim_ttft_*`: each request's
+`simulated_ttft_s`, from its `--log-requests` record: the simulated prefill device's
+time from the request's arrival at the worker to its first token), which says what the
+schedulers did whatever the machine's load.
 
     .venv/bin/python bench/bench_fairness.py        # real time; off ~5 min (a round waits ~100 s), on ~2 min
     .venv/bin/python bench/bench_fairness.py --speed 4 --rounds 6 --warmup 3 --flood-seconds 8
@@ -41,6 +47,23 @@ def config(fair: bool) -> str:
             '[tenants.polite]\nweight = 1\n[tenants.flood]\nweight = 1\n')
 
 
+def simulated_ttfts(log: str, tenant: str, t0: float, t1: float) -> list[float]:
+    """The simulated times to first token (`simulated_ttft_s`: on the simulated prefill
+    device's clock, from the request's arrival at its worker) of `tenant`'s requests that
+    arrived at the daemon in [t0, t1] (time.time()), from the `--log-requests` lines of
+    the daemon's log. The machine's load and the daemon's own latency do not stretch them:
+    they say what the scheduler did, where the wall-clock TTFT also says how busy the
+    machine running the simulation was."""
+    out = []
+    for line in log.splitlines():
+        if line.startswith("{") and '"simulated_ttft_s"' in line:
+            rec = json.loads(line)
+            if (rec["tenant"] == tenant and t0 <= rec["arrival"] <= t1
+                    and rec["simulated_ttft_s"] is not None):
+                out.append(rec["simulated_ttft_s"])
+    return out
+
+
 async def polite_round(client, n: int, max_tokens: int) -> list[float]:
     """n concurrent short prompts; each one's seconds to its first content chunk."""
     async def one(i: int) -> float:
@@ -58,17 +81,22 @@ async def polite_round(client, n: int, max_tokens: int) -> list[float]:
 
 
 async def polite(client, rounds: int, n: int, max_tokens: int, pause: float,
-                 seconds: float = 0.0, limit: float = float("inf")) -> list[float]:
+                 seconds: float = 0.0, limit: float = float("inf"),
+                 jitter: float = 0.0, seed: int = 0) -> list[float]:
     """`rounds` rounds and rounds for at least `seconds`, but no round started after
-    `limit` seconds (without fair queuing one round waits for the whole flood)."""
+    `limit` seconds (without fair queuing one round waits for the whole flood). Between
+    rounds `pause` seconds and up to `jitter` more (seeded): rounds paced by the answers
+    alone can fall into step with the flood's prefill steps, and then always find the
+    step under way at the same point."""
     out: list[float] = []
+    rng = random.Random(seed)
     t0 = time.monotonic()
     done = 0
     while (done < rounds or time.monotonic() < t0 + seconds) and (
             done == 0 or time.monotonic() < t0 + limit):
         out += await polite_round(client, n, max_tokens)
         done += 1
-        await asyncio.sleep(pause)
+        await asyncio.sleep(pause + rng.uniform(0, jitter))
     return out
 
 
@@ -151,13 +179,15 @@ def _flood_process(url, concurrency, tokens, max_tokens, results, stop_event) ->
 FLOOD_VOCAB = 1000
 
 
-async def run_mode(url: str, args) -> dict:
+async def run_mode(url: str, args, log: Path) -> dict:
     import openai
     mk = lambda key: openai.AsyncOpenAI(base_url=url + "/v1", api_key=key,   # noqa: E731
                                         max_retries=0, timeout=600)
     pc = mk(POLITE_KEY)
     await polite(pc, 2, args.polite, args.polite_tokens, 0.05)        # warm-up
+    a0 = time.time()
     alone = await polite(pc, args.rounds, args.polite, args.polite_tokens, args.pause)
+    a1 = time.time()
     flood = Flood(url, args.flood, args.flood_tokens, args.flood_max_tokens)
     flood.start()
     deadline = time.monotonic() + 300         # its process starts, then its prompts queue
@@ -168,13 +198,22 @@ async def run_mode(url: str, args) -> dict:
     t0 = time.monotonic()
     await asyncio.sleep(args.flood_seconds)
     t1 = time.monotonic()
+    b0 = time.time()
     busy = await polite(pc, args.rounds, args.polite, args.polite_tokens, args.pause,
                         args.flood_seconds, args.limit)
+    b1 = time.time()
     t2 = time.monotonic()
     flood.stop()
+    text = log.read_text(errors="replace")
+    sim_alone = simulated_ttfts(text, "polite", a0, a1)
+    sim_busy = simulated_ttfts(text, "polite", b0, b1)
     return {"ttft_alone_p50_ms": 1e3 * pct(alone, 0.5), "ttft_alone_p90_ms": 1e3 * pct(alone, 0.9),
             "ttft_flood_p50_ms": 1e3 * pct(busy, 0.5), "ttft_flood_p90_ms": 1e3 * pct(busy, 0.9),
             "ttft_ratio_p50": pct(busy, 0.5) / pct(alone, 0.5),
+            "sim_ttft_alone_p50_ms": 1e3 * pct(sim_alone, 0.5),
+            "sim_ttft_flood_p50_ms": 1e3 * pct(sim_busy, 0.5),
+            "sim_ttft_flood_p90_ms": 1e3 * pct(sim_busy, 0.9),
+            "sim_ttft_ratio_p50": pct(sim_busy, 0.5) / pct(sim_alone, 0.5),
             "flood_tok_s_alone": flood.rate(t0, t1), "flood_tok_s_with_polite": flood.rate(t1, t2),
             "flood_errors": flood.errors}
 
@@ -205,9 +244,10 @@ def main() -> int:
             cfg = state / "config.toml"
             cfg.write_text(config(mode == "on"))
             proc, url = start_daemon(state, ["--devices", "sim:2xH100", "--model-spec", MODEL,
-                                             "--sim-speed", str(args.speed), "--config", str(cfg)])
+                                             "--sim-speed", str(args.speed), "--config", str(cfg),
+                                             "--log-requests"])
             try:
-                results[mode] = asyncio.run(run_mode(url, args))
+                results[mode] = asyncio.run(run_mode(url, args, state / "daemon.log"))
             finally:
                 proc.terminate()
                 proc.wait(30)

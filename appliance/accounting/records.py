@@ -40,6 +40,10 @@ class RequestRecord:
     # A grammar constrained the output (structured output or a forced tool call): its
     # mask's cost is part of the request's decode time like any other.
     structured: bool = False
+    # The simulator only (disaggregated): simulated seconds from the request's arrival at
+    # its prefill worker to its first token, on the simulated device's clock, which the
+    # daemon's own latency and the machine's load do not stretch (`engines/sim.py`).
+    simulated_ttft_s: float | None = None
 
 
 class RecordSink(Protocol):

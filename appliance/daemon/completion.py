@@ -307,7 +307,7 @@ class Completion:
             finish=time.time(), prefill_worker=t.prefill_worker, decode_worker=t.decode_worker,
             status=self.status, finish_reason=first.finish_reason, error=self.error,
             simulated=self.svc.simulated, choices=len(self.choices),
-            structured=self.req.guided is not None)
+            structured=self.req.guided is not None, simulated_ttft_s=t.simulated_ttft)
 
     # ---- logprobs ------------------------------------------------------------
     def logprob_entries(self, entries: list) -> list[dict]:

@@ -61,6 +61,7 @@ class Trace:
     first_token: float | None = None
     cached_tokens: int = 0
     prompt_logprobs: list | None = None     # from the first token's event, when asked
+    simulated_ttft: float | None = None     # the simulator's, on its clock (PrefillDone)
 
 
 async def _next(channel: Channel):
@@ -317,6 +318,7 @@ class Router:
         trace.first_token = time.time()
         trace.cached_tokens = ev.cached_tokens
         trace.prompt_logprobs = ev.prompt_logprobs
+        trace.simulated_ttft = ev.simulated_ttft_s
         if ev.handle is None:
             yield [ev.first_token], ev.finish_reason or "length", ev.logprobs
             return

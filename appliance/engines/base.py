@@ -52,7 +52,7 @@ class Engine(Protocol):
     simulated: bool
 
     def hello_info(self) -> dict: ...
-    def add(self, msg: Prefill | Decode) -> list[Event]: ...
+    def add(self, msg: Prefill | Decode, received: float | None = None) -> list[Event]: ...
     def abort(self, request_id: str) -> None: ...
     def release(self, request_id: str) -> None: ...
     def attach_peer(self, worker: str, handle: Any) -> None: ...
@@ -184,8 +184,11 @@ class BatchEngine:
                 "kv_blocks_total": self.blocks.num_blocks, "peer_handle": self.peer_handle(),
                 "max_context": self.max_context}
 
-    def add(self, msg: Prefill | Decode) -> list[Event]:
+    def add(self, msg: Prefill | Decode, received: float | None = None) -> list[Event]:
+        """`received`: time.time() when the worker read the message off its socket (its
+        arrival; None: now)."""
         rid = msg.request_id
+        arrival = time.time() if received is None else received
         if rid in self._seqs or rid in self._handed_off or rid in self._pulls:
             return [RequestFailed(rid, f"request id {rid} is already on worker {self.worker}")]
         if isinstance(msg, Decode):
@@ -193,10 +196,10 @@ class BatchEngine:
                 return [RequestFailed(rid, f"KV layout mismatch: source {msg.handle.layout}, "
                                            f"this worker {self.layout()}", "kv_layout_mismatch")]
             seq = Sequence(rid, msg.prompt, msg.params, Role.DECODE, msg.handle,
-                           msg.first_token, time.time(), msg.tenant, msg.weight, msg.priority)
+                           msg.first_token, arrival, msg.tenant, msg.weight, msg.priority)
         else:
             seq = Sequence(rid, msg.prompt, msg.params,
-                           Role.PREFILL if msg.handoff else Role.FULL, arrival=time.time(),
+                           Role.PREFILL if msg.handoff else Role.FULL, arrival=arrival,
                            tenant=msg.tenant, weight=msg.weight, priority=msg.priority)
         if (msg.params.logprobs is not None or msg.params.prompt_logprobs is not None) \
                 and not self.logprobs:
@@ -447,7 +450,7 @@ class BatchEngine:
                 else:
                     self._finish(seq)
                 events.append(PrefillDone(seq.request_id, token, handle, reason, cached, lps,
-                                          plps))
+                                          plps, seq.sim_ttft))
                 continue
             events.append(Tokens(seq.request_id, [token], reason, cached, lps, plps))
             if reason is not None:

@@ -219,6 +219,10 @@ class PrefillDone:
     logprobs: list[TokenLogprob] | None = None   # one entry, when the request asked
     # One per prompt token, None for the first (nothing predicts it), when asked.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Simulator only: simulated seconds from the request's arrival at this worker to its
+    # first token, on the simulated device's clock (its modelled steps), whatever the
+    # machine's load or `--sim-speed`. None on real engines.
+    simulated_ttft_s: float | None = None
 
 
 @on_the_wire

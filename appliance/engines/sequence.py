@@ -25,6 +25,7 @@ class Sequence:
         "block_table", "num_cached", "handle", "sampler", "reserved_blocks",
         "prefix_hit", "arrival", "hashed_blocks", "chain_hash", "step_tokens", "logprob",
         "prompt_lps", "released_blocks", "tenant", "weight", "priority",
+        "sim_arrival", "sim_ttft",
     )
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -54,6 +55,10 @@ class Sequence:
         self.tenant = tenant
         self.weight = weight
         self.priority = priority
+        # The simulator's clock at arrival, and the simulated seconds from it to the first
+        # token (`engines.sim`; None on real engines).
+        self.sim_arrival = 0.0
+        self.sim_ttft: float | None = None
         # Prompt logprobs gathered chunk by chunk until the first token goes out with them.
         self.prompt_lps: list | None = None
         if params.prompt_logprobs is not None and first_token is None:

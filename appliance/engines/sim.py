@@ -3,6 +3,18 @@
 Step times come from the roofline of the device shape and the model shape, divided
 by `speed`; tokens come from a seeded generator over the served tokenizer's
 vocabulary, so clients see well-formed text and usage counts stay exact.
+
+The simulated clock (`sim_clock`) is the simulated device's own time: the modelled
+seconds of the steps it has run. It does not move with the wall between steps, so the
+daemon's latency and the machine's load (which stretch what a client measures) do not
+reach it. Each request's arrival (when the worker read it off its socket) is placed on
+it at the point of the step under way it arrived in: the step's share of the wall is its
+sleep and the worker's own time before it (at most as long again), so a loaded machine,
+which stretches those gaps, places arrivals no differently; after the last step, at its
+end. A prompt's simulated time to first token is the clock at the end of the step that
+makes its first token, less its arrival: the steps it waited for (the rest of the one
+under way, then whatever the scheduler ran before it) and its own. `PrefillDone`
+carries it (`simulated_ttft_s`), the request's record too.
 """
 from __future__ import annotations
 
@@ -42,6 +54,11 @@ class SimEngine(BatchEngine):
         # What a guided pick may take: the regular ids and the end-of-sequence ones.
         self._pickable = set(vocab_ids) | set(self.eos_token_ids)
         self.speed = speed
+        self.sim_clock = 0.0
+        # The last step: the start of its share of the wall (the worker's time since the
+        # step before, then its sleep) and its end (time.time()), its start on the clock.
+        self._wall_start = self._wall_end = 0.0
+        self._sim_start = 0.0
         m = timing.model
         self._layout = (f"sim-L{m.layers}-kvh{m.kv_heads}-hd{m.head_dim}-"
                         f"bs{self.blocks.block_size}-kvb{m.kv_bytes:g}")
@@ -56,11 +73,24 @@ class SimEngine(BatchEngine):
                                    align=self.blocks.block_size, lo=self.blocks.block_size,
                                    hi=max(self.blocks.block_size, max_batch_tokens))
 
-    def add(self, msg: Prefill | Decode) -> list:
+    def add(self, msg: Prefill | Decode, received: float | None = None) -> list:
         try:
-            return super().add(msg)
+            events = super().add(msg, received)
         except ValueError as exc:     # a grammar this worker cannot compile
             return [RequestFailed(msg.request_id, str(exc), "invalid_request")]
+        seq = self._seqs.get(msg.request_id)
+        if seq is not None and not events:
+            seq.sim_arrival = self.sim_time_at(seq.arrival)
+        return events
+
+    def sim_time_at(self, wall: float) -> float:
+        """`wall` (time.time()) on the simulated clock: within the last step's share of the
+        wall, at the same fraction of the step; after it, its end; before it, its start."""
+        if wall >= self._wall_end:
+            return self.sim_clock
+        span = self._wall_end - self._wall_start
+        into = (wall - self._wall_start) / span if span > 0 else 1.0
+        return self._sim_start + min(max(0.0, into), 1.0) * (self.sim_clock - self._sim_start)
 
     def new_sampler(self, request_id: str, params, drawn: int = 0) -> SimSampler:
         seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
@@ -85,9 +115,16 @@ class SimEngine(BatchEngine):
         return pickable[rng.randrange(len(pickable))]
 
     def _sleep(self, seconds: float) -> None:
+        """One step of `seconds` simulated time: the clock moves by it, the wall by
+        `seconds / speed`."""
+        now = time.time()
+        self._wall_start = max(self._wall_end, now - seconds / self.speed)
+        self._sim_start = self.sim_clock
+        self.sim_clock += seconds
         seconds /= self.speed
         if seconds >= MIN_SLEEP_S:
             time.sleep(seconds)
+        self._wall_end = time.time()
 
     def run_batch(self, batch: Batch) -> list[int | None]:
         P = batch.num_prefill
@@ -98,6 +135,9 @@ class SimEngine(BatchEngine):
         # over its cached context: one pass over the weights for all of them.
         new = [s.step_tokens if i < P else 1 for i, s in enumerate(batch.seqs)]
         self._sleep(self.timing.prefill_s(new, [s.num_cached for s in batch.seqs]))
+        for s in batch.seqs[:P]:
+            if s.step_tokens == s.uncached and s.sim_ttft is None:   # its first token
+                s.sim_ttft = self.sim_clock - s.sim_arrival
         return [self._pick(s) if i >= P or s.step_tokens == s.uncached
                 else None for i, s in enumerate(batch.seqs)]
 

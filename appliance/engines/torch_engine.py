@@ -179,7 +179,7 @@ class TorchEngine(BatchEngine):
         moved = self.nixl.check_pull(pending)
         return None if moved is None else (moved, "nixl")
 
-    def add(self, msg: Prefill | Decode) -> list:
+    def add(self, msg: Prefill | Decode, received: float | None = None) -> list:
         rid = msg.request_id
         n = len(msg.prompt) + (1 if isinstance(msg, Decode) else 0)
         if not msg.prompt:
@@ -192,7 +192,7 @@ class TorchEngine(BatchEngine):
             return [RequestFailed(rid, f"prompt has token ids outside [0, {vocab})",
                                   "invalid_request")]
         try:
-            return super().add(msg)
+            return super().add(msg, received)
         except (ValueError, RuntimeError) as exc:   # bad sampling parameters (a seed
             return [RequestFailed(rid, str(exc), "invalid_request")]   # torch can't take)
 

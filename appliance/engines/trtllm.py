@@ -413,7 +413,7 @@ class TrtllmEngine:
         return {"layout": self.layout, "block_size": self.block_size,
                 "kv_blocks_total": int(kv.get("maxNumBlocks", 0)), "peer_handle": None}
 
-    def add(self, msg: Prefill | Decode) -> list:
+    def add(self, msg: Prefill | Decode, received: float | None = None) -> list:
         rid = msg.request_id
         if rid in self._inflight or rid in self._aborted:
             return [RequestFailed(rid, f"request id {rid} is already on worker {self.worker}")]

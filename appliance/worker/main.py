@@ -116,10 +116,11 @@ def run(fd: int, spec: WorkerSpec) -> int:
             except OSError:                  # reset: the daemon is gone, as at EOF
                 frame = None
             if frame is None:
-                inbox.put(None)
+                inbox.put((None, 0.0))
                 return
+            received = time.time()       # the requests' arrival (`Sequence.arrival`)
             for msg in frame:
-                inbox.put(msg)
+                inbox.put((msg, received))
 
     threading.Thread(target=reader, name="worker-reader", daemon=True).start()
     last_stats = 0.0
@@ -133,7 +134,7 @@ def run(fd: int, spec: WorkerSpec) -> int:
         except queue.Empty:
             pass
         events: list = []
-        for msg in msgs:
+        for msg, received in msgs:
             if msg is None:
                 return 0
             if isinstance(msg, Shutdown):
@@ -145,7 +146,7 @@ def run(fd: int, spec: WorkerSpec) -> int:
                 return 0
             if isinstance(msg, (Prefill, Decode)):
                 try:
-                    events += engine.add(msg)
+                    events += engine.add(msg, received)
                 except Exception as exc:   # one bad request must not end everyone's
                     print(f"applianced worker {spec.worker}: request {msg.request_id} "
                           f"refused: {exc!r}", file=sys.stderr)

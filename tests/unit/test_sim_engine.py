@@ -504,3 +504,49 @@ def test_dead_source_recomputes_its_queued_imports_at_once():
     for rid in "abc":
         assert stream(events, rid)[1][-1] == "length"
     assert dec.stats().kv_recomputes == 1
+
+
+def test_simulated_ttft_counts_the_steps_a_prompt_waited_for_not_the_wall():
+    """A prompt's simulated time to first token is on the simulated device's clock: the
+    modelled steps from its arrival to its first token. Wall time between steps (a loaded
+    machine, a slow daemon) adds nothing; the step under way when it arrived counts from
+    the point it arrived at."""
+    eng = engine(max_batch_tokens=4096, num_blocks=512)
+    step = lambda *n: TIMING.prefill_s(list(n), [0] * len(n))    # noqa: E731
+
+    def first(events, rid):
+        return next(e for e in of(events, PrefillDone) if e.request_id == rid)
+
+    # Idle: its own step only, however long the worker sat idle before.
+    time.sleep(0.02)
+    assert eng.add(Prefill("q", prompt(32), SamplingParams(max_tokens=4), True,
+                           tenant="flood")) == []
+    done = first(eng.step(), "q")
+    assert done.simulated_ttft_s == pytest.approx(step(32))
+    # A long prompt's step under way when a short one arrives at its very start: the short
+    # one waits for all of it, then its own step; a pause between the steps is not counted.
+    assert eng.add(Prefill("long", prompt(4000, 500), SamplingParams(max_tokens=4), True,
+                           tenant="flood")) == []
+    first(eng.step(), "long")
+    assert eng.add(Prefill("short", prompt(32, 7), SamplingParams(max_tokens=4), True,
+                           tenant="polite"), received=eng._wall_start) == []
+    time.sleep(0.05)
+    done = first(eng.step(), "short")
+    assert done.simulated_ttft_s == pytest.approx(step(4000) + step(32))
+    # Arrived after the last step ended: nothing to wait for.
+    assert eng.add(Prefill("late", prompt(32, 9), SamplingParams(max_tokens=4), True),
+                   received=time.time()) == []
+    assert first(eng.step(), "late").simulated_ttft_s == pytest.approx(step(32))
+    # Half-way through a step's share of the wall (its sleep, and the worker's time since
+    # the step before): half of the step is waited.
+    slow = SimEngine(timing=TIMING, vocab_ids=VOCAB, speed=1.0, worker="w1", devices=("g",),
+                     num_blocks=512, block_size=BS, max_batch_tokens=4096, max_seqs=32,
+                     max_context=SPEC.max_context)
+    slow.add(Prefill("long", prompt(4000), SamplingParams(max_tokens=4), True))
+    slow.step()
+    mid = (slow._wall_start + slow._wall_end) / 2
+    slow.add(Prefill("mid", prompt(32, 7), SamplingParams(max_tokens=4), True), received=mid)
+    done = first(slow.step(), "mid")
+    assert done.simulated_ttft_s == pytest.approx(step(4000) / 2 + step(32), abs=1e-6)
+    # Real engines leave it unset: a plain record field, so pickles as None.
+    assert PrefillDone("x", 1, None, "stop").simulated_ttft_s is None

@@ -19,10 +19,10 @@ def test_an_engine_that_raises_on_one_request_keeps_serving(tiny_model, monkeypa
         engine = real_build(spec)
         add = engine.add
 
-        def add_or_raise(msg):
+        def add_or_raise(msg, received=None):
             if msg.request_id == "poison":
                 raise KeyError("an engine bug")
-            return add(msg)
+            return add(msg, received)
 
         engine.add = add_or_raise
         return engine
