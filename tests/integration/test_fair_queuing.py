@@ -117,6 +117,10 @@ def test_a_polite_tenant_keeps_its_ttft_under_a_flood(daemon_factory, tiny_model
     # once the polite one has been quiet for SHARED_WINDOW_S, 10 s.)
     assert len(sim_busy) >= 40, len(sim_busy)
     assert all(t <= 2 * 1.15 * FAIR_STEP_S for t in sorted(sim_busy)[:-4]), sorted(sim_busy)
+    # And the goal's own figure, with the room that where in a step the prompts arrive
+    # takes (2.2-3.0x measured against this strictest baseline; first come, first served:
+    # ~100x).
+    assert busy <= 3.5 * alone, (busy, alone)
     # Two tenants of weight 1: the flood's fair share is half the box; the polite tenant
     # uses far less, so the flood keeps most of its throughput, and never less than half.
     assert r["flood_shared"] >= 0.5 * r["flood_alone"] > 0
