@@ -111,20 +111,127 @@ def _accounting_cpu(daemon: psutil.Process) -> float:
     raise SystemExit("the daemon has no accounting process")
 
 
-def _daemon(tmp: Path, args, accounting: bool):
+def _daemon(tmp: Path, args, accounting: bool, fair: bool | None = None,
+            root: Path = ROOT, profile: Path | None = None):
+    """A daemon of `root`'s tree. `fair` None: the config leaves `[engine] fair_queuing`
+    out (a tree from before fair queuing refuses the key); else as given."""
+    if fair is None and root == ROOT:
+        fair = args.fair_queuing == "on"
     cfg = tmp / f"accounting-{accounting}.toml"
     # 1 s windows so the measured level's windows close within it
     cfg.write_text(f"[accounting]\nenabled = {'true' if accounting else 'false'}\nwindow_s = 1.0\n"
-                   f"[engine]\nfair_queuing = {'true' if args.fair_queuing == 'on' else 'false'}\n")
+                   + (f"[engine]\nfair_queuing = {'true' if fair else 'false'}\n"
+                      if fair is not None else ""))
     global MODEL
     spec = ["--model-spec", args.model_spec] if args.model_spec else []
     proc, url = start_daemon(tmp, ["--engine", "sim", "--sim-speed", str(args.sim_speed),
                                    "--devices", args.devices, "--mode", args.mode,
-                                   "--config", str(cfg), *spec])
+                                   "--config", str(cfg), *spec], root=root, profile=profile)
     import urllib.request
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
         MODEL = json.loads(r.read())["data"][0]["id"]       # --model-spec renames it
     return proc, url
+
+
+def _cpu(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+def _workers(daemon: psutil.Process) -> list[psutil.Process]:
+    """The daemon's engine workers (not its prepare pool or accounting process)."""
+    return [c for c in daemon.children(recursive=True) if " worker" in " ".join(c.cmdline())]
+
+
+def measured_level(url: str, proc, concurrency: int, seconds: float,
+                   profile: Path | None = None) -> dict:
+    """One chat level after a warm-up, with the daemon's own CPU per request (all its
+    threads; the workers, accounting and prepare processes are others) and its workers':
+    CPU per request is steadier than req/s on a shared machine, which gives the daemon
+    fewer cycles when others run, but not more work per request."""
+    daemon = psutil.Process(proc.pid)
+    asyncio.run(chat_level(url, concurrency, 1.0, 16))         # warm the daemon up
+    workers = _workers(daemon)
+    if profile is not None:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.2)
+    cpu0, w0 = _cpu(daemon), sum(_cpu(w) for w in workers)
+    chat = asyncio.run(chat_level(url, concurrency, seconds, 16))
+    cpu1, w1 = _cpu(daemon), sum(_cpu(w) for w in workers)
+    if profile is not None:
+        proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 30
+        while not profile.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)     # (the file is written in one go; let it finish)
+    n = max(chat["requests"], 1)
+    return {**chat, "daemon_cpu_us_per_request": 1e6 * (cpu1 - cpu0) / n,
+            "workers_cpu_us_per_request": 1e6 * (w1 - w0) / n,
+            "load_average": os.getloadavg()[0]}
+
+
+def compare_pairs(args) -> int:
+    """Two daemons taking turns, A/B then B/A and so on, each measured at one chat level
+    (--levels' first): `--compare-root DIR` (DIR's tree, e.g. a `git archive` of an older
+    commit, against this one) or `--fair-queuing compare` (off against on, this tree).
+    Each pair's change (B/A - 1) is kept; the summary is the pairs' mean ± standard error
+    for the daemon's CPU per request (the measure to trust on a shared machine) and req/s.
+    With `--profile DIR` each daemon's measured level is profiled instead (cProfile, one
+    pair: the counts, not the times, are the point): `bench/profile_diff.py` reads them."""
+    if args.compare_root:
+        other = Path(args.compare_root).resolve()
+        variants = [(f"{other.name}", other, None), ("this tree", ROOT, None)]
+    else:
+        variants = [("fair off", ROOT, False), ("fair on", ROOT, True)]
+    concurrency = int(args.levels.split(",")[0])
+    prof_dir = Path(args.profile) if args.profile else None
+    if prof_dir:
+        prof_dir.mkdir(parents=True, exist_ok=True)
+    runs: list[list[dict]] = [[], []]
+    for i in range(args.pairs):
+        for v in ((0, 1) if i % 2 == 0 else (1, 0)):
+            label, root, fair = variants[v]
+            profile = prof_dir / f"{'ab'[v]}{i}.prof" if prof_dir else None
+            with tempfile.TemporaryDirectory() as tmp:
+                proc, url = _daemon(Path(tmp), args, args.accounting != "off", fair, root,
+                                    profile)
+                try:
+                    r = measured_level(url, proc, concurrency, args.seconds, profile)
+                finally:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait(60)
+            runs[v].append(r)
+            if profile:
+                profile.with_suffix(".json").write_text(json.dumps(
+                    {"label": label, "root": str(root), **r}) + "\n")
+            print(f"pair {i + 1} {label:>12}: {r['req_per_s']:7.0f} req/s, daemon "
+                  f"{r['daemon_cpu_us_per_request']:6.1f} us CPU/request, workers "
+                  f"{r['workers_cpu_us_per_request']:6.1f}, load {r['load_average']:.1f}",
+                  flush=True)
+    summary = {}
+    for key in ("daemon_cpu_us_per_request", "workers_cpu_us_per_request", "req_per_s"):
+        a, b = [r[key] for r in runs[0]], [r[key] for r in runs[1]]
+        change = [y / x - 1 for x, y in zip(a, b)]
+        n = len(change)
+        se = statistics.stdev(change) / n ** 0.5 if n > 1 else float("nan")
+        summary[key] = {"a_median": statistics.median(a), "b_median": statistics.median(b),
+                        "mean_change": statistics.fmean(change), "se": se, "changes": change}
+    result = {"a": variants[0][0], "b": variants[1][0], "pairs": args.pairs,
+              "concurrency": concurrency, "seconds": args.seconds,
+              "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+              "runs": {"a": runs[0], "b": runs[1]}, "summary": summary,
+              "date": time.strftime("%Y-%m-%d %H:%M")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n| c = {concurrency}, {args.pairs} pairs | {variants[0][0]} (median) | "
+          f"{variants[1][0]} (median) | change per pair (mean ± se) |\n|---|---:|---:|---:|")
+    for key, label in (("daemon_cpu_us_per_request", "daemon CPU us per request"),
+                       ("workers_cpu_us_per_request", "workers' CPU us per request"),
+                       ("req_per_s", "req/s")):
+        m = summary[key]
+        print(f"| {label} | {m['a_median']:,.1f} | {m['b_median']:,.1f} | "
+              f"{m['mean_change']:+.1%} ± {m['se']:.1%} |")
+    return 0
 
 
 def compare_accounting(args) -> int:
@@ -233,9 +340,18 @@ def main() -> int:
     p.add_argument("--accounting", choices=["on", "off", "compare"], default="on",
                    help="chargeback in the daemon (default on, as shipped); compare: off vs on")
     p.add_argument("--repeats", type=int, default=3, help="--accounting compare: rounds of off+on")
-    p.add_argument("--fair-queuing", choices=["on", "off"], default="on",
+    p.add_argument("--fair-queuing", choices=["on", "off", "compare"], default="on",
                    help="[engine] fair_queuing: the engines' and the router's fair queues "
-                        "(default on, as shipped); off: arrival order")
+                        "(default on, as shipped); off: arrival order; compare: off against "
+                        "on in alternating pairs (--pairs, at --levels' first level)")
+    p.add_argument("--compare-root", default="",
+                   help="another checkout (e.g. a git archive of an older commit): its daemon "
+                        "against this tree's, in alternating pairs at --levels' first level")
+    p.add_argument("--pairs", type=int, default=10, help="pairs for --compare-root / "
+                   "--fair-queuing compare")
+    p.add_argument("--profile", default="", help="with --compare-root or --fair-queuing "
+                   "compare: profile each daemon's measured level into this directory "
+                   "(bench/profile_diff.py compares them)")
     args = p.parse_args()
     try:
         import uvloop
@@ -244,6 +360,11 @@ def main() -> int:
         pass
     if args.accounting == "compare":
         return compare_accounting(args)
+    if args.compare_root or args.fair_queuing == "compare":
+        if args.out == str(ROOT / "bench" / "results" / "serving.json"):
+            args.out = str(ROOT / "bench" / "results" / (
+                "serving_pairs.json" if args.compare_root else "serving_fair_pairs.json"))
+        return compare_pairs(args)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _daemon(Path(tmp), args, args.accounting == "on")
         try:
