@@ -170,6 +170,44 @@ def measured_level(url: str, proc, concurrency: int, seconds: float,
             "load_average": os.getloadavg()[0]}
 
 
+def _together(args, variants, concurrency: int) -> dict[int, dict]:
+    """Both daemons at once, each driven at `concurrency` by this process over the same
+    seconds: whatever else the machine runs then weighs on both alike (alternating runs
+    see the machine's load change between them: on a busy box the pairs scatter by
+    tens of percent). Each daemon's CPU per request counts its own work only."""
+    with tempfile.TemporaryDirectory() as tmp_a, tempfile.TemporaryDirectory() as tmp_b:
+        daemons = []
+        try:
+            for v, tmp in ((0, tmp_a), (1, tmp_b)):
+                _label, root, fair = variants[v]
+                daemons.append(_daemon(Path(tmp), args, args.accounting != "off", fair, root))
+            procs = [psutil.Process(p.pid) for p, _ in daemons]
+
+            async def both(seconds: float) -> list[dict]:
+                return await asyncio.gather(*(chat_level(url, concurrency, seconds, 16)
+                                              for _, url in daemons))
+
+            asyncio.run(both(1.0))          # warm both up
+            workers = [_workers(p) for p in procs]
+            cpu0 = [_cpu(p) for p in procs]
+            w0 = [sum(_cpu(w) for w in ws) for ws in workers]
+            chats = asyncio.run(both(args.seconds))
+            cpu1 = [_cpu(p) for p in procs]
+            w1 = [sum(_cpu(w) for w in ws) for ws in workers]
+        finally:
+            for proc, _ in daemons:
+                proc.send_signal(signal.SIGTERM)
+            for proc, _ in daemons:
+                proc.wait(60)
+    out = {}
+    for v in (0, 1):
+        n = max(chats[v]["requests"], 1)
+        out[v] = {**chats[v], "daemon_cpu_us_per_request": 1e6 * (cpu1[v] - cpu0[v]) / n,
+                  "workers_cpu_us_per_request": 1e6 * (w1[v] - w0[v]) / n,
+                  "load_average": os.getloadavg()[0]}
+    return out
+
+
 def compare_pairs(args) -> int:
     """Two daemons taking turns, A/B then B/A and so on, each measured at one chat level
     (--levels' first): `--compare-root DIR` (DIR's tree, e.g. a `git archive` of an older
@@ -189,22 +227,31 @@ def compare_pairs(args) -> int:
         prof_dir.mkdir(parents=True, exist_ok=True)
     runs: list[list[dict]] = [[], []]
     for i in range(args.pairs):
-        for v in ((0, 1) if i % 2 == 0 else (1, 0)):
-            label, root, fair = variants[v]
-            profile = prof_dir / f"{'ab'[v]}{i}.prof" if prof_dir else None
-            with tempfile.TemporaryDirectory() as tmp:
-                proc, url = _daemon(Path(tmp), args, args.accounting != "off", fair, root,
-                                    profile)
-                try:
-                    r = measured_level(url, proc, concurrency, args.seconds, profile)
-                finally:
-                    proc.send_signal(signal.SIGTERM)
-                    proc.wait(60)
+        if args.together:
+            results = _together(args, variants, concurrency)
+            order = (0, 1)
+        else:
+            results = {}
+            order = (0, 1) if i % 2 == 0 else (1, 0)
+            for v in order:
+                _label, root, fair = variants[v]
+                profile = prof_dir / f"{'ab'[v]}{i}.prof" if prof_dir else None
+                with tempfile.TemporaryDirectory() as tmp:
+                    proc, url = _daemon(Path(tmp), args, args.accounting != "off", fair,
+                                        root, profile)
+                    try:
+                        results[v] = measured_level(url, proc, concurrency, args.seconds,
+                                                    profile)
+                    finally:
+                        proc.send_signal(signal.SIGTERM)
+                        proc.wait(60)
+                if profile:
+                    profile.with_suffix(".json").write_text(json.dumps(
+                        {"label": _label, "root": str(root), **results[v]}) + "\n")
+        for v in order:
+            r = results[v]
             runs[v].append(r)
-            if profile:
-                profile.with_suffix(".json").write_text(json.dumps(
-                    {"label": label, "root": str(root), **r}) + "\n")
-            print(f"pair {i + 1} {label:>12}: {r['req_per_s']:7.0f} req/s, daemon "
+            print(f"pair {i + 1} {variants[v][0]:>12}: {r['req_per_s']:7.0f} req/s, daemon "
                   f"{r['daemon_cpu_us_per_request']:6.1f} us CPU/request, workers "
                   f"{r['workers_cpu_us_per_request']:6.1f}, load {r['load_average']:.1f}",
                   flush=True)
@@ -217,6 +264,7 @@ def compare_pairs(args) -> int:
         summary[key] = {"a_median": statistics.median(a), "b_median": statistics.median(b),
                         "mean_change": statistics.fmean(change), "se": se, "changes": change}
     result = {"a": variants[0][0], "b": variants[1][0], "pairs": args.pairs,
+              "together": args.together,
               "concurrency": concurrency, "seconds": args.seconds,
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
               "runs": {"a": runs[0], "b": runs[1]}, "summary": summary,
@@ -349,6 +397,9 @@ def main() -> int:
                         "against this tree's, in alternating pairs at --levels' first level")
     p.add_argument("--pairs", type=int, default=10, help="pairs for --compare-root / "
                    "--fair-queuing compare")
+    p.add_argument("--together", action="store_true",
+                   help="with --compare-root or --fair-queuing compare: run each pair's two "
+                        "daemons at the same time (the same load on both) instead of in turn")
     p.add_argument("--profile", default="", help="with --compare-root or --fair-queuing "
                    "compare: profile each daemon's measured level into this directory "
                    "(bench/profile_diff.py compares them)")
