@@ -73,6 +73,48 @@ async def chat_level(url: str, concurrency: int, seconds: float, max_tokens: int
             "p99_ms": 1000 * pct(latencies, 0.99)}
 
 
+async def paced_level(url: str, rate: float, seconds: float, max_tokens: int,
+                      limit: int = 64) -> dict:
+    """Open loop: a request every 1/`rate` s (at most `limit` in flight), so that the
+    daemon does the same work per second whatever it costs: its CPU per request is then
+    its own cost, not how much batching a closed loop's backlog happened to give it
+    (a closed loop's CPU per request falls as throughput rises: more requests share
+    each event-loop turn, each socket write to a worker, each worker frame)."""
+    body = json.dumps({"model": MODEL, "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": "Say something short."}]})
+    headers = {"Content-Type": "application/json"}
+    latencies: list[float] = []
+    errors = 0
+    slots = asyncio.Semaphore(limit)
+    conn = aiohttp.TCPConnector(limit=limit)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        async def one() -> None:
+            nonlocal errors
+            async with slots:
+                t0 = time.perf_counter()
+                async with session.post(url + "/v1/chat/completions", data=body,
+                                        headers=headers) as r:
+                    await r.read()
+                if r.status != 200:
+                    errors += 1
+                    return
+                latencies.append(time.perf_counter() - t0)
+
+        tasks = []
+        start = time.perf_counter()
+        i = 0
+        while (due := start + i / rate) < start + seconds:
+            if (wait := due - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+            tasks.append(asyncio.create_task(one()))
+            i += 1
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    return {"rate": rate, "requests": len(latencies), "errors": errors,
+            "req_per_s": len(latencies) / elapsed, "p50_ms": 1000 * pct(latencies, 0.50),
+            "p99_ms": 1000 * pct(latencies, 0.99)}
+
+
 async def stream_level(url: str, streams: int, tokens: int, rounds: int) -> dict:
     body = json.dumps({"model": MODEL, "max_tokens": tokens, "stream": True,
                        "stream_options": {"include_usage": True},
@@ -144,19 +186,21 @@ def _workers(daemon: psutil.Process) -> list[psutil.Process]:
 
 
 def measured_level(url: str, proc, concurrency: int, seconds: float,
-                   profile: Path | None = None) -> dict:
+                   profile: Path | None = None, rate: float = 0.0) -> dict:
     """One chat level after a warm-up, with the daemon's own CPU per request (all its
     threads; the workers, accounting and prepare processes are others) and its workers':
     CPU per request is steadier than req/s on a shared machine, which gives the daemon
     fewer cycles when others run, but not more work per request."""
     daemon = psutil.Process(proc.pid)
-    asyncio.run(chat_level(url, concurrency, 1.0, 16))         # warm the daemon up
+    level = ((lambda secs: paced_level(url, rate, secs, 16)) if rate > 0 else
+             (lambda secs: chat_level(url, concurrency, secs, 16)))
+    asyncio.run(level(1.0))         # warm the daemon up
     workers = _workers(daemon)
     if profile is not None:
         proc.send_signal(signal.SIGUSR1)
         time.sleep(0.2)
     cpu0, w0 = _cpu(daemon), sum(_cpu(w) for w in workers)
-    chat = asyncio.run(chat_level(url, concurrency, seconds, 16))
+    chat = asyncio.run(level(seconds))
     cpu1, w1 = _cpu(daemon), sum(_cpu(w) for w in workers)
     if profile is not None:
         proc.send_signal(signal.SIGUSR2)
@@ -170,22 +214,25 @@ def measured_level(url: str, proc, concurrency: int, seconds: float,
             "load_average": os.getloadavg()[0]}
 
 
-def _together(args, variants, concurrency: int) -> dict[int, dict]:
+def _together(args, variants, concurrency: int, order=(0, 1)) -> dict[int, dict]:
     """Both daemons at once, each driven at `concurrency` by this process over the same
     seconds: whatever else the machine runs then weighs on both alike (alternating runs
     see the machine's load change between them: on a busy box the pairs scatter by
-    tens of percent). Each daemon's CPU per request counts its own work only."""
+    tens of percent). Each daemon's CPU per request counts its own work only. `order`:
+    which starts (and is driven) first; alternated per pair, so that neither side
+    always has the first place."""
     with tempfile.TemporaryDirectory() as tmp_a, tempfile.TemporaryDirectory() as tmp_b:
         daemons = []
         try:
-            for v, tmp in ((0, tmp_a), (1, tmp_b)):
+            for v, tmp in zip(order, (tmp_a, tmp_b)):
                 _label, root, fair = variants[v]
                 daemons.append(_daemon(Path(tmp), args, args.accounting != "off", fair, root))
             procs = [psutil.Process(p.pid) for p, _ in daemons]
 
             async def both(seconds: float) -> list[dict]:
-                return await asyncio.gather(*(chat_level(url, concurrency, seconds, 16)
-                                              for _, url in daemons))
+                return await asyncio.gather(*(
+                    paced_level(url, args.rate, seconds, 16) if args.rate > 0 else
+                    chat_level(url, concurrency, seconds, 16) for _, url in daemons))
 
             asyncio.run(both(1.0))          # warm both up
             workers = [_workers(p) for p in procs]
@@ -200,11 +247,11 @@ def _together(args, variants, concurrency: int) -> dict[int, dict]:
             for proc, _ in daemons:
                 proc.wait(60)
     out = {}
-    for v in (0, 1):
-        n = max(chats[v]["requests"], 1)
-        out[v] = {**chats[v], "daemon_cpu_us_per_request": 1e6 * (cpu1[v] - cpu0[v]) / n,
-                  "workers_cpu_us_per_request": 1e6 * (w1[v] - w0[v]) / n,
-                  "load_average": os.getloadavg()[0]}
+    for i, v in enumerate(order):
+        n = max(chats[i]["requests"], 1)
+        out[v] = {**chats[i], "daemon_cpu_us_per_request": 1e6 * (cpu1[i] - cpu0[i]) / n,
+                  "workers_cpu_us_per_request": 1e6 * (w1[i] - w0[i]) / n,
+                  "load_average": os.getloadavg()[0], "first": i == 0}
     return out
 
 
@@ -228,8 +275,8 @@ def compare_pairs(args) -> int:
     runs: list[list[dict]] = [[], []]
     for i in range(args.pairs):
         if args.together:
-            results = _together(args, variants, concurrency)
-            order = (0, 1)
+            order = (0, 1) if i % 2 == 0 else (1, 0)
+            results = _together(args, variants, concurrency, order)
         else:
             results = {}
             order = (0, 1) if i % 2 == 0 else (1, 0)
@@ -241,7 +288,7 @@ def compare_pairs(args) -> int:
                                         root, profile)
                     try:
                         results[v] = measured_level(url, proc, concurrency, args.seconds,
-                                                    profile)
+                                                    profile, args.rate)
                     finally:
                         proc.send_signal(signal.SIGTERM)
                         proc.wait(60)
@@ -263,15 +310,30 @@ def compare_pairs(args) -> int:
         se = statistics.stdev(change) / n ** 0.5 if n > 1 else float("nan")
         summary[key] = {"a_median": statistics.median(a), "b_median": statistics.median(b),
                         "mean_change": statistics.fmean(change), "se": se, "changes": change}
+        if args.together and n >= 4:
+            # Simultaneous daemons are not placed alike: the one started (and driven)
+            # first costs a few percent less CPU per request, whichever tree it is. The
+            # order alternates, so the mean of the two orders' means cancels that out,
+            # and its standard error leaves the order's effect out of the scatter.
+            by_order = [[c for c, r in zip(change, runs[1]) if r["first"] is first]
+                        for first in (True, False)]
+            means = [statistics.fmean(g) for g in by_order]
+            ses = [statistics.stdev(g) / len(g) ** 0.5 if len(g) > 1 else float("nan")
+                   for g in by_order]
+            summary[key].update(
+                mean_change=(means[0] + means[1]) / 2,
+                se=0.5 * (ses[0] ** 2 + ses[1] ** 2) ** 0.5,
+                b_first=means[0], b_second=means[1], order_effect=(means[1] - means[0]) / 2)
     result = {"a": variants[0][0], "b": variants[1][0], "pairs": args.pairs,
-              "together": args.together,
+              "together": args.together, "rate": args.rate,
               "concurrency": concurrency, "seconds": args.seconds,
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
               "runs": {"a": runs[0], "b": runs[1]}, "summary": summary,
               "date": time.strftime("%Y-%m-%d %H:%M")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n| c = {concurrency}, {args.pairs} pairs | {variants[0][0]} (median) | "
+    level = f"{args.rate:g} req/s offered" if args.rate > 0 else f"c = {concurrency}"
+    print(f"\n| {level}, {args.pairs} pairs | {variants[0][0]} (median) | "
           f"{variants[1][0]} (median) | change per pair (mean ± se) |\n|---|---:|---:|---:|")
     for key, label in (("daemon_cpu_us_per_request", "daemon CPU us per request"),
                        ("workers_cpu_us_per_request", "workers' CPU us per request"),
@@ -279,6 +341,11 @@ def compare_pairs(args) -> int:
         m = summary[key]
         print(f"| {label} | {m['a_median']:,.1f} | {m['b_median']:,.1f} | "
               f"{m['mean_change']:+.1%} ± {m['se']:.1%} |")
+    if args.together and "order_effect" in summary["daemon_cpu_us_per_request"]:
+        m = summary["daemon_cpu_us_per_request"]
+        print(f"\n(daemon CPU: {variants[1][0]} started first {m['b_first']:+.1%}, second "
+              f"{m['b_second']:+.1%}: the order's own effect ±{abs(m['order_effect']):.1%}, "
+              f"balanced out above)")
     return 0
 
 
@@ -397,6 +464,11 @@ def main() -> int:
                         "against this tree's, in alternating pairs at --levels' first level")
     p.add_argument("--pairs", type=int, default=10, help="pairs for --compare-root / "
                    "--fair-queuing compare")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="with --compare-root or --fair-queuing compare: an open loop of this "
+                        "many requests per second instead of --levels' closed loop (the same "
+                        "work per second on both sides, so CPU per request is not skewed by "
+                        "batching)")
     p.add_argument("--together", action="store_true",
                    help="with --compare-root or --fair-queuing compare: run each pair's two "
                         "daemons at the same time (the same load on both) instead of in turn")

@@ -30,7 +30,8 @@ def start_daemon(state: Path, args: list[str], timeout: float = 300,
     run = ([str(ROOT / "bench" / "profile_daemon.py"), str(profile)] if profile else [])
     cmd = [sys.executable, *run, "-m", "appliance", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--state-dir", str(state), *args]
-    env = {**os.environ, "APPLIANCED_LOG": "WARNING", "PYTHONPATH": str(root)}
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "APPLIANCED_LOG": "WARNING", "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, stdout=open(state / "daemon.log", "wb"), stderr=subprocess.STDOUT,
                             cwd=root, env=env)
     url = f"http://127.0.0.1:{port}"
