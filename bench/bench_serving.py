@@ -73,6 +73,48 @@ async def chat_level(url: str, concurrency: int, seconds: float, max_tokens: int
             "p99_ms": 1000 * pct(latencies, 0.99)}
 
 
+async def paced_level(url: str, rate: float, seconds: float, max_tokens: int,
+                      limit: int = 64) -> dict:
+    """Open loop: a request every 1/`rate` s (at most `limit` in flight), so that the
+    daemon does the same work per second whatever it costs: its CPU per request is then
+    its own cost, not how much batching a closed loop's backlog happened to give it
+    (a closed loop's CPU per request falls as throughput rises: more requests share
+    each event-loop turn, each socket write to a worker, each worker frame)."""
+    body = json.dumps({"model": MODEL, "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": "Say something short."}]})
+    headers = {"Content-Type": "application/json"}
+    latencies: list[float] = []
+    errors = 0
+    slots = asyncio.Semaphore(limit)
+    conn = aiohttp.TCPConnector(limit=limit)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        async def one() -> None:
+            nonlocal errors
+            async with slots:
+                t0 = time.perf_counter()
+                async with session.post(url + "/v1/chat/completions", data=body,
+                                        headers=headers) as r:
+                    await r.read()
+                if r.status != 200:
+                    errors += 1
+                    return
+                latencies.append(time.perf_counter() - t0)
+
+        tasks = []
+        start = time.perf_counter()
+        i = 0
+        while (due := start + i / rate) < start + seconds:
+            if (wait := due - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+            tasks.append(asyncio.create_task(one()))
+            i += 1
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    return {"rate": rate, "requests": len(latencies), "errors": errors,
+            "req_per_s": len(latencies) / elapsed, "p50_ms": 1000 * pct(latencies, 0.50),
+            "p99_ms": 1000 * pct(latencies, 0.99)}
+
+
 async def stream_level(url: str, streams: int, tokens: int, rounds: int) -> dict:
     body = json.dumps({"model": MODEL, "max_tokens": tokens, "stream": True,
                        "stream_options": {"include_usage": True},
@@ -111,20 +153,200 @@ def _accounting_cpu(daemon: psutil.Process) -> float:
     raise SystemExit("the daemon has no accounting process")
 
 
-def _daemon(tmp: Path, args, accounting: bool):
+def _daemon(tmp: Path, args, accounting: bool, fair: bool | None = None,
+            root: Path = ROOT, profile: Path | None = None):
+    """A daemon of `root`'s tree. `fair` None: the config leaves `[engine] fair_queuing`
+    out (a tree from before fair queuing refuses the key); else as given."""
+    if fair is None and root == ROOT:
+        fair = args.fair_queuing == "on"
     cfg = tmp / f"accounting-{accounting}.toml"
     # 1 s windows so the measured level's windows close within it
     cfg.write_text(f"[accounting]\nenabled = {'true' if accounting else 'false'}\nwindow_s = 1.0\n"
-                   f"[engine]\nfair_queuing = {'true' if args.fair_queuing == 'on' else 'false'}\n")
+                   + (f"[engine]\nfair_queuing = {'true' if fair else 'false'}\n"
+                      if fair is not None else ""))
     global MODEL
     spec = ["--model-spec", args.model_spec] if args.model_spec else []
     proc, url = start_daemon(tmp, ["--engine", "sim", "--sim-speed", str(args.sim_speed),
                                    "--devices", args.devices, "--mode", args.mode,
-                                   "--config", str(cfg), *spec])
+                                   "--config", str(cfg), *spec], root=root, profile=profile)
     import urllib.request
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
         MODEL = json.loads(r.read())["data"][0]["id"]       # --model-spec renames it
     return proc, url
+
+
+def _cpu(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+def _workers(daemon: psutil.Process) -> list[psutil.Process]:
+    """The daemon's engine workers (not its prepare pool or accounting process)."""
+    return [c for c in daemon.children(recursive=True) if " worker" in " ".join(c.cmdline())]
+
+
+def measured_level(url: str, proc, concurrency: int, seconds: float,
+                   profile: Path | None = None, rate: float = 0.0) -> dict:
+    """One chat level after a warm-up, with the daemon's own CPU per request (all its
+    threads; the workers, accounting and prepare processes are others) and its workers':
+    CPU per request is steadier than req/s on a shared machine, which gives the daemon
+    fewer cycles when others run, but not more work per request."""
+    daemon = psutil.Process(proc.pid)
+    level = ((lambda secs: paced_level(url, rate, secs, 16)) if rate > 0 else
+             (lambda secs: chat_level(url, concurrency, secs, 16)))
+    asyncio.run(level(1.0))         # warm the daemon up
+    workers = _workers(daemon)
+    if profile is not None:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.2)
+    cpu0, w0 = _cpu(daemon), sum(_cpu(w) for w in workers)
+    chat = asyncio.run(level(seconds))
+    cpu1, w1 = _cpu(daemon), sum(_cpu(w) for w in workers)
+    if profile is not None:
+        proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 30
+        while not profile.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)     # (the file is written in one go; let it finish)
+    n = max(chat["requests"], 1)
+    return {**chat, "daemon_cpu_us_per_request": 1e6 * (cpu1 - cpu0) / n,
+            "workers_cpu_us_per_request": 1e6 * (w1 - w0) / n,
+            "load_average": os.getloadavg()[0]}
+
+
+def _together(args, variants, concurrency: int, order=(0, 1)) -> dict[int, dict]:
+    """Both daemons at once, each driven at `concurrency` by this process over the same
+    seconds: whatever else the machine runs then weighs on both alike (alternating runs
+    see the machine's load change between them: on a busy box the pairs scatter by
+    tens of percent). Each daemon's CPU per request counts its own work only. `order`:
+    which starts (and is driven) first; alternated per pair, so that neither side
+    always has the first place."""
+    with tempfile.TemporaryDirectory() as tmp_a, tempfile.TemporaryDirectory() as tmp_b:
+        daemons = []
+        try:
+            for v, tmp in zip(order, (tmp_a, tmp_b)):
+                _label, root, fair = variants[v]
+                daemons.append(_daemon(Path(tmp), args, args.accounting != "off", fair, root))
+            procs = [psutil.Process(p.pid) for p, _ in daemons]
+
+            async def both(seconds: float) -> list[dict]:
+                return await asyncio.gather(*(
+                    paced_level(url, args.rate, seconds, 16) if args.rate > 0 else
+                    chat_level(url, concurrency, seconds, 16) for _, url in daemons))
+
+            asyncio.run(both(1.0))          # warm both up
+            workers = [_workers(p) for p in procs]
+            cpu0 = [_cpu(p) for p in procs]
+            w0 = [sum(_cpu(w) for w in ws) for ws in workers]
+            chats = asyncio.run(both(args.seconds))
+            cpu1 = [_cpu(p) for p in procs]
+            w1 = [sum(_cpu(w) for w in ws) for ws in workers]
+        finally:
+            for proc, _ in daemons:
+                proc.send_signal(signal.SIGTERM)
+            for proc, _ in daemons:
+                proc.wait(60)
+    out = {}
+    for i, v in enumerate(order):
+        n = max(chats[i]["requests"], 1)
+        out[v] = {**chats[i], "daemon_cpu_us_per_request": 1e6 * (cpu1[i] - cpu0[i]) / n,
+                  "workers_cpu_us_per_request": 1e6 * (w1[i] - w0[i]) / n,
+                  "load_average": os.getloadavg()[0], "first": i == 0}
+    return out
+
+
+def compare_pairs(args) -> int:
+    """Two daemons taking turns, A/B then B/A and so on, each measured at one chat level
+    (--levels' first): `--compare-root DIR` (DIR's tree, e.g. a `git archive` of an older
+    commit, against this one) or `--fair-queuing compare` (off against on, this tree).
+    Each pair's change (B/A - 1) is kept; the summary is the pairs' mean ± standard error
+    for the daemon's CPU per request (the measure to trust on a shared machine) and req/s.
+    With `--profile DIR` each daemon's measured level is profiled instead (cProfile, one
+    pair: the counts, not the times, are the point): `bench/profile_diff.py` reads them."""
+    if args.compare_root:
+        other = Path(args.compare_root).resolve()
+        variants = [(f"{other.name}", other, None), ("this tree", ROOT, None)]
+    else:
+        variants = [("fair off", ROOT, False), ("fair on", ROOT, True)]
+    concurrency = int(args.levels.split(",")[0])
+    prof_dir = Path(args.profile) if args.profile else None
+    if prof_dir:
+        prof_dir.mkdir(parents=True, exist_ok=True)
+    runs: list[list[dict]] = [[], []]
+    for i in range(args.pairs):
+        if args.together:
+            order = (0, 1) if i % 2 == 0 else (1, 0)
+            results = _together(args, variants, concurrency, order)
+        else:
+            results = {}
+            order = (0, 1) if i % 2 == 0 else (1, 0)
+            for v in order:
+                _label, root, fair = variants[v]
+                profile = prof_dir / f"{'ab'[v]}{i}.prof" if prof_dir else None
+                with tempfile.TemporaryDirectory() as tmp:
+                    proc, url = _daemon(Path(tmp), args, args.accounting != "off", fair,
+                                        root, profile)
+                    try:
+                        results[v] = measured_level(url, proc, concurrency, args.seconds,
+                                                    profile, args.rate)
+                    finally:
+                        proc.send_signal(signal.SIGTERM)
+                        proc.wait(60)
+                if profile:
+                    profile.with_suffix(".json").write_text(json.dumps(
+                        {"label": _label, "root": str(root), **results[v]}) + "\n")
+        for v in order:
+            r = results[v]
+            runs[v].append(r)
+            print(f"pair {i + 1} {variants[v][0]:>12}: {r['req_per_s']:7.0f} req/s, daemon "
+                  f"{r['daemon_cpu_us_per_request']:6.1f} us CPU/request, workers "
+                  f"{r['workers_cpu_us_per_request']:6.1f}, load {r['load_average']:.1f}",
+                  flush=True)
+    summary = {}
+    for key in ("daemon_cpu_us_per_request", "workers_cpu_us_per_request", "req_per_s"):
+        a, b = [r[key] for r in runs[0]], [r[key] for r in runs[1]]
+        change = [y / x - 1 for x, y in zip(a, b)]
+        n = len(change)
+        se = statistics.stdev(change) / n ** 0.5 if n > 1 else float("nan")
+        summary[key] = {"a_median": statistics.median(a), "b_median": statistics.median(b),
+                        "mean_change": statistics.fmean(change), "se": se, "changes": change}
+        if args.together and n >= 4:
+            # Simultaneous daemons are not placed alike: the one started (and driven)
+            # first costs a few percent less CPU per request, whichever tree it is. The
+            # order alternates, so the mean of the two orders' means cancels that out,
+            # and its standard error leaves the order's effect out of the scatter.
+            by_order = [[c for c, r in zip(change, runs[1]) if r["first"] is first]
+                        for first in (True, False)]
+            means = [statistics.fmean(g) for g in by_order]
+            ses = [statistics.stdev(g) / len(g) ** 0.5 if len(g) > 1 else float("nan")
+                   for g in by_order]
+            summary[key].update(
+                mean_change=(means[0] + means[1]) / 2,
+                se=0.5 * (ses[0] ** 2 + ses[1] ** 2) ** 0.5,
+                b_first=means[0], b_second=means[1], order_effect=(means[1] - means[0]) / 2)
+    result = {"a": variants[0][0], "b": variants[1][0], "pairs": args.pairs,
+              "together": args.together, "rate": args.rate,
+              "concurrency": concurrency, "seconds": args.seconds,
+              "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+              "runs": {"a": runs[0], "b": runs[1]}, "summary": summary,
+              "date": time.strftime("%Y-%m-%d %H:%M")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    level = f"{args.rate:g} req/s offered" if args.rate > 0 else f"c = {concurrency}"
+    print(f"\n| {level}, {args.pairs} pairs | {variants[0][0]} (median) | "
+          f"{variants[1][0]} (median) | change per pair (mean ± se) |\n|---|---:|---:|---:|")
+    for key, label in (("daemon_cpu_us_per_request", "daemon CPU us per request"),
+                       ("workers_cpu_us_per_request", "workers' CPU us per request"),
+                       ("req_per_s", "req/s")):
+        m = summary[key]
+        print(f"| {label} | {m['a_median']:,.1f} | {m['b_median']:,.1f} | "
+              f"{m['mean_change']:+.1%} ± {m['se']:.1%} |")
+    if args.together and "order_effect" in summary["daemon_cpu_us_per_request"]:
+        m = summary["daemon_cpu_us_per_request"]
+        print(f"\n(daemon CPU: {variants[1][0]} started first {m['b_first']:+.1%}, second "
+              f"{m['b_second']:+.1%}: the order's own effect ±{abs(m['order_effect']):.1%}, "
+              f"balanced out above)")
+    return 0
 
 
 def compare_accounting(args) -> int:
@@ -233,9 +455,26 @@ def main() -> int:
     p.add_argument("--accounting", choices=["on", "off", "compare"], default="on",
                    help="chargeback in the daemon (default on, as shipped); compare: off vs on")
     p.add_argument("--repeats", type=int, default=3, help="--accounting compare: rounds of off+on")
-    p.add_argument("--fair-queuing", choices=["on", "off"], default="on",
+    p.add_argument("--fair-queuing", choices=["on", "off", "compare"], default="on",
                    help="[engine] fair_queuing: the engines' and the router's fair queues "
-                        "(default on, as shipped); off: arrival order")
+                        "(default on, as shipped); off: arrival order; compare: off against "
+                        "on in alternating pairs (--pairs, at --levels' first level)")
+    p.add_argument("--compare-root", default="",
+                   help="another checkout (e.g. a git archive of an older commit): its daemon "
+                        "against this tree's, in alternating pairs at --levels' first level")
+    p.add_argument("--pairs", type=int, default=10, help="pairs for --compare-root / "
+                   "--fair-queuing compare")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="with --compare-root or --fair-queuing compare: an open loop of this "
+                        "many requests per second instead of --levels' closed loop (the same "
+                        "work per second on both sides, so CPU per request is not skewed by "
+                        "batching)")
+    p.add_argument("--together", action="store_true",
+                   help="with --compare-root or --fair-queuing compare: run each pair's two "
+                        "daemons at the same time (the same load on both) instead of in turn")
+    p.add_argument("--profile", default="", help="with --compare-root or --fair-queuing "
+                   "compare: profile each daemon's measured level into this directory "
+                   "(bench/profile_diff.py compares them)")
     args = p.parse_args()
     try:
         import uvloop
@@ -244,11 +483,25 @@ def main() -> int:
         pass
     if args.accounting == "compare":
         return compare_accounting(args)
+    if args.compare_root or args.fair_queuing == "compare":
+        if args.out == str(ROOT / "bench" / "results" / "serving.json"):
+            args.out = str(ROOT / "bench" / "results" / (
+                "serving_pairs.json" if args.compare_root else "serving_fair_pairs.json"))
+        return compare_pairs(args)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _daemon(Path(tmp), args, args.accounting == "on")
         try:
-            chat = [asyncio.run(chat_level(url, int(c), args.seconds, 16))
-                    for c in args.levels.split(",")]
+            daemon = psutil.Process(proc.pid)
+            chat = []
+            for c in args.levels.split(","):
+                cpu0 = _cpu(daemon)
+                r = asyncio.run(chat_level(url, int(c), args.seconds, 16))
+                # (the CPU includes the level's warm-up, whose requests are not counted:
+                # scaled by time, as if it ran at the measured rate; an estimate, the
+                # paired modes below measure it exactly)
+                r["daemon_cpu_us_per_request"] = 1e6 * (_cpu(daemon) - cpu0) / max(
+                    r["requests"], 1) * args.seconds / (args.seconds + min(1.0, args.seconds / 4))
+                chat.append(r)
             stream = asyncio.run(stream_level(url, 32, 256, args.stream_rounds))
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -260,10 +513,11 @@ def main() -> int:
               "stream_32x256": stream, "date": time.strftime("%Y-%m-%d")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print("| concurrency | req/s | p50 ms | p99 ms | errors |\n|---:|---:|---:|---:|---:|")
+    print("| concurrency | req/s | p50 ms | p99 ms | errors | daemon CPU µs/request |\n"
+          "|---:|---:|---:|---:|---:|---:|")
     for r in chat:
         print(f"| {r['concurrency']} | {r['req_per_s']:.0f} | {r['p50_ms']:.1f} | "
-              f"{r['p99_ms']:.1f} | {r['errors']} |")
+              f"{r['p99_ms']:.1f} | {r['errors']} | {r['daemon_cpu_us_per_request']:.0f} |")
     print(f"\nstreamed: {stream['tokens_per_s']:.0f} tokens/s "
           f"(32 streams x 256 tokens x {stream['rounds']} rounds, "
           f"{stream['sse_events']} SSE events)")

@@ -20,15 +20,20 @@ def free_port() -> int:
 
 
 def start_daemon(state: Path, args: list[str], timeout: float = 300,
-                 root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+                 root: Path = ROOT, profile: Path | None = None) -> tuple[subprocess.Popen, str]:
     """Start `applianced serve` on 127.0.0.1; return (process, base URL) once /ready.
     `root`: the source tree to run (another checkout's, to compare two versions of the
-    engine with the same client; `python -m` puts it first on sys.path)."""
+    engine with the same client; `python -m` puts it first on sys.path, and PYTHONPATH
+    puts it first for the workers and the daemon's other children too). `profile`: run
+    it under `profile_daemon.py`, which profiles between SIGUSR1 and SIGUSR2 into that file."""
     port = free_port()
-    cmd = [sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--state-dir", str(state), *args]
+    run = ([str(ROOT / "bench" / "profile_daemon.py"), str(profile)] if profile else [])
+    cmd = [sys.executable, *run, "-m", "appliance", "serve", "--host", "127.0.0.1",
+           "--port", str(port), "--state-dir", str(state), *args]
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "APPLIANCED_LOG": "WARNING", "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, stdout=open(state / "daemon.log", "wb"), stderr=subprocess.STDOUT,
-                            cwd=root, env={**os.environ, "APPLIANCED_LOG": "WARNING"})
+                            cwd=root, env=env)
     url = f"http://127.0.0.1:{port}"
     return proc, wait_ready(proc, url, state / "daemon.log", timeout=timeout)
 

@@ -96,8 +96,10 @@ def prepare_prompt(tok: ServedTokenizer, req: GenerationRequest, model_name: str
                                          kwargs=req.chat_template_kwargs)
                 # A template that opens the <think> block itself leaves the model in it
                 # (unless a grammar decides the output: then it writes what that says).
-                req.thinking = req.guided is None and opens_thinking(
-                    tok.tok.decode(prompt[-THINKING_TAIL:], skip_special_tokens=False))
+                # Only a reasoning model's output is split by it: no decode for others.
+                req.thinking = (req.guided is None and tok.reasoning_parser is not None
+                                and opens_thinking(tok.tok.decode(prompt[-THINKING_TAIL:],
+                                                                  skip_special_tokens=False)))
             except PromptTooLong:
                 raise
             except ValueError as exc:       # ChatTemplateError and the like

@@ -75,7 +75,7 @@ def decode_room(decode: Sequence, committed: int, need: int) -> bool:
 def pick_with_room(candidates: Sequence[W], tokens: int,
                    room: Callable[[W, int], bool] = has_room) -> W | None:
     """The least-queued candidate with room for the prompt; None when all are saturated."""
-    best = least_queued(candidates)
+    best = candidates[0] if len(candidates) == 1 else least_queued(candidates)
     if room(best, tokens):
         return best
     fits = [w for w in candidates if w is not best and room(w, tokens)]

@@ -172,7 +172,14 @@ class Metrics:
         r.register(WorkerCollector(pool, simulated))
         if telemetry is not None:
             r.register(TelemetryCollector(telemetry, simulated))
+        # Label children, looked up once per label set: `labels()` costs more than the
+        # increment itself (validation, a lock, a tuple key), and these run per request
+        # or per iteration. The label sets are few (tenants are the configured ones and
+        # "other"), so the caches stay small.
         self._iter_children: dict[tuple[str, str], tuple] = {}
+        self._request_children: dict[tuple[str, str, str], tuple] = {}
+        self._latency_children: dict[str, list] = {}
+        self._kv_children: dict[str, tuple] = {}
 
     @property
     def model(self) -> str:
@@ -190,22 +197,50 @@ class Metrics:
 
     def kv_transfer(self, ev: KvImported) -> None:
         # "sim" is modelled whatever the daemon runs on: labelled simulated either way.
-        sim = "true" if ev.transport == "sim" else self.sim
-        self.kv_bytes.labels(ev.transport, sim).inc(ev.nbytes)
-        self.kv_seconds.labels(ev.transport, sim).observe(ev.seconds)
+        children = self._kv_children.get(ev.transport)
+        if children is None:
+            sim = "true" if ev.transport == "sim" else self.sim
+            children = self._kv_children[ev.transport] = (
+                self.kv_bytes.labels(ev.transport, sim), self.kv_seconds.labels(ev.transport, sim))
+        children[0].inc(ev.nbytes)
+        children[1].observe(ev.seconds)
+
+    def _counters(self, model: str, tenant_label: str, status: str) -> tuple:
+        """(requests, prompt tokens, output tokens) children for a finished request."""
+        if len(self._request_children) > 10_000:    # (a guard: the label sets are few)
+            self._request_children.clear()
+        sim = self.sim
+        children = self._request_children[(model, tenant_label, status)] = (
+            self.requests.labels(model, tenant_label, status, sim),
+            self.prompt_tokens.labels(model, tenant_label, sim),
+            self.output_tokens.labels(model, tenant_label, sim))
+        return children
+
+    def _latency(self, model: str, which: int):
+        """The TTFT (0), ITL (1) or duration (2) histogram's child for `model`, made when
+        first observed (so a series appears with its first sample, as before the cache)."""
+        hists = self._latency_children.get(model)
+        if hists is None:
+            hists = self._latency_children[model] = [None, None, None]
+        child = hists[which]
+        if child is None:
+            child = hists[which] = (self.ttft, self.itl, self.e2e)[which].labels(model, self.sim)
+        return child
 
     def request(self, rec: RequestRecord, tenant_label: str) -> None:
-        self.requests.labels(self.model, tenant_label, rec.status, self.sim).inc()
-        self.prompt_tokens.labels(self.model, tenant_label, self.sim).inc(rec.prompt_tokens)
-        self.output_tokens.labels(self.model, tenant_label, self.sim).inc(rec.output_tokens)
+        model = self.model      # (read each time: a model swap changes it)
+        counters = (self._request_children.get((model, tenant_label, rec.status))
+                    or self._counters(model, tenant_label, rec.status))
+        counters[0].inc()
+        counters[1].inc(rec.prompt_tokens)
+        counters[2].inc(rec.output_tokens)
         if rec.first_token is not None:
-            self.ttft.labels(self.model, self.sim).observe(rec.first_token - rec.arrival)
+            self._latency(model, 0).observe(rec.first_token - rec.arrival)
             per_choice = rec.output_tokens // max(1, rec.choices)
             if per_choice >= 2:
-                self.itl.labels(self.model, self.sim).observe(
-                    (rec.finish - rec.first_token) / (per_choice - 1))
+                self._latency(model, 1).observe((rec.finish - rec.first_token) / (per_choice - 1))
         if rec.status == "ok":
-            self.e2e.labels(self.model, self.sim).observe(rec.finish - rec.arrival)
+            self._latency(model, 2).observe(rec.finish - rec.arrival)
 
     def rejected(self) -> None:
         self.rejections.labels(self.model, self.sim).inc()

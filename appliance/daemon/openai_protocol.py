@@ -85,7 +85,13 @@ def _int(value):
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     """OpenAI's map of token id (a JSON string key) to a bias in [-100, 100]. Ids beyond
     the vocabulary are refused by `completion.check_token_ids`, which knows it."""
-    return tuple(sorted((int(k), float(v)) for k, v in (body.get("logit_bias") or {}).items()))
+    bias = body.get("logit_bias")
+    return tuple(sorted((int(k), float(v)) for k, v in bias.items())) if bias else ()
+
+
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+    ids = body.get("stop_token_ids")
+    return tuple(sorted({int(t) for t in ids})) if ids else ()
 
 
 def _logprobs(body: dict, endpoint: str) -> int | None:
@@ -127,8 +133,10 @@ TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", 
 
 def _template_kwargs(body: dict) -> dict | None:
     kwargs = body.get("chat_template_kwargs") or None
+    if kwargs is None:
+        return None
     for name in TEMPLATE_RESERVED:
-        if kwargs and name in kwargs:
+        if name in kwargs:
             raise bad(f"'chat_template_kwargs' may not set {name!r} (the request's own "
                       "fields set it)", "chat_template_kwargs")
     return kwargs
@@ -188,7 +196,7 @@ def parse_request(body, endpoint: str) -> GenerationRequest:
         guided=guided, min_tokens=_int(body.get("min_tokens")) or 0,
         repetition_penalty=float(values["repetition_penalty"]),
         min_p=float(values["min_p"]),
-        stop_token_ids=tuple(sorted({int(t) for t in body.get("stop_token_ids") or ()})),
+        stop_token_ids=_stop_token_ids(body),
         skip_special_tokens=values["skip_special_tokens"],
         include_stop_str_in_output=values["include_stop_str_in_output"],
         priority=_int(body.get("priority")),

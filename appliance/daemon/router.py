@@ -194,8 +194,10 @@ class Router:
     def _ready(self, workers: list[WorkerLink], role: str) -> list[WorkerLink]:
         """Ready workers, rotated each call so that ties go round-robin."""
         ready = [w for w in workers if w.ready]
-        if not ready:
-            raise NoWorker(f"no {role} worker is ready")
+        if len(ready) < 2:      # (one worker: nothing to rotate; the usual single box)
+            if not ready:
+                raise NoWorker(f"no {role} worker is ready")
+            return ready
         return self._rotation.rotate(ready, role)
 
     def _most_free(self, workers: list[WorkerLink]) -> WorkerLink:

@@ -305,12 +305,14 @@ class TenantPolicy:
         if reservation is not None and st.tokens is not None:
             st.tokens.give(reservation.tokens - used_tokens, now)
         second = int(now)
-        if st.recent and st.recent[-1][0] == second:
-            st.recent[-1][1] += 1
-            st.recent[-1][2] += used_tokens
-        else:
-            st.recent.append([second, 1, used_tokens])
-        self._trim(st, now)
+        recent = st.recent
+        if recent and recent[-1][0] == second:
+            last = recent[-1]
+            last[1] += 1
+            last[2] += used_tokens
+        else:       # a new second: the oldest may have left the window
+            recent.append([second, 1, used_tokens])
+            self._trim(st, now)
 
     def finished_unstarted(self, tenant: str, reservation: Reservation | None) -> None:
         """Admitted by the limits, then refused for another reason: give the tokens back."""
