@@ -164,7 +164,11 @@ class Router:
         def claim(w: WorkerLink):
             queue = w.open(rid)
             w.pending_prefill_tokens += tokens
-            self._commit(rid, need)
+            if need and self._decode_room(need):
+                # (one that goes on after its wait is not counted: the decode worker's
+                # admission decides for it, as ungated, and what the gate admitted still
+                # leaves room for another tenant's short request)
+                self._commit(rid, need)
             return w, queue
 
         def unclaim(placed) -> None:
