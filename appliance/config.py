@@ -71,7 +71,7 @@ class EngineConfig:
     handoff_timeout_s: float = 30.0   # free handed-off KV nobody picked up after this
     prefill_chunk_tokens: int = 0     # >0: prefill in chunks of this many tokens, decodes between
     fair_queuing: bool = True         # tenants share prefill steps by [tenants] weight, not arrival order
-    decode_kv_gate: bool = True       # disagg: prefill a request only when the decode side has its KV room
+    decode_kv_gate: bool = False      # disagg: prefill a request only when the decode side has its KV room
     decode_kv_gate_wait_s: float = 10.0  # ...but hold none longer than this (then it goes on ungated)
     conditional_disagg_tokens: int = 0  # >0: prompts shorter than this skip the prefill worker
     tool_parser: str = ""             # "" = from the chat template; hermes | llama3_json | mistral | harmony | none

@@ -89,7 +89,7 @@ class Router:
     def __init__(self, pool: WorkerPool, mode: str, conditional_tokens: int = 0,
                  tenants: dict[str, TenantConfig] | None = None, fair_queuing: bool = True,
                  role: str = "both", peers: Peers | None = None,
-                 model_name: Callable[[], str] = lambda: "", decode_kv_gate: bool = True,
+                 model_name: Callable[[], str] = lambda: "", decode_kv_gate: bool = False,
                  decode_kv_gate_wait_s: float = 10.0):
         self.pool = pool
         self._model_name = model_name   # what the decode boxes are told the request is for
@@ -97,8 +97,10 @@ class Router:
         self.peers = peers          # a prefill box's decode peers (None: role both)
         self.gate = TenantGate(tenants)
         self.mode = mode
-        # disagg: a request goes to a prefill worker only when the decode side can take
-        # its KV too (`dispatch.decode_room`); until then it waits in the fair queue.
+        # disagg, when on (`engine.decode_kv_gate`, off by default: it costs throughput
+        # when the decode KV is the bottleneck, docs/operations/tenants.md): a request goes
+        # to a prefill worker only when the decode side can take its KV too
+        # (`dispatch.decode_room`); until then it waits in the fair queue.
         # Its blocks (prompt + longest answer, as the decode worker reserves them) count
         # from its placement to its end. A front's decodes go to its peers (their KV is
         # theirs to refuse): not gated here. No request waits there longer than

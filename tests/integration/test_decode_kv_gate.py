@@ -8,7 +8,7 @@ the prefill worker takes every prompt its own queue admits, the decode worker ca
 import their KV while its running requests hold it, and the handoffs that wait past
 `handoff_timeout_s` are prefilled again on the decode worker (`kv_recomputes`: 8 of the
 12 on the run this test was written on, the prefill work thrown away, and nothing waits
-at the router). With it (`engine.decode_kv_gate`, on by default), the requests wait at
+at the router). With it (`engine.decode_kv_gate = true`; off by default), the requests wait at
 the router in fair order until the decode side has room, and every handoff is imported.
 Both runs are here: the gate's worth is the difference."""
 from __future__ import annotations
