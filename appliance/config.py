@@ -71,6 +71,8 @@ class EngineConfig:
     handoff_timeout_s: float = 30.0   # free handed-off KV nobody picked up after this
     prefill_chunk_tokens: int = 0     # >0: prefill in chunks of this many tokens, decodes between
     fair_queuing: bool = True         # tenants share prefill steps by [tenants] weight, not arrival order
+    decode_kv_gate: bool = False      # disagg: prefill a request only when the decode side has its KV room
+    decode_kv_gate_wait_s: float = 10.0  # ...but hold none longer than this (then it goes on ungated)
     conditional_disagg_tokens: int = 0  # >0: prompts shorter than this skip the prefill worker
     tool_parser: str = ""             # "" = from the chat template; hermes | llama3_json | mistral | harmony | none
     reasoning_parser: str = ""        # "" = from the chat template; qwen3 | none
@@ -355,6 +357,9 @@ def validate(cfg: Config) -> Config:
     for key in ("cpu_idle_w_per_core", "cpu_busy_w_per_core"):
         if getattr(t, key) < 0:
             raise ConfigError(f"config: telemetry.{key} must be 0 or more, got {getattr(t, key)}")
+    if cfg.engine.decode_kv_gate_wait_s < 0:
+        raise ConfigError(f"config: engine.decode_kv_gate_wait_s must be 0 or more, "
+                          f"got {cfg.engine.decode_kv_gate_wait_s}")
     if cfg.workflows.drain_timeout_s < 0:
         raise ConfigError(f"config: workflows.drain_timeout_s must be 0 or more, "
                           f"got {cfg.workflows.drain_timeout_s}")

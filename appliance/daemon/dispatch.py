@@ -56,10 +56,11 @@ def decode_room(decode: Sequence, committed: int, need: int) -> bool:
     already sent on their way to it (placed on a prefill worker, and not yet finished).
     Without this a flood is prefilled faster than its decodes finish: the decode worker
     has no KV to import the handoffs into, and those that wait past `handoff_timeout_s`
-    are prefilled again there (the prefill work thrown away). With nothing committed
-    (an idle decode side), a request that no decode worker could hold even empty, or a
-    decode side that has not reported its size yet, nothing is held back (the decode
-    worker's own admission decides, as before)."""
+    are prefilled again there (the prefill work thrown away). A request larger than
+    the largest decode worker's pool counts as that pool (the worker reserves no more:
+    it ends a sequence at its pool's capacity). With nothing committed (an idle decode
+    side) or a decode side that has not reported its size yet, nothing is held back (the
+    decode worker's own admission decides, as before)."""
     if committed == 0 or not decode:
         return True
     capacity = 0
@@ -69,7 +70,7 @@ def decode_room(decode: Sequence, committed: int, need: int) -> bool:
             return True
         capacity += w.stats.kv_blocks_total
         largest = max(largest, w.stats.kv_blocks_total)
-    return need > largest or committed + need <= capacity
+    return committed + min(need, largest) <= capacity
 
 
 def pick_with_room(candidates: Sequence[W], tokens: int,
@@ -90,6 +91,7 @@ class Waiter:
     tenant: str
     claim: Callable                      # (worker) -> what the request needs to go on
     kv: int = 0                          # KV blocks it will need on the decode side
+    since: float = 0.0                   # when it began to wait (event-loop clock)
     left: bool = False
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -104,11 +106,16 @@ class DispatchQueue:
     that error, as a new request would, rather than wait for a worker that may never
     come). With `fair=False` every request is one tenant's: arrival order."""
 
-    def __init__(self, fair: bool = True, admits: Callable[[int], bool] | None = None):
+    def __init__(self, fair: bool = True, admits: Callable[[int], bool] | None = None,
+                 admits_wait_s: float = 10.0):
         self.fair = fair
         # Room beyond the first stage's (disagg: the decode side's KV) for a request of
-        # so many KV blocks; while the queue's head has none, everybody waits, in fair order.
+        # so many KV blocks; while the queue's head has none, everybody waits, in fair
+        # order, but the head no longer than `admits_wait_s`: then it goes on without it
+        # (what `admits` counts may be held for minutes by long answers; a bound, not a wall).
         self.admits = admits
+        self.admits_wait_s = admits_wait_s
+        self._recheck: asyncio.TimerHandle | None = None
         self.queue: FairQueue[Waiter] = FairQueue()
         self._depth: dict[str, int] = {}
 
@@ -125,7 +132,7 @@ class DispatchQueue:
         (so its counters count this request before anything else is dispatched). A
         request cancelled after its worker was chosen gives the claim back (`unclaim`)
         and passes the room on."""
-        waiter = Waiter(tokens, tenant, claim, kv)
+        waiter = Waiter(tokens, tenant, claim, kv, asyncio.get_running_loop().time())
         key = tenant if self.fair else ""
         self.queue.push(waiter, key, weight if self.fair else 1.0, priority if self.fair else 0)
         self._depth[tenant] = self._depth.get(tenant, 0) + 1
@@ -174,8 +181,15 @@ class DispatchQueue:
                     if not w.future.done():
                         w.future.set_exception(exc)
                 return
-            if self.admits is not None and not self.admits(waiter.kv):
-                return
+            if self.admits is not None and waiter.kv and not self.admits(waiter.kv):
+                loop = asyncio.get_running_loop()
+                left = waiter.since + self.admits_wait_s - loop.time()
+                if left > 0:
+                    # looked at again when its wait is up, if nothing else pumps before
+                    if self._recheck is not None:
+                        self._recheck.cancel()
+                    self._recheck = loop.call_later(left, self.pump, candidates)
+                    return
             worker = pick_with_room(ready, waiter.tokens)
             if worker is None:
                 return

@@ -101,7 +101,8 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
     peers = Peers(c.peers, c.key) if c.role != "both" else None
     router = Router(pool, setup.plan.mode, e.conditional_disagg_tokens, cfg.tenants,
                     fair_queuing=e.fair_queuing, role=c.role, peers=peers,
-                    model_name=lambda: state.model.name)
+                    model_name=lambda: state.model.name, decode_kv_gate=e.decode_kv_gate,
+                    decode_kv_gate_wait_s=e.decode_kv_gate_wait_s)
     t = cfg.telemetry
     telemetry = build_telemetry(
         setup.inventory, setup.plan, worker_cores={s.worker: s.cpu_cores for s in setup.specs},

@@ -90,23 +90,31 @@ class Router:
     def __init__(self, pool: WorkerPool, mode: str, conditional_tokens: int = 0,
                  tenants: dict[str, TenantConfig] | None = None, fair_queuing: bool = True,
                  role: str = "both", peers: Peers | None = None,
-                 model_name: Callable[[], str] = lambda: "", decode_kv_gate: bool = False):
+                 model_name: Callable[[], str] = lambda: "", decode_kv_gate: bool = False,
+                 decode_kv_gate_wait_s: float = 10.0):
         self.pool = pool
         self._model_name = model_name   # what the decode boxes are told the request is for
         self.role = role            # cluster.role: both | prefill (decodes go to peers) | decode
         self.peers = peers          # a prefill box's decode peers (None: role both)
         self.gate = TenantGate(tenants)
         self.mode = mode
-        # disagg: a request goes to a prefill worker only when the decode side can take
-        # its KV too (`dispatch.decode_room`); until then it waits in the fair queue.
-        # Its blocks (prompt + longest answer) count from its placement to its end. A
-        # front's decodes go to its peers (their KV is theirs to refuse): not gated here.
-        # Off by default: with it on, a cancelled model swap left requests waiting for
-        # good (tests/integration/test_workflows.py, the swap cancelled after its switch).
+        # disagg, when on (`engine.decode_kv_gate`, off by default: it costs throughput
+        # when the decode KV is the bottleneck, docs/operations/tenants.md): a request goes
+        # to a prefill worker only when the decode side can take its KV too
+        # (`dispatch.decode_room`); until then it waits in the fair queue.
+        # Its blocks (prompt + longest answer, as the decode worker reserves them) count
+        # from its placement to its end. A front's decodes go to its peers (their KV is
+        # theirs to refuse): not gated here. No request waits there longer than
+        # `decode_kv_gate_wait_s`: it then goes on as it would ungated (the decode
+        # worker's own admission decides), so long answers can delay others, never block them.
         self.gated = decode_kv_gate and mode == "disagg" and role != "prefill"
-        self.dispatch = DispatchQueue(fair_queuing, self._decode_room if self.gated else None)
-        self._decode_need: dict[str, int] = {}       # request -> blocks it will take there
-        self.decode_committed = 0                     # blocks of the requests placed
+        self.dispatch = DispatchQueue(fair_queuing, self._decode_room if self.gated else None,
+                                      decode_kv_gate_wait_s)
+        # The placed requests' decode KV, one entry each, added when a prefill worker is
+        # claimed for it and popped when it ends (`_uncommit`, however it ends): the total
+        # changes only with the entries, so it cannot drift from them.
+        self._committed: dict[str, int] = {}
+        self.decode_committed = 0                     # sum(self._committed.values())
         self.conditional_tokens = conditional_tokens
         self.routed: set[str] = set(pool.workers)
         self._rotation = Rotation()
@@ -144,36 +152,66 @@ class Router:
         if self.dispatch.queue:
             self.dispatch.pump(self._first)
 
-    async def _place(self, rid: str, tokens: int, share: Share):
+    async def _place(self, rid: str, tokens: int, share: Share, need: int = 0):
         """A first-stage worker for the request, claimed (its channel open, its prompt
-        counted): at once when one has room and nobody waits, else in fair order."""
-        need = self._decode_need.get(rid, 0)
+        counted, its `need` decode KV blocks committed): at once when one has room and
+        nobody waits, else in fair order."""
         if not self.dispatch.queue:
             w = pick_with_room(self._first(), tokens)
             if w is not None and (not need or self._decode_room(need)):
                 queue = w.open(rid)
                 w.pending_prefill_tokens += tokens
-                self.decode_committed += need
+                self._commit(rid, need)
                 return w, queue
 
         def claim(w: WorkerLink):
             queue = w.open(rid)
             w.pending_prefill_tokens += tokens
-            self.decode_committed += need
+            if need and self._decode_room(need):
+                # (one that goes on after its wait is not counted: the decode worker's
+                # admission decides for it, as ungated, and what the gate admitted still
+                # leaves room for another tenant's short request)
+                self._commit(rid, need)
             return w, queue
 
         def unclaim(placed) -> None:
             w = placed[0]
             w.pending_prefill_tokens = max(0, w.pending_prefill_tokens - tokens)
-            self.decode_committed -= need
+            self._uncommit(rid)
             w.close(rid)
 
-        try:
-            return await self.dispatch.wait(tokens, share.tenant, share.weight, share.priority,
-                                            claim, unclaim, self._first, need)
-        except BaseException:
-            self._decode_need.pop(rid, None)      # never placed: nothing committed
-            raise
+        return await self.dispatch.wait(tokens, share.tenant, share.weight, share.priority,
+                                        claim, unclaim, self._first, need)
+
+    # ---- the decode-KV gate ---------------------------------------------------------
+    def _decode_need(self, prompt: int, max_tokens: int) -> int:
+        """KV blocks a request will hold on a decode worker at most: its prompt, its first
+        token and its longest answer, reserved as the decode worker reserves them
+        (`engine.reserve_ratio` of `max_tokens`, `block_manager`)."""
+        spec = self.decode[0].spec if self.decode else None
+        block = spec.block_size if spec else 16
+        ratio = spec.reserve_ratio if spec else 1.0
+        return -(-(prompt + int(max_tokens * ratio)) // block) + 1
+
+    def _largest_decode(self) -> int:
+        """The largest ready decode worker's KV pool in blocks (0: none has reported)."""
+        return max((w.stats.kv_blocks_total for w in self.decode if w.ready and w.stats),
+                   default=0)
+
+    def _commit(self, rid: str, need: int) -> None:
+        if need:
+            # Never more than a decode worker's whole pool: the worker reserves no more
+            # (it ends a sequence at its pool's capacity).
+            largest = self._largest_decode()
+            need = min(need, largest) if largest else need
+            self.decode_committed += need - self._committed.get(rid, 0)
+            self._committed[rid] = need
+
+    def _uncommit(self, rid: str) -> None:
+        need = self._committed.pop(rid, 0)
+        if need:
+            self.decode_committed -= need
+            self._pump()
 
     def _decode_room(self, need: int) -> bool:
         return decode_room([w for w in self.decode if w.ready], self.decode_committed, need)
@@ -241,21 +279,29 @@ class Router:
                 worker = self._most_free(self.decode)
                 gen = self._run_local(trace, worker, prompt, params, share)
             else:
+                need = 0
                 if self.gated:      # (no bookkeeping on the request path when ungated)
-                    block = self.decode[0].spec.block_size if self.decode else 16
-                    self._decode_need[trace.request_id] = \
-                        -(-(len(prompt) + params.max_tokens) // block) + 1
-                gen = self._run_disagg(trace, prompt, params, share)
+                    need = self._decode_need(len(prompt), params.max_tokens)
+                    largest = self._largest_decode()
+                    floor = self._decode_need(len(prompt), 0)
+                    if largest and floor > largest:
+                        # no decode worker here could ever import it: say so, never wait
+                        raise EngineError(
+                            f"the prompt's KV ({floor} blocks of "
+                            f"{self.decode[0].spec.block_size} tokens) is larger than any "
+                            f"decode worker's KV pool (the largest holds {largest})",
+                            "kv_capacity")
+                gen = self._run_disagg(trace, prompt, params, share, need)
             async for item in gen:
                 yield item
         finally:
             if gen is not None:
                 await gen.aclose()      # (as contextlib.aclosing, without its frames)
             self.gate.release(share.tenant)
-            need = self._decode_need.pop(trace.request_id, None)
-            if need is not None and gen is not None and trace.prefill_worker is not None:
-                self.decode_committed -= need      # placed: its decode KV is given back
-                self._pump()
+            if self._committed:
+                # however it ended (finished, failed, cancelled, client gone, its worker
+                # dead or replaced): its decode KV is given back, once
+                self._uncommit(trace.request_id)
 
     async def _run_local(self, trace: Trace, worker: WorkerLink | None, prompt: list[int],
                          params: SamplingParams, share: Share = NO_SHARE):
@@ -299,9 +345,9 @@ class Router:
             self._pump()
 
     async def _run_disagg(self, trace: Trace, prompt: list[int], params: SamplingParams,
-                          share: Share):
+                          share: Share, need: int = 0):
         rid = trace.request_id
-        pw, queue = await self._place(rid, len(prompt), share)
+        pw, queue = await self._place(rid, len(prompt), share, need)
         trace.prefill_worker = pw.id
         prefilled = False
         try:

@@ -11,9 +11,11 @@ import asyncio
 import pytest
 
 from appliance.daemon.dispatch import QUEUE_STEPS, DispatchQueue, has_room, pick_with_room
-from appliance.daemon.router import NoWorker, Router, Trace
-from appliance.daemon.workers import WorkerPool
-from appliance.engines.messages import Prefill, PrefillDone, SamplingParams, Tokens, WorkerStats
+from appliance.daemon.router import EngineError, NoWorker, Router, Trace
+from appliance.daemon.workers import WorkerGone, WorkerPool
+from appliance.engines.messages import (
+    KvHandle, Prefill, PrefillDone, SamplingParams, Tokens, WorkerStats,
+)
 from appliance.config import TenantConfig
 from appliance.worker.spec import WorkerSpec
 
@@ -35,14 +37,14 @@ class Client:
     """One request through `Router.generate`, recorded: where it went and what it got."""
 
     def __init__(self, router: Router, name: str, tenant: str, tokens: int = 10,
-                 priority: int | None = None):
+                 priority: int | None = None, max_tokens: int = 1):
         self.router, self.name, self.tenant = router, name, tenant
         self.trace = Trace(name, 0.0)
         self.steps: list = []
-        self.task = asyncio.create_task(self._run(tokens, priority))
+        self.task = asyncio.create_task(self._run(tokens, priority, max_tokens))
 
-    async def _run(self, tokens: int, priority):
-        gen = self.router.generate(self.trace, [1] * tokens, SamplingParams(max_tokens=1),
+    async def _run(self, tokens: int, priority, max_tokens: int):
+        gen = self.router.generate(self.trace, [1] * tokens, SamplingParams(max_tokens=max_tokens),
                                    self.tenant, priority)
         async for step in gen:
             self.steps.append(step)
@@ -358,7 +360,7 @@ def test_requests_wait_in_fair_order_for_kv_on_the_decode_side():
     asyncio.run(scenario())
 
 
-def test_decode_kv_holds_back_nothing_it_cannot_judge():
+def test_decode_kv_holds_back_nothing_it_cannot_judge_and_refuses_what_never_fits():
     async def scenario():
         pool = _pool(_spec("p0", role="prefill", max_seqs=100, max_batch_tokens=10 ** 6),
                      _spec("d0", role="decode"))
@@ -368,29 +370,160 @@ def test_decode_kv_holds_back_nothing_it_cannot_judge():
         first = [Client(router, f"a{i}", "t", tokens=32) for i in range(3)]
         await _settle()
         assert _sent(pool) == ["a0", "a1", "a2"]
-        # reported: a request that d0 could not hold even empty is not held back (the
-        # decode worker's own admission decides, as before); one that fits waits
         _stats(d0, total=12)
+        # a prompt that d0 could not import even empty: a clear error at once, no wait
         huge = Client(router, "huge", "t", tokens=16 * 20)
+        await asyncio.gather(huge.task, return_exceptions=True)
+        err = huge.task.exception()
+        assert isinstance(err, EngineError) and err.code == "kv_capacity", err
+        assert "largest holds 12" in str(err) and router.depth("t") == 0
+        # a long answer that d0 could hold only empty counts as its whole pool (as d0
+        # reserves it), and waits like any other
+        long = Client(router, "long", "t", tokens=32, max_tokens=16 * 20)
         await _settle()
-        assert _sent(pool)[-1] == "huge"
-        small = Client(router, "small", "t", tokens=32)
-        await _settle()
-        assert _sent(pool)[-1] == "huge" and router.depth("t") == 1
+        assert _sent(pool)[-1] == "a2" and router.depth("t") == 1
         # one cancelled while it waits commits nothing
-        small.task.cancel()
+        long.task.cancel()
         await _settle()
-        assert router.depth("t") == 0 and router.decode_committed == 4 * 3 + 22
-        for c in (*first, huge):
+        assert router.depth("t") == 0 and router.decode_committed == 4 * 3
+        for c in first:
             c.task.cancel()
-        await asyncio.gather(*(c.task for c in (*first, huge, small)), return_exceptions=True)
-        assert router.decode_committed == 0
+        await asyncio.gather(*(c.task for c in (*first, long)), return_exceptions=True)
+        assert router.decode_committed == 0 and router._committed == {}
         # an idle decode side takes any request, whatever it reported
-        _stats(d0, total=1)
+        _stats(d0, total=3)
         alone = Client(router, "alone", "t", tokens=32)
         await _settle()
         assert _sent(pool)[-1] == "alone"
         _done(pool, "alone")
         await alone.task
+
+    asyncio.run(scenario())
+
+
+def _kill(w) -> None:
+    """What `WorkerLink._died` does to a worker that died: its requests hear WorkerGone,
+    its counters reset, it restarts (not ready) and the pool is told."""
+    gone = WorkerGone(f"worker {w.id} died (-9)")
+    for ch in w.channels.values():
+        ch.put(gone)
+    w.channels.clear()
+    w.inflight = w.kv_holds = w.pending_prefill_tokens = w.pending_kv_blocks = 0
+    w.stats = None
+    w.state = "restarting"
+    w.pool.on_death(w)
+
+
+def _handoff(pool: WorkerPool, rid: str) -> None:
+    """p-worker `rid` is prefilled and its KV handed off (the decode is next)."""
+    for w in pool.workers.values():
+        if w.role == "prefill" and rid in w.channels:
+            w.channels[rid].put(PrefillDone(rid, 7, KvHandle(w.id, rid, [0, 1, 2], 32, "l"),
+                                            None))
+            return
+    raise AssertionError(f"{rid} is on no prefill worker")
+
+
+def test_decode_kv_is_given_back_however_a_request_ends_across_a_model_swap():
+    """Every way a placed request can end gives back exactly what it committed: its
+    decode worker dying mid-decode, its prefill worker dying mid-prefill, the routing set
+    switched to new workers under a waiting request (a swap), the client gone while it
+    prefills and while it decodes. Afterwards nothing is counted and a request as large
+    as the decode side goes at once."""
+    async def scenario():
+        spec = dict(role="prefill", max_seqs=100, max_batch_tokens=10 ** 6)
+        pool = _pool(_spec("p0", **spec), _spec("d0", role="decode"))
+        router = Router(pool, "disagg", decode_kv_gate=True)
+        _stats(pool.workers["d0"], total=12)
+        ask = dict(tokens=32, max_tokens=32)      # 4 blocks + 1: five each
+        a, b = Client(router, "a", "t", **ask), Client(router, "b", "t", **ask)
+        await _settle()
+        assert router.decode_committed == 10 and _sent(pool) == ["a", "b"]
+        c = Client(router, "c", "t", **ask)        # 10 + 5 > 12: waits
+        await _settle()
+        assert router.depth("t") == 1
+        # a: prefilled, decoding on d0, which dies
+        _handoff(pool, "a")
+        await _settle()
+        assert "a" in pool.workers["d0"].channels
+        _kill(pool.workers["d0"])
+        await asyncio.gather(a.task, return_exceptions=True)
+        assert isinstance(a.task.exception(), WorkerGone)
+        await _settle()
+        assert _sent(pool)[-1] == "c" and router.decode_committed == 10   # a's room, passed on
+        # b and c: their prefill worker dies mid-prefill
+        _kill(pool.workers["p0"])
+        await asyncio.gather(b.task, c.task, return_exceptions=True)
+        assert all(isinstance(x.task.exception(), WorkerGone) for x in (b, c))
+        assert router.decode_committed == 0 and router._committed == {}
+        # one arriving now, with no prefill worker ready, is told so (never left waiting)
+        x = Client(router, "x", "t", **ask)
+        await asyncio.gather(x.task, return_exceptions=True)
+        assert isinstance(x.task.exception(), NoWorker)
+        # the swap: new workers, routed all at once; the old ones are gone
+        new = [pool.add(_spec("p1", **spec)), pool.add(_spec("d1", role="decode"))]
+        for w in new:
+            w.state = "ready"
+            w._flush = lambda: None
+        _stats(new[1], total=12)
+        router.set_routing(["p1", "d1"])
+        d, e = Client(router, "d", "t", **ask), Client(router, "e", "t", **ask)
+        await _settle()
+        assert router.decode_committed == 10
+        d.task.cancel()                            # client gone mid-prefill
+        _handoff(pool, "e")
+        await _settle()
+        assert "e" in new[1].channels
+        e.task.cancel()                            # client gone mid-decode
+        await asyncio.gather(d.task, e.task, return_exceptions=True)
+        assert router.decode_committed == 0 and router._committed == {}
+        assert all(not w.channels and w.inflight == 0 and w.kv_holds == 0 for w in new)
+        # nothing leaked: a request as large as the whole decode side goes at once
+        f = Client(router, "f", "t", tokens=16 * 9, max_tokens=32)
+        g = Client(router, "g", "t", tokens=16, max_tokens=1)
+        await _settle()
+        assert [m.request_id for m in new[0]._outbox if isinstance(m, Prefill)][-1] == "f"
+        assert router.decode_committed == 12 and router.depth("t") == 1
+        new[0].channels["f"].put(PrefillDone("f", 7, None, "length"))
+        await f.task
+        await _settle()
+        new[0].channels["g"].put(PrefillDone("g", 7, None, "length"))
+        await g.task
+        assert router.decode_committed == 0 and router._committed == {}
+
+    asyncio.run(scenario())
+
+
+def test_the_decode_kv_gate_never_holds_a_request_past_its_wait():
+    """Long answers can hold the decode side's KV for minutes (a swap's streams with
+    30,000-token answers held it for good in test_workflows): a request the gate holds
+    goes on after `decode_kv_gate_wait_s` anyway, as it would ungated."""
+    async def scenario():
+        pool = _pool(_spec("p0", role="prefill", max_seqs=100, max_batch_tokens=10 ** 6),
+                     _spec("d0", role="decode"))
+        router = Router(pool, "disagg", decode_kv_gate=True, decode_kv_gate_wait_s=0.3)
+        _stats(pool.workers["d0"], total=12)
+        streams = [Client(router, f"s{i}", "t", tokens=32, max_tokens=32) for i in range(2)]
+        await _settle()
+        late = Client(router, "late", "t", tokens=32, max_tokens=32)
+        await _settle()
+        assert _sent(pool) == ["s0", "s1"] and router.depth("t") == 1
+        t0 = asyncio.get_running_loop().time()
+        while "late" not in _sent(pool):
+            assert asyncio.get_running_loop().time() - t0 < 5, "held past its wait"
+            await asyncio.sleep(0.02)
+        assert asyncio.get_running_loop().time() - t0 >= 0.2
+        # it is not counted (the decode worker decides for it): what the gate admitted
+        # still leaves its room to the next short request
+        assert router.depth("t") == 0 and router.decode_committed == 10
+        short = Client(router, "short", "t", tokens=15, max_tokens=1)     # two blocks
+        await _settle()
+        assert _sent(pool)[-1] == "short" and router.decode_committed == 12
+        _done(pool, "short")
+        await short.task
+        for rid in ("s0", "s1", "late"):
+            _done(pool, rid)
+        await asyncio.gather(*(c.task for c in (*streams, late)))
+        assert router.decode_committed == 0
 
     asyncio.run(scenario())
