@@ -107,11 +107,16 @@ def test_a_healthy_run_reconciles_within_one_percent(daemon_factory):
     GPU-seconds (measured: -3% to +2%), whatever the ledger holds."""
     d = start(daemon_factory)
     window_s = 1.0
-    # idle and counted: the counters have sampled the idle box past the span's start
-    # (a span the counters do not cover has no telemetry figure)
+    # idle and counted: the counters (busy-seconds and every device's energy) have
+    # sampled the idle box past the span's start (a span a counter does not cover has
+    # no telemetry figure; a device read later would move the span's start)
+    # and the ledger has committed its windows through that (else the span starts at
+    # the counters' first sample, inside a window)
     rec0 = wait_for(d, lambda r: r["gpu_seconds"]["telemetry"] == 0.0
-                    and r["until"] - r["since"] >= window_s, 60,
-                    "the daemon's counters covering an idle second")
+                    and r["energy_joules"]["telemetry"] is not None
+                    and r["until"] - r["since"] >= window_s
+                    and ledger_closed_through(d) >= r["until"], 60,
+                    "the daemon's counters and the ledger covering an idle second")
     since = rec0["since"]
     assert since % window_s == 0, rec0              # a ledger window boundary
     with Load(d, "llama-3.1-8b") as load:
@@ -130,7 +135,8 @@ def test_a_healthy_run_reconciles_within_one_percent(daemon_factory):
         time.sleep(0.5)
     else:
         raise AssertionError(f"the ledger never closed the run's windows; last {until}")
-    assert rec["since"] == since and until % window_s == 0, rec
+    assert until % window_s == 0, (until, rec)
+    assert rec["since"] == since, (since, rec0, rec)
     assert rec["gpu_seconds"]["telemetry"] > 1.0, rec
     assert within(rec, 0.01), rec
     assert rec["gpu_seconds"]["ledger"] > 1.0 and rec["energy_joules"]["telemetry"] > 0
