@@ -115,10 +115,10 @@ def test_a_healthy_run_reconciles_within_one_percent(daemon_factory):
     rec0 = wait_for(d, lambda r: r["gpu_seconds"]["telemetry"] == 0.0
                     and r["energy_joules"]["telemetry"] is not None
                     and r["until"] - r["since"] >= window_s
-                    and ledger_closed_through(d) >= r["until"], 60,
+                    and r["since"] % window_s == 0  # a window boundary, not inside the
+                    and ledger_closed_through(d) >= r["until"], 120,   # first idle row
                     "the daemon's counters and the ledger covering an idle second")
     since = rec0["since"]
-    assert since % window_s == 0, rec0              # a ledger window boundary
     with Load(d, "llama-3.1-8b") as load:
         # enough requests for a few GPU-seconds (~0.01 each), however slow the box is
         deadline = time.monotonic() + 120
@@ -127,8 +127,8 @@ def test_a_healthy_run_reconciles_within_one_percent(daemon_factory):
     assert not load.errors and load.done >= 250, (load.errors, load.done)
     idle_from = time.time()                         # every request answered
     # the ledger has committed its windows past two idle ones (on a loaded box the
-    # accounting process, nice 19, may take a while: wait for it, never guess)
-    deadline = time.monotonic() + 120
+    # accounting process, nice 19, gets almost no CPU and lags by minutes: wait for it)
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         until = ledger_closed_through(d)
         if until >= idle_from + 2 * window_s:
@@ -137,7 +137,8 @@ def test_a_healthy_run_reconciles_within_one_percent(daemon_factory):
                 break
         time.sleep(0.5)
     else:
-        raise AssertionError(f"the ledger never closed the run's windows; last {until}")
+        raise AssertionError(f"the ledger never closed the run's windows: through {until}, "
+                             f"idle from {idle_from}")
     assert until % window_s == 0, (until, rec)
     assert rec["since"] == since, (since, rec0, rec)
     assert rec["gpu_seconds"]["telemetry"] > 1.0, rec
