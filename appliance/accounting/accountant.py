@@ -95,6 +95,9 @@ class Accountant:
         # read once per tick for every window about to close (`read_meter`).
         self.read_meter = read_meter
         self.grace_s = grace_s
+        # What the daemon has sent so far (`received`): None = no such bound (a caller
+        # that hands every record over before it ticks).
+        self.received_until: float | None = None
         self.on_final = on_final
         self.on_budget = on_budget
         self.calibration = Calibration(calibration_min_iterations)
@@ -119,6 +122,15 @@ class Accountant:
         heapq.heappush(self._by_finish, (rec.finish, rec.request_id))
         self.ledger.put_provisional(self._row(rec, self._charges.get(rec.request_id), final=False))
 
+    def received(self, sent_at: float) -> None:
+        """Every record the daemon had by `sent_at` has been handed over. A window is
+        closed only once records sent after its end (+ grace) are in: closing by the
+        clock alone, a process behind on its inbox (nice 19 on a loaded box) closes
+        windows whose records are still queued; they then come late, are all billed to
+        the first open window, and what exceeds its capacity is cut off (a ledger short
+        of the daemon's own busy-seconds by 10% and more under load)."""
+        self.received_until = sent_at
+
     # ---- periodic ------------------------------------------------------------------
     def tick(self, now: float | None = None, final: bool = False) -> int:
         """Close ended windows and complete the requests they finish. Returns the number
@@ -131,7 +143,12 @@ class Accountant:
 
     def _tick(self, now: float | None, final: bool) -> int:
         now = time.time() if now is None else now
-        cut = now if final else now - self.grace_s
+        if final:
+            cut = now
+        elif self.received_until is None:
+            cut = now - self.grace_s
+        else:
+            cut = min(now, self.received_until) - self.grace_s
         if self.read_meter is None:
             meter = self.meter()
         else:

@@ -238,6 +238,8 @@ class Host:
             on_final=self._final, grace_s=spec.grace_s, start=start,
             resumed=start is not None)
         self.acc.load_budgets()
+        # nothing is closed until the daemon's first records (or heartbeat) are in
+        self.acc.received(self.acc.attributor.started)
         self.ledger.start()
         self.records = 0
         self.frames = 0
@@ -288,6 +290,7 @@ class Host:
         self.records += len(msg.requests)
         # after the rows are queued: a batch taken from now on holds them
         self.ledger.received_until = msg.sent_at
+        acc.received(msg.sent_at)
 
     def status(self) -> dict:
         s = self.acc.status()

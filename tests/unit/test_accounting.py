@@ -205,6 +205,29 @@ def test_late_record_is_kept_and_busy_time_never_exceeds_capacity():
     check_conserved([w])
 
 
+
+def test_windows_close_only_through_what_the_daemon_has_sent(tmp_path):
+    """An accounting process behind on its inbox: by its clock the first window ended
+    long ago, but the daemon's records of its busy second half are still queued. Closed
+    by the clock, they would come late, pile onto the next (itself busy) window and be
+    cut at its capacity: 5 of 20 device-seconds lost."""
+    acc, ledger = make_accountant(tmp_path)
+    for k in range(5):                          # taken: sent by T0 + 5
+        acc.iteration(it("d0", "decode", T0 + k, 1.0, ["g0"], [("A", 1, 10 + k)]))
+    acc.received(T0 + 5)
+    acc.tick(now=T0 + 17)                       # 12 s behind: closes nothing
+    assert acc.windows_closed == 0
+    for k in range(5, 20):                      # the backlog, then the next window busy
+        acc.iteration(it("d0", "decode", T0 + k, 1.0, ["g0"], [("A", 1, 10 + k)]))
+    acc.received(T0 + 20)
+    acc.tick(now=T0 + 21.6)
+    acc.stop(now=T0 + 21.6)
+    assert acc.attributor.late == 0
+    rows = sqlite3.connect(tmp_path / "ledger.db").execute(
+        'SELECT sum(attributed_gpu_s + unattributed_gpu_s) FROM device_windows '
+        'WHERE device = \'g0\'').fetchone()
+    assert rows[0] == pytest.approx(20.0)
+
 # ---- cost, carbon, budgets ---------------------------------------------------------
 
 def test_prices_from_catalogue_and_overrides():
