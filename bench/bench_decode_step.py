@@ -158,6 +158,8 @@ def breakdown(eng: TorchEngine, steps: int) -> dict[str, float]:
             parts[rg.name[1:]] = parts.get(rg.name[1:], 0.0) + rg.cpu_time_total / 1e3
     in_ranges = [(rg.time_range.start, rg.time_range.end) for rg in ranges if rg.name in inner]
     forwards = [(e.time_range.start, e.time_range.end) for e in events if e.name == "#forward"]
+    kinds = (("matmuls", MATMUL_OPS), ("KV write", KV_WRITE_OPS), ("norms", NORM_OPS),
+             ("RoPE", ROPE_OPS), ("activation", ACT_OPS), ("residual adds", RESIDUAL_OPS))
     glue_ops = 0.0
     for e in events:
         if e.name.startswith("#"):
@@ -170,20 +172,7 @@ def breakdown(eng: TorchEngine, steps: int) -> dict[str, float]:
         if not any(a <= e.time_range.start and e.time_range.end <= b for a, b in forwards):
             glue_ops += t   # run_batch's own ops: input tensors, logits rows
             continue
-        if e.name in MATMUL_OPS:
-            key = "matmuls"
-        elif e.name in KV_WRITE_OPS:
-            key = "KV write"
-        elif e.name in NORM_OPS:
-            key = "norms"
-        elif e.name in ROPE_OPS:
-            key = "RoPE"
-        elif e.name in ACT_OPS:
-            key = "activation"
-        elif e.name in RESIDUAL_OPS:
-            key = "residual adds"
-        else:
-            key = "other ops"
+        key = next((kind for kind, ops in kinds if e.name in ops), "other ops")
         parts[key] = parts.get(key, 0.0) + t
     in_fwd = sum(v for k, v in parts.items() if k not in ("sample", "postprocess", "schedule"))
     parts["python in forward"] = max(0.0, fwd_total - in_fwd)
