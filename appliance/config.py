@@ -60,8 +60,8 @@ class EngineConfig:
     sim_speed: float = 1.0            # simulated time runs this many times faster than real
     block_size: int = 16
     max_batch_tokens: int = 8192      # prefill token budget per iteration; 0 = the profile's knee
-    cpu_prefill_step_ms: int = 0      # >0: torch CPU workers' budget capped so a prefill step takes
-                                      # ~this (measured profile; without one 1024 tokens); 0 = no cap
+    cpu_prefill_step_ms: int = 500    # >0: torch CPU prefill workers' budget capped so a step takes
+                                      # ~this (measured profile; without one 512 tokens); 0 = no cap
     max_seqs: int = 256               # sequences per batch
     kv_cache_bytes: int = 1 << 30     # KV pool per worker on the CPU
     cpu_threads: int = 0              # CPU workers: torch threads (and cores) each; 0 = split the cores

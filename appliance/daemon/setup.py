@@ -308,7 +308,11 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
             nixl=cfg.cluster.role != "both" and engine == "torch"))
         profile = (profiles or {}).get(slot.worker)
         last = specs[-1]
-        if engine == "torch" and first.kind == "cpu" and last.role != "decode":
+        # Disagg prefill workers only: their short steps let the decode worker start on a
+        # wave's first prompts while the rest prefill on the other core. An agg worker has
+        # no one to hand to, and shorter steps there only add decode steps between them
+        # (measured: docs/benchmarks.md, "Against vLLM's CPU build").
+        if engine == "torch" and first.kind == "cpu" and last.role == "prefill":
             last.max_batch_tokens = cpu_step_tokens(last.max_batch_tokens, e.cpu_prefill_step_ms,
                                                     profile, block_size=last.block_size)
         if profile is not None:

@@ -15,10 +15,12 @@ from pathlib import Path
 from appliance.planner.profiles import load_profile, simulated_profile
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
-# A torch CPU worker's prefill step budget (engine.cpu_prefill_step_ms > 0) when no
-# measured profile says how long a step takes: the budget measured against 8,192 at C = 32
-# on the 2-core development machine (docs/benchmarks.md, "Against vLLM's CPU build").
-CPU_DEFAULT_STEP_TOKENS = 1024
+# A torch CPU worker's prefill step budget (engine.cpu_prefill_step_ms > 0, the default)
+# when no measured profile says how long a step takes: on the 2-core development machine,
+# quiet, 512 against 256, 1,024 and 8,192 served the most requests per second at C = 8 and
+# 32 (docs/benchmarks.md, "Against vLLM's CPU build"); a 512-token bf16 step of the 82m
+# model takes about the default 500 ms there.
+CPU_DEFAULT_STEP_TOKENS = 512
 
 
 def cpu_step_tokens(configured: int, step_ms: int, profile=None, *, block_size: int = 16) -> int:
