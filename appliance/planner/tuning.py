@@ -17,9 +17,9 @@ from appliance.planner.profiles import load_profile, simulated_profile
 DEFAULT_MAX_BATCH_TOKENS = 8192
 # A torch CPU worker's prefill step budget (engine.cpu_prefill_step_ms > 0, the default)
 # when no measured profile says how long a step takes: on the 2-core development machine,
-# quiet, 512 against 256, 1,024 and 8,192 served the most requests per second at C = 8 and
-# 32 (docs/benchmarks.md, "Against vLLM's CPU build"); a 512-token bf16 step of the 82m
-# model takes about the default 500 ms there.
+# quiet, 512 served as many requests per second as 256 at C = 8 and more at C = 32, and more
+# than 1,024 and 8,192 at both (docs/benchmarks.md, "Against vLLM's CPU build"); a
+# 512-token bf16 step of the 82m model takes about the default 500 ms there.
 CPU_DEFAULT_STEP_TOKENS = 512
 
 
