@@ -78,6 +78,7 @@ class EngineConfig:
     reasoning_parser: str = ""        # "" = from the chat template; qwen3 | none
     dtype: str = "auto"               # torch weights and KV: auto | float32 | bfloat16 | float16
     compile: str = "off"              # torch: off | decode (torch.compile a decode step's norms/adds)
+    cpu_kernels: str = "auto"         # torch on the CPU: auto (C kernels where the host builds them) | off
 
 
 @dataclass
@@ -379,6 +380,9 @@ def validate(cfg: Config) -> Config:
                           f"got {cfg.engine.dtype!r}")
     if cfg.engine.compile not in ("off", "decode"):
         raise ConfigError(f"config: engine.compile must be off or decode, got {cfg.engine.compile!r}")
+    if cfg.engine.cpu_kernels not in ("auto", "off"):
+        raise ConfigError(f"config: engine.cpu_kernels must be auto or off, "
+                          f"got {cfg.engine.cpu_kernels!r}")
     if cfg.engine.cpu_prefill_step_ms < 0:
         raise ConfigError("config: engine.cpu_prefill_step_ms must be 0 (no cap) or positive, "
                           f"got {cfg.engine.cpu_prefill_step_ms}")

@@ -20,6 +20,7 @@ CPU time; shares are of the profiled total, milliseconds scaled to the unprofile
     .venv/bin/python bench/bench_decode_step.py --qwen3           # the Qwen3-shaped model
     .venv/bin/python bench/bench_decode_step.py --compile decode  # torch.compile of decode
     .venv/bin/python bench/bench_decode_step.py --compare-compile # eager vs compiled, A B A B
+    .venv/bin/python bench/bench_decode_step.py --compare-kernels # torch's attention vs the C kernel
     .venv/bin/python bench/bench_decode_step.py --json out.json   # rows for a comparison
 """
 from __future__ import annotations
@@ -253,6 +254,41 @@ def compare_compile(args) -> list[dict]:
     return rows
 
 
+def compare_kernels(args) -> list[dict]:
+    """torch's decode attention against the C kernel (`engines.cpu_kernels`, built here on
+    first use) on one engine, alternating (two steps each, 8 times) as --compare-compile does."""
+    from appliance.engines import cpu_kernels
+    torch.set_num_threads(args.threads)
+    cpu_heap.keep_freed_memory()
+    d = model_dir(args.qwen3)
+    model = load_model(d, device=torch.device("cpu"), dtype=getattr(torch, args.dtype))
+    kernel = cpu_kernels.load_paged_decode()
+    rows = []
+    for B in [int(b) for b in args.batches.split(",")]:
+        eng = build(model, B, args.prompt, 60, "off")
+        res: dict[str, list[float]] = {"torch": [], "kernel": []}
+        for _ in range(3):
+            eng.step()
+        for _ in range(8):
+            for name in res:
+                if not model.attn.set_decode_kernel(kernel if name == "kernel" else None) \
+                        and name == "kernel":
+                    raise SystemExit(f"the kernel does not take {d.name}'s attention shape")
+                eng.step()
+                c0 = time.process_time()
+                eng.step()
+                eng.step()
+                res[name].append((time.process_time() - c0) / 2 * 1e3)
+        row = dict(model=d.name, batch=B, context=args.prompt,
+                   **{f"{k}_cpu_ms": statistics.median(v) for k, v in res.items()})
+        rows.append(row)
+        print(f"{d.name} B={B} ctx~{args.prompt}: torch attention {row['torch_cpu_ms']:.2f} ms, "
+              f"C kernel {row['kernel_cpu_ms']:.2f} ms CPU per step (medians of 8 pairs)",
+              flush=True)
+        del eng
+    return rows
+
+
 def floor_gflops(batch: int) -> float:
     """bf16 GFLOPS per core of the packed Linear measured on this machine's AVX512-BF16
     core (the session's peak.py): ~45 at M = 1, 160-180 at M = 8-32."""
@@ -271,10 +307,13 @@ def main() -> None:
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false")
     ap.add_argument("--compare-compile", action="store_true",
                     help="eager vs engine.compile=decode, alternating on one engine")
+    ap.add_argument("--compare-kernels", action="store_true",
+                    help="torch's decode attention vs the C kernel, alternating on one engine")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
     args.floor_gflops = floor_gflops
-    rows = compare_compile(args) if args.compare_compile else run(args)
+    rows = (compare_compile(args) if args.compare_compile else
+            compare_kernels(args) if args.compare_kernels else run(args))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -146,6 +146,8 @@ def plan_setup(cfg: Config, state_dir: Path, progress=None, persisted: dict | No
                          profiles=measured_profiles(cfg, inv, plan, engine, model_dir,
                                                     state_dir / "profiles"))
     specs = cluster_specs(cfg, plan.mode, engine, specs)
+    for spec in specs:                  # built CPU kernels live with the daemon's state
+        spec.kernel_dir = str(state_dir / "kernels")
     check_cpu_memory(specs, model_dir, psutil.virtual_memory().available)
     from appliance.planner.tuning import batch_tokens_json
     applied = batch_tokens_json(e.max_batch_tokens, {s.worker: (s.role, s.max_batch_tokens)
@@ -302,6 +304,7 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
             kv_cache_bytes=e.kv_cache_bytes, gpu_mem_fraction=e.gpu_mem_fraction,
             handoff_timeout_s=e.handoff_timeout_s, reserve_ratio=e.reserve_ratio,
             prefill_chunk_tokens=e.prefill_chunk_tokens, dtype=e.dtype, compile=e.compile,
+            cpu_kernels=e.cpu_kernels,
             fair_queuing=e.fair_queuing,
             cluster_peers=list(cfg.cluster.peers) if cfg.cluster.role != "both" else [],
             # a box of a cluster: its pool with NIXL (workers a workflow starts too)

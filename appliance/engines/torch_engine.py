@@ -526,6 +526,9 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     temp_bytes = int(os.environ.get(ATTENTION_BYTES_ENV, "0") or 0) or \
         attention_backends.DEFAULT_TEMP_BYTES
     model.set_attention(backend, temp_bytes)
+    if device.type == "cpu" and dtype == torch.bfloat16 and spec.cpu_kernels != "off" \
+            and spec.role != "prefill":         # a prefill worker never decodes
+        _use_cpu_kernels(model, spec)
     plan = None
     if device.type == "cuda":
         plan = _profile_memory_plan(model, spec, backend)
@@ -554,6 +557,22 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     if spec.nixl:
         engine.enable_nixl()
     return engine
+
+
+def _use_cpu_kernels(model: LlamaModel, spec) -> None:
+    """Decode attention through the C kernel (`engines.cpu_kernels`) when this host can build
+    it; else torch's path, said in one line on stderr."""
+    from appliance.engines import cpu_kernels
+    try:
+        kernel = cpu_kernels.load_paged_decode(spec.kernel_dir)
+    except cpu_kernels.KernelUnavailable as exc:
+        print(f"applianced worker {spec.worker}: decode attention on torch's path ({exc})",
+              file=sys.stderr, flush=True)
+        return
+    if not model.attn.set_decode_kernel(kernel):
+        print(f"applianced worker {spec.worker}: decode attention on torch's path (the C kernel "
+              "does not take this model's heads, or its attention sinks)", file=sys.stderr,
+              flush=True)
 
 
 def _profile_memory_plan(model: LlamaModel, spec, backend: str) -> MemoryPlan:  # NOT RUN ON HARDWARE

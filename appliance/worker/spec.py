@@ -31,6 +31,9 @@ class WorkerSpec:
     prefill_chunk_tokens: int = 0   # > 0: prompts are prefilled in chunks of this many tokens
     dtype: str = "auto"             # torch engine: auto | float32 | bfloat16 | float16
     compile: str = "off"            # torch engine: off | decode (layers.glue)
+    cpu_kernels: str = "off"        # torch on the CPU: auto | off (engines.cpu_kernels; the
+                                    # daemon passes [engine] cpu_kernels, "auto" by default)
+    kernel_dir: str = ""            # where built CPU kernels are cached ("" = ~/.cache/applianced)
     fair_queuing: bool = True       # tenants' prompts share prefill steps by weight
     fair_chunk_tokens: int = 0      # prompt chunk while tenants share; 0 = the engine's choice
     cluster_peers: list[str] = field(default_factory=list)  # [cluster] peers: KV crosses boxes

@@ -10,18 +10,12 @@ import torch
 
 from appliance.config import ConfigError, parse
 from appliance.engines import dtypes
-from appliance.engines.kv_pool import allocate_kv_pool
-from appliance.engines.layers.attention import AttnBatch
-from appliance.engines.loader import load_model
 from appliance.engines.torch_engine import build_torch_engine
 from appliance.worker.spec import WorkerSpec
+from helpers import bf16_parity
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 300
-BLOCK = 8
-
 
 def test_resolve_by_device_and_cpu_flags():
     bf16_cpu = frozenset({"avx2", "avx512f", "avx512_bf16"})
@@ -118,62 +112,7 @@ def test_auto_worker_runs_a_bf16_checkpoint_in_bf16(tiny_model, tmp_path, monkey
 # --------------------------------------------------------------------------- bf16 parity
 
 
-def _llama(path):
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=128)
-    return transformers.LlamaForCausalLM, cfg, 1.0
-
-
-def _gemma(path):
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=128, sliding_window=12, query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"])
-    return transformers.Gemma3ForCausalLM, cfg, 0.0
-
-
-@pytest.mark.parametrize("make", [_llama, _gemma], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("make", [bf16_parity.llama, bf16_parity.gemma3], ids=["llama", "gemma3"])
 def test_bf16_greedy_parity_with_transformers_in_bf16(make, tmp_path):
-    """Weights and KV in bf16 on both sides (transformers' eager attention, ours over the
-    paged pool): prefill and 12 greedy decode steps give the same tokens, and the logits
-    agree within what bf16 rounding allows: 3% of the logits' range (observed here: up to
-    2% for Llama, 1% for Gemma 3)."""
-    cls, cfg, norm_mean = make(tmp_path)
-    torch.manual_seed(0)
-    ref = cls(cfg).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            mean = norm_mean if "norm" in name else 0.0
-            p.copy_(mean + (0.2 if "norm" in name else 0.15) * torch.randn(p.shape, generator=g))
-    ref.save_pretrained(tmp_path, safe_serialization=True)
-    ref = cls.from_pretrained(tmp_path, dtype=torch.bfloat16,
-                              attn_implementation="eager").eval()
-    model = load_model(tmp_path, dtype=torch.bfloat16)
-    assert model.dtype == torch.bfloat16
-    kv = allocate_kv_pool(model.shape, 16, BLOCK, dtype=torch.bfloat16)
-    prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(2)).tolist()
-    table = list(range(16))[::-1]
-    seq = list(prompt)
-    ours = []
-    cached = 0
-    while len(seq) < len(prompt) + 12:
-        new = seq[cached:]
-        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, len(seq))]
-        batch = AttnBatch(cached == 0, [len(new)], [len(seq)], [table], torch.tensor(slots))
-        logits = model(torch.tensor(new), torch.tensor(range(cached, len(seq))), batch, kv)
-        with torch.no_grad():
-            want = ref(torch.tensor([seq])).logits[0, -1].float()
-        # 3% of the logits' range: bf16's 2^-8 steps, through every layer's rounding
-        torch.testing.assert_close(logits[0], want, rtol=0.0,
-                                   atol=0.03 * float(want.abs().max()))
-        cached = len(seq)
-        seq.append(int(logits[0].argmax()))
-        ours.append(seq[-1])
-    ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                              pad_token_id=0)[0, len(prompt):].tolist()
-    assert ours == theirs
+    """Weights and KV in bf16 on both sides, torch's attention (`bf16_parity`)."""
+    bf16_parity.check_bf16_greedy_parity(make, tmp_path)

@@ -9,6 +9,10 @@ then calls the `PagedAttention` with its q, k, v. The backends:
   prefix), decoding sequences in groups gathered from the pool (`DECODE_GROUP_BYTES`);
 - ``bounded`` and ``flashinfer`` (the GPU's): see `attention_backends`.
 
+On the CPU in bf16 a worker may hand its decode rows to a C kernel instead
+(`set_decode_kernel`, `engines.cpu_kernels`): it reads K and V in place through the block
+tables, with the rounding of `_grouped_decode`, which stays the reference and fallback.
+
 Sliding windows: a layer called with ``window=W`` attends as `transformers` does for
 Mistral, Qwen2 and Gemma 3 (a query at position p sees keys p-W+1 .. p, itself included).
 The blocks wholly before a sequence's window are not read: decode gathers only the blocks
@@ -97,6 +101,32 @@ class _Plan:
     windowed: dict[int, "_Plan"] = field(default_factory=dict)
     block_size: int = 0
     block_bytes: int = 0
+    # The decode rows' inputs for a CPU decode kernel (`_kernel_inputs`), made on first use.
+    kernel: "_KernelInputs | None" = None
+
+
+@dataclass(slots=True)
+class _KernelInputs:
+    """A step's decode rows as `cpu_kernels.PagedDecode` takes them (one step, all layers
+    with the same window)."""
+
+    tables: torch.Tensor    # [n, width] int64 block ids, padded with 0 past a table's end
+    ctx_lens: torch.Tensor  # [n] int32
+    starts: torch.Tensor    # [n] int32: first position read (a window's start, else 0)
+    longest: int            # the longest span read (ctx - start)
+
+
+def _kernel_inputs(batch: AttnBatch, first: int, window: int | None) -> _KernelInputs:
+    """Sequences ``first..`` of `batch` (its decoding ones) for the decode kernel."""
+    ctx = batch.context_lens[first:]
+    tables = batch.block_tables[first:]
+    width = max(len(t) for t in tables)
+    flat = [b for t in tables for b in (*t, *([0] * (width - len(t))))]
+    starts = [max(0, c - window) if window else 0 for c in ctx]
+    return _KernelInputs(torch.tensor(flat, dtype=torch.long).view(len(ctx), width),
+                         torch.tensor(ctx, dtype=torch.int32),
+                         torch.tensor(starts, dtype=torch.int32),
+                         max(c - s0 for c, s0 in zip(ctx, starts)))
 
 
 def _context_slots(
@@ -296,6 +326,19 @@ class PagedAttention:
         self.backend = "sdpa"
         self.budget = attention_backends.DEFAULT_TEMP_BYTES
         self._flashinfer: attention_backends.FlashInferAttention | None = None
+        # A C kernel for bf16 decode rows on the CPU (`set_decode_kernel`); None: torch's path.
+        self.decode_kernel: Any = None
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def set_decode_kernel(self, kernel: Any) -> bool:
+        """Use `kernel` (a `cpu_kernels.PagedDecode`) for bf16 decode rows on the CPU, or
+        torch's path with None. Returns whether it is used: not for shapes it does not
+        support, nor where attention sinks (gpt-oss) need torch's path."""
+        s = self.shape
+        usable = (kernel is not None and self.device.type == "cpu" and not s.attention_sinks
+                  and kernel.supports(s.num_heads, s.num_kv_heads, s.head_dim))
+        self.decode_kernel = kernel if usable else None
+        return usable
 
     def set_backend(self, backend: str, budget: int = attention_backends.DEFAULT_TEMP_BYTES,
                     flashinfer_module: Any = None) -> None:
@@ -344,12 +387,16 @@ class PagedAttention:
             plan = _window_plan(plan, batch, window, q.device)
         if not plan.decode:
             return self._prefill_attention(q, k, v, k_cache, v_cache, plan, sinks)
+        if self.decode_kernel is not None and sinks is None and q.dtype == torch.bfloat16:
+            rows = self._kernel_decode(q[Tp:], kv[:, li], plan, batch, window)
+        else:
+            rows = self._decode_attention(q[Tp:], kv[:, li], plan, sinks)
         if not plan.prefill:
-            return self._decode_attention(q, kv[:, li], plan, sinks)
+            return rows
         # mixed: prompt rows first, then one row per decoding sequence
         return torch.cat((
             self._prefill_attention(q[:Tp], k[:Tp], v[:Tp], k_cache, v_cache, plan, sinks),
-            self._decode_attention(q[Tp:], kv[:, li], plan, sinks)))
+            rows))
 
     def _prefill_attention(
         self,
@@ -441,6 +488,25 @@ class PagedAttention:
             out[g.first:g.end] = o
         assert out is not None
         return out.reshape(B, s.q_size)
+
+    def _kernel_decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: _Plan,
+                       batch: AttnBatch, window: int | None) -> torch.Tensor:
+        """The decode rows through the C kernel, reading K and V where they lie in the pool
+        (no gather, no copies); the same numbers as `_grouped_decode` but for summation
+        order (paged_decode.c)."""
+        s = self.shape
+        if plan.kernel is None:
+            plan.kernel = _kernel_inputs(batch, len(plan.prefill), window)
+        args = plan.kernel
+        need = s.num_heads * args.longest
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need + need // 2, dtype=torch.float32)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self.decode_kernel(q, kv_layer[0], kv_layer[1], args.tables, args.ctx_lens, args.starts,
+                           s.head_dim ** -0.5 if self.scale is None else self.scale,
+                           self._scratch, out)
+        return out.reshape(q.shape[0], s.q_size)
 
     def _gather_buffer(self, elems: int) -> torch.Tensor:
         """``[2, elems]`` of the kept gather buffer, for a step's largest group (see

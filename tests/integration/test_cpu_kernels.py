@@ -1,0 +1,220 @@
+"""The C decode-attention kernel (`engines.cpu_kernels`): built here with the host's
+compiler (a subprocess, hence an integration test), the same numbers as torch's path on
+every shape and window it takes, greedy parity with transformers through it, and one
+clear line and torch's path where it cannot be built."""
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from appliance.engines import cpu_kernels
+from appliance.engines.cpu_kernels import builder as kernel_build
+from appliance.engines.layers.attention import AttnBatch, PagedAttention
+from appliance.engines.torch_engine import build_torch_engine
+from appliance.models.shape import LlamaShape
+from appliance.worker.spec import WorkerSpec
+from helpers import bf16_parity
+
+torch.set_num_threads(1)
+
+
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+needs_kernel = pytest.mark.skipif(kernel_build.compiler() is None or not _has_avx512(),
+                                  reason="the kernel needs a C compiler and AVX-512F")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    return cpu_kernels.load_paged_decode(str(tmp_path_factory.mktemp("kernels")))
+
+
+def _shape(heads: int, kv_heads: int, head_dim: int, sinks: bool = False) -> LlamaShape:
+    return LlamaShape(architecture="LlamaForCausalLM", vocab_size=64,
+                      hidden_size=heads * head_dim, intermediate_size=64, num_layers=1,
+                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e4,
+                      rope_scaling=None, tie_word_embeddings=False, qkv_bias=False,
+                      o_bias=False, attention_sinks=sinks)
+
+
+def _attend(attn: PagedAttention, q, kv, batch: AttnBatch, window, k_new, v_new):
+    plan = attn.begin(batch, q.shape[0], kv)
+    k_cache = kv[0, 0].view(-1, *kv.shape[-2:])
+    v_cache = kv[1, 0].view(-1, *kv.shape[-2:])
+    return attn(0, q, k_new, v_new, kv, k_cache, v_cache, batch, plan, window=window)
+
+
+CASES = [
+    # heads, kv heads, head_dim, block size, contexts, window, scale
+    (12, 4, 64, 16, [1, 15, 16, 17, 300], None, None),
+    (8, 8, 64, 16, [40, 3, 129], None, None),            # no GQA
+    (16, 2, 128, 16, [200, 77], None, None),             # 8 query heads per KV head, hd 128
+    (6, 1, 32, 5, [1, 9, 64], None, 0.3),                # odd block size, custom scale
+    (12, 4, 64, 16, [5, 100, 300, 33], 64, None),        # sliding window
+    (4, 2, 16, 8, [12, 13, 40], 12, 0.25),               # Gemma-sized heads, window
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,hd,bs,ctx,window,scale", CASES)
+def test_kernel_matches_torch_path(kernel, heads, kv_heads, hd, bs, ctx, window, scale):
+    """Decode rows (and a mixed step: a prompt first) through the kernel and through
+    torch's bf16 path (`_grouped_decode`) from the same scattered blocks: the same
+    rounding, so all but a few elements are equal and none is over a bf16 step apart;
+    both as close to an fp32 reference."""
+    shape = _shape(heads, kv_heads, hd)
+    rnd = random.Random(heads * 1000 + hd + bs)
+    prompt = 7
+    blocks = sum(-(-c // bs) for c in ctx) + -(-prompt // bs)
+    kv = torch.randn(2, 1, blocks, bs, kv_heads, hd).to(torch.bfloat16)
+    free = list(range(blocks))
+    rnd.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctx]
+    tables = [[free.pop() for _ in range(-(-prompt // bs))]] + tables
+    lens = [prompt] + ctx
+    batch = AttnBatch(False, [prompt] + [1] * len(ctx), lens, tables,
+                      torch.zeros(prompt + len(ctx), dtype=torch.long), num_prefill=1)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(prompt + len(ctx), heads, hd, generator=g).to(torch.bfloat16)
+    k_new = torch.randn(prompt, kv_heads, hd, generator=g).to(torch.bfloat16)
+    v_new = torch.randn(prompt, kv_heads, hd, generator=g).to(torch.bfloat16)
+    outs = {}
+    for name, k in (("torch", None), ("kernel", kernel)):
+        attn = PagedAttention(shape, torch.device("cpu"), torch.bfloat16, scale=scale)
+        assert attn.set_decode_kernel(k) is (k is not None)
+        outs[name] = _attend(attn, q, kv, batch, window, k_new, v_new).float()
+    a, b = outs["torch"], outs["kernel"]
+    assert a.shape == b.shape == (prompt + len(ctx), heads * hd)
+    assert torch.equal(a[:prompt], b[:prompt])          # the prompt: torch's path both times
+    rows_a, rows_b = a[prompt:], b[prompt:]
+    same = (rows_a == rows_b).float().mean().item()
+    assert same > 0.97, same
+    torch.testing.assert_close(rows_b, rows_a, rtol=2 ** -7, atol=2 ** -9)
+    # fp32 reference from the same bf16 K/V
+    s = hd ** -0.5 if scale is None else scale
+    for i, (c, table) in enumerate(zip(ctx, tables[1:])):
+        pos = torch.arange(max(0, c - window) if window else 0, c)
+        rows = torch.tensor(table)[pos // bs] * bs + pos % bs
+        k = kv[0, 0].reshape(-1, kv_heads, hd)[rows].float().repeat_interleave(heads // kv_heads, 1)
+        v = kv[1, 0].reshape(-1, kv_heads, hd)[rows].float().repeat_interleave(heads // kv_heads, 1)
+        qi = q[prompt + i].float()
+        p = torch.softmax(torch.einsum("hd,thd->ht", qi, k) * s, -1)
+        want = torch.einsum("ht,thd->hd", p, v).reshape(-1)
+        err_kernel = (rows_b[i] - want).abs().max().item()
+        err_torch = (rows_a[i] - want).abs().max().item()
+        assert err_kernel <= max(2 * err_torch, 2 ** -8), (i, err_kernel, err_torch)
+
+
+@needs_kernel
+def test_kernel_refuses_what_it_does_not_take(kernel):
+    assert kernel.supports(64, 8, 128) and kernel.supports(4, 2, 16)
+    assert not kernel.supports(12, 4, 24)               # head_dim not a multiple of 16
+    assert not kernel.supports(128, 8, 64)              # more heads than it holds
+    sinks = _shape(2, 1, 64, sinks=True)
+    assert not PagedAttention(sinks, torch.device("cpu"), torch.bfloat16).set_decode_kernel(kernel)
+    q = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
+    pool = torch.zeros(2, 8, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous CPU torch.int32"):
+        kernel(q, pool, pool, torch.zeros(1, 1, dtype=torch.long), torch.ones(1),
+               torch.zeros(1, dtype=torch.int32), 1.0, torch.empty(64), torch.empty_like(q))
+    with pytest.raises(ValueError, match="scratch too small"):
+        kernel(q, pool, pool, torch.zeros(1, 1, dtype=torch.long),
+               torch.full((1,), 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 1.0,
+               torch.empty(4), torch.empty_like(q))
+
+
+@needs_kernel
+@pytest.mark.parametrize("make", [bf16_parity.llama, bf16_parity.gemma3], ids=["llama", "gemma3"])
+def test_bf16_greedy_parity_with_transformers_through_the_kernel(kernel, make, tmp_path):
+    bf16_parity.check_bf16_greedy_parity(make, tmp_path, decode_kernel=kernel)
+
+
+def test_build_is_cached_per_source_and_says_why_it_cannot(tmp_path, monkeypatch):
+    if kernel_build.compiler() is None or not _has_avx512():
+        pytest.skip("needs a C compiler and AVX-512F")
+    first = kernel_build.build("paged_decode", tmp_path / "k")
+    mtime = first.stat().st_mtime_ns
+    assert kernel_build.build("paged_decode", tmp_path / "k") == first
+    assert first.stat().st_mtime_ns == mtime                  # not compiled again
+    assert [p.name for p in (tmp_path / "k").iterdir()] == [first.name]   # no temp left
+    # Another source (here: a copy with a comment added) is another library.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "paged_decode.c").write_text((kernel_build.SOURCE_DIR / "paged_decode.c").read_text()
+                                        + "\n/* changed */\n")
+    monkeypatch.setattr(kernel_build, "SOURCE_DIR", src)
+    assert kernel_build.build("paged_decode", tmp_path / "k") != first
+    # A compiler that fails, and none at all: one line each, nothing left behind.
+    (src / "paged_decode.c").write_text("this is not C\n")
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="could not build kernel paged_decode: "):
+        kernel_build.build("paged_decode", tmp_path / "bad")
+    assert list((tmp_path / "bad").iterdir()) == []
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert kernel_build.compiler() is None
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="no C compiler"):
+        kernel_build.build("paged_decode", tmp_path / "none")
+
+
+def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypatch, capfd):
+    """A bf16 decode worker (the daemon's spec: cpu_kernels auto) builds the kernel into its
+    kernel_dir and attends through it; with no compiler it says so in one line and serves
+    on torch's path; `off`, and prefill workers, never build it."""
+    from appliance.engines import dtypes
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx512_bf16"}))
+
+    def spec(role: str, kernels: str, where: str) -> WorkerSpec:
+        return WorkerSpec(worker=f"{role}0", role=role, engine="torch", devices=["cpu"],
+                          device_kind="cpu", model_dir=str(tiny_model), block_size=16,
+                          kv_cache_bytes=8 << 20, max_batch_tokens=256, dtype="bfloat16",
+                          cpu_kernels=kernels, kernel_dir=str(tmp_path / where))
+    if kernel_build.compiler() is not None and _has_avx512():
+        e = build_torch_engine(spec("decode", "auto", "a"), tiny_model)
+        assert e.model.attn.decode_kernel is not None
+        assert [p.suffix for p in (tmp_path / "a").iterdir()] == [".so"]
+    for role, kernels, where in (("decode", "off", "b"), ("prefill", "auto", "c")):
+        e = build_torch_engine(spec(role, kernels, where), tiny_model)
+        assert e.model.attn.decode_kernel is None and not (tmp_path / where).exists()
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    capfd.readouterr()
+    e = build_torch_engine(spec("decode", "auto", "d"), tiny_model)
+    assert e.model.attn.decode_kernel is None
+    assert capfd.readouterr().err.strip().splitlines() == [
+        "applianced worker decode0: decode attention on torch's path (no C compiler (cc, gcc "
+        "or $CC) on this host)"]
+
+
+@needs_kernel
+def test_daemon_builds_the_kernel_into_its_state_and_serves_greedy_tokens(tmp_path, tiny_model):
+    """A bf16 daemon (disagg: prefill and decode workers) builds the kernel into
+    <state>/kernels/ and serves with it the greedy tokens it serves with `cpu_kernels =
+    "off"`, from the same prompts."""
+    from appliance.engines import dtypes
+    from helpers.daemons import start_daemon
+    if not dtypes.cpu_supports(torch.bfloat16, dtypes.cpu_flags()):
+        pytest.skip("this CPU has no bf16")
+    outs = {}
+    for kernels in ("auto", "off"):
+        d = start_daemon(tmp_path / kernels, tiny_model, "--engine", "torch",
+                         config=f'[engine]\ndtype = "bfloat16"\ncpu_kernels = "{kernels}"\n')
+        try:
+            client = d.client()
+            outs[kernels] = [client.completions.create(
+                model=client.models.list().data[0].id, prompt=prompt, max_tokens=24,
+                temperature=0).choices[0].text for prompt in ("def main(", "import os\n", "x = [")]
+        finally:
+            d.stop()
+    built = sorted(p.suffix for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
+    assert built == [".so"]                       # the decode worker's; the prefill one builds none
+    assert not (tmp_path / "off" / "state" / "kernels").exists()
+    assert outs["auto"] == outs["off"] and all(outs["auto"])
