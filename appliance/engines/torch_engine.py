@@ -561,8 +561,14 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
 
 def _use_cpu_kernels(model: LlamaModel, spec) -> None:
     """Decode attention through the C kernel (`engines.cpu_kernels`) when this host can build
-    it; else torch's path, said in one line on stderr."""
+    it; else torch's path, said in one line on stderr. The kernel runs on one thread, so a
+    worker with more keeps torch's path, which uses them all."""
     from appliance.engines import cpu_kernels
+    if torch.get_num_threads() > 1:
+        print(f"applianced worker {spec.worker}: decode attention on torch's path (the C kernel "
+              f"is single-threaded; this worker has {torch.get_num_threads()} threads)",
+              file=sys.stderr, flush=True)
+        return
     try:
         kernel = cpu_kernels.load_paged_decode(spec.kernel_dir)
     except cpu_kernels.KernelUnavailable as exc:

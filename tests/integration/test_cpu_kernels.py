@@ -167,16 +167,18 @@ def test_build_is_cached_per_source_and_says_why_it_cannot(tmp_path, monkeypatch
 
 def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypatch, capfd):
     """A bf16 decode worker (the daemon's spec: cpu_kernels auto) builds the kernel into its
-    kernel_dir and attends through it; with no compiler it says so in one line and serves
-    on torch's path; `off`, and prefill workers, never build it."""
+    kernel_dir and attends through it; with no compiler, or with more than one thread, it
+    says so in one line and serves on torch's path; `off`, and prefill workers, never
+    build it."""
     from appliance.engines import dtypes
     monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx512_bf16"}))
 
-    def spec(role: str, kernels: str, where: str) -> WorkerSpec:
+    def spec(role: str, kernels: str, where: str, threads: int = 1) -> WorkerSpec:
         return WorkerSpec(worker=f"{role}0", role=role, engine="torch", devices=["cpu"],
                           device_kind="cpu", model_dir=str(tiny_model), block_size=16,
                           kv_cache_bytes=8 << 20, max_batch_tokens=256, dtype="bfloat16",
-                          cpu_kernels=kernels, kernel_dir=str(tmp_path / where))
+                          cpu_kernels=kernels, kernel_dir=str(tmp_path / where),
+                          cpu_threads=threads)
     if kernel_build.compiler() is not None and _has_avx512():
         e = build_torch_engine(spec("decode", "auto", "a"), tiny_model)
         assert e.model.attn.decode_kernel is not None
@@ -192,6 +194,15 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
     assert capfd.readouterr().err.strip().splitlines() == [
         "applianced worker decode0: decode attention on torch's path (no C compiler (cc, gcc "
         "or $CC) on this host)"]
+    # More threads than the kernel uses: torch's path, which uses them all.
+    try:
+        e = build_torch_engine(spec("decode", "auto", "e", threads=2), tiny_model)
+        assert e.model.attn.decode_kernel is None and not (tmp_path / "e").exists()
+        assert capfd.readouterr().err.strip().splitlines() == [
+            "applianced worker decode0: decode attention on torch's path (the C kernel is "
+            "single-threaded; this worker has 2 threads)"]
+    finally:
+        torch.set_num_threads(1)
 
 
 @needs_kernel
