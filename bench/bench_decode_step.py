@@ -20,7 +20,7 @@ CPU time; shares are of the profiled total, milliseconds scaled to the unprofile
     .venv/bin/python bench/bench_decode_step.py --qwen3           # the Qwen3-shaped model
     .venv/bin/python bench/bench_decode_step.py --compile decode  # torch.compile of decode
     .venv/bin/python bench/bench_decode_step.py --compare-compile # eager vs compiled, A B A B
-    .venv/bin/python bench/bench_decode_step.py --compare-kernels # torch's attention vs the C kernel
+    .venv/bin/python bench/bench_decode_step.py --compare-kernels # torch vs the C kernels
     .venv/bin/python bench/bench_decode_step.py --json out.json   # rows for a comparison
 """
 from __future__ import annotations
@@ -255,25 +255,35 @@ def compare_compile(args) -> list[dict]:
 
 
 def compare_kernels(args) -> list[dict]:
-    """torch's decode attention against the C kernel (`engines.cpu_kernels`, built here on
-    first use) on one engine, alternating (two steps each, 8 times) as --compare-compile does."""
+    """torch's decode step against the C kernels (`engines.cpu_kernels`, built here on first
+    use), alternating two steps each, 8 times, as --compare-compile does: torch's attention
+    and oneDNN's matmuls; the attention kernel; the attention and matmul kernels (a second
+    copy of the model, its dense layers in the matmul kernel's layout)."""
     from appliance.engines import cpu_kernels
+    from appliance.engines.torch_engine import dense_linears
     torch.set_num_threads(args.threads)
     cpu_heap.keep_freed_memory()
     d = model_dir(args.qwen3)
-    model = load_model(d, device=torch.device("cpu"), dtype=getattr(torch, args.dtype))
-    kernel = cpu_kernels.load_paged_decode()
+    dtype = getattr(torch, args.dtype)
+    plain = load_model(d, device=torch.device("cpu"), dtype=dtype)
+    fast = load_model(d, device=torch.device("cpu"), dtype=dtype)
+    attention = cpu_kernels.load_paged_decode()
+    linear = cpu_kernels.load_linear_bf16()
+    if not fast.attn.set_decode_kernel(attention) or \
+            not all(layer.use_kernel(linear) for layer in dense_linears(fast)):
+        raise SystemExit(f"the kernels do not take {d.name}")
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
-        eng = build(model, B, args.prompt, 60, "off")
-        res: dict[str, list[float]] = {"torch": [], "kernel": []}
-        for _ in range(3):
-            eng.step()
+        engines = {"torch": build(plain, B, args.prompt, 60, "off"),
+                   "attention": build(plain, B, args.prompt, 60, "off"),
+                   "attention+matmuls": build(fast, B, args.prompt, 60, "off")}
+        res: dict[str, list[float]] = {name: [] for name in engines}
+        for eng in engines.values():
+            for _ in range(3):
+                eng.step()
         for _ in range(8):
-            for name in res:
-                if not model.attn.set_decode_kernel(kernel if name == "kernel" else None) \
-                        and name == "kernel":
-                    raise SystemExit(f"the kernel does not take {d.name}'s attention shape")
+            for name, eng in engines.items():
+                plain.attn.set_decode_kernel(attention if name == "attention" else None)
                 eng.step()
                 c0 = time.process_time()
                 eng.step()
@@ -282,10 +292,9 @@ def compare_kernels(args) -> list[dict]:
         row = dict(model=d.name, batch=B, context=args.prompt,
                    **{f"{k}_cpu_ms": statistics.median(v) for k, v in res.items()})
         rows.append(row)
-        print(f"{d.name} B={B} ctx~{args.prompt}: torch attention {row['torch_cpu_ms']:.2f} ms, "
-              f"C kernel {row['kernel_cpu_ms']:.2f} ms CPU per step (medians of 8 pairs)",
-              flush=True)
-        del eng
+        print(f"{d.name} B={B} ctx~{args.prompt}: CPU ms per step (medians of 8 rounds): "
+              + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in res.items()), flush=True)
+        del engines
     return rows
 
 
@@ -308,7 +317,7 @@ def main() -> None:
     ap.add_argument("--compare-compile", action="store_true",
                     help="eager vs engine.compile=decode, alternating on one engine")
     ap.add_argument("--compare-kernels", action="store_true",
-                    help="torch's decode attention vs the C kernel, alternating on one engine")
+                    help="torch's decode step vs the C kernels (attention; attention and matmuls)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
     args.floor_gflops = floor_gflops

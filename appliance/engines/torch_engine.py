@@ -560,25 +560,58 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
 
 
 def _use_cpu_kernels(model: LlamaModel, spec) -> None:
-    """Decode attention through the C kernel (`engines.cpu_kernels`) when this host can build
-    it; else torch's path, said in one line on stderr. The kernel runs on one thread, so a
+    """The C kernels of `engines.cpu_kernels` where this host builds them: decode attention
+    (decode and agg workers), and the dense layers' matmuls on decode workers (an agg
+    worker's prompt-sized matmuls are oneDNN's best case). What cannot be used is said in
+    one line on stderr, and torch's path serves it. The kernels run on one thread, so a
     worker with more keeps torch's path, which uses them all."""
     from appliance.engines import cpu_kernels
+
+    def say(what: str) -> None:
+        print(f"applianced worker {spec.worker}: {what}", file=sys.stderr, flush=True)
     if torch.get_num_threads() > 1:
-        print(f"applianced worker {spec.worker}: decode attention on torch's path (the C kernel "
-              f"is single-threaded; this worker has {torch.get_num_threads()} threads)",
-              file=sys.stderr, flush=True)
+        say(f"decode attention and matmuls on torch's path (the C kernels are single-threaded; "
+            f"this worker has {torch.get_num_threads()} threads)")
         return
     try:
-        kernel = cpu_kernels.load_paged_decode(spec.kernel_dir)
+        attention = cpu_kernels.load_paged_decode(spec.kernel_dir)
     except cpu_kernels.KernelUnavailable as exc:
-        print(f"applianced worker {spec.worker}: decode attention on torch's path ({exc})",
-              file=sys.stderr, flush=True)
+        say(f"decode attention on torch's path ({exc})")
+    else:
+        if not model.attn.set_decode_kernel(attention):
+            say("decode attention on torch's path (the C kernel does not take this model's "
+                "heads, or its attention sinks)")
+    if spec.role != "decode":
         return
-    if not model.attn.set_decode_kernel(kernel):
-        print(f"applianced worker {spec.worker}: decode attention on torch's path (the C kernel "
-              "does not take this model's heads, or its attention sinks)", file=sys.stderr,
-              flush=True)
+    try:
+        linear = cpu_kernels.load_linear_bf16(spec.kernel_dir)
+    except cpu_kernels.KernelUnavailable as exc:
+        say(f"decode matmuls on oneDNN ({exc})")
+        return
+    for layer in dense_linears(model):
+        layer.use_kernel(linear)
+
+
+def dense_linears(model: LlamaModel) -> list:
+    """The `Linear`s a decode step streams once each: every layer's attention projections
+    and dense MLP, and the LM head (unwrapped from a soft-cap or bias). A mixture of
+    experts' matrices are left to oneDNN: a step reads few of them, each for few rows."""
+    from appliance.engines.layers.linear import Linear
+
+    def unwrap(obj):
+        inner = getattr(obj, "linear", None)
+        return inner if isinstance(inner, Linear) else obj
+    found = []
+    for layer in model.layers:
+        for holder in (layer, getattr(layer, "mlp", None)):
+            for name in ("qkv", "o", "gate_up", "down"):
+                obj = unwrap(getattr(holder, name, None))
+                if isinstance(obj, Linear):
+                    found.append(obj)
+    head = unwrap(model.lm_head)
+    if isinstance(head, Linear):
+        found.append(head)
+    return found
 
 
 def _profile_memory_plan(model: LlamaModel, spec, backend: str) -> MemoryPlan:  # NOT RUN ON HARDWARE

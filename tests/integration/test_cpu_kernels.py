@@ -13,7 +13,8 @@ import torch
 from appliance.engines import cpu_kernels
 from appliance.engines.cpu_kernels import builder as kernel_build
 from appliance.engines.layers.attention import AttnBatch, PagedAttention
-from appliance.engines.torch_engine import build_torch_engine
+from appliance.engines.layers.linear import Linear
+from appliance.engines.torch_engine import build_torch_engine, dense_linears
 from appliance.models.shape import LlamaShape
 from appliance.worker.spec import WorkerSpec
 from helpers import bf16_parity
@@ -133,10 +134,47 @@ def test_kernel_refuses_what_it_does_not_take(kernel):
                torch.empty(4), torch.empty_like(q))
 
 
+@pytest.fixture(scope="module")
+def linear(tmp_path_factory):
+    try:
+        return cpu_kernels.load_linear_bf16(str(tmp_path_factory.mktemp("kernels")))
+    except cpu_kernels.KernelUnavailable as exc:        # no AVX512-BF16 here
+        pytest.skip(str(exc))
+
+
 @needs_kernel
 @pytest.mark.parametrize("make", [bf16_parity.llama, bf16_parity.gemma3], ids=["llama", "gemma3"])
-def test_bf16_greedy_parity_with_transformers_through_the_kernel(kernel, make, tmp_path):
-    bf16_parity.check_bf16_greedy_parity(make, tmp_path, decode_kernel=kernel)
+def test_bf16_greedy_parity_with_transformers_through_the_kernels(kernel, linear, make, tmp_path):
+    bf16_parity.check_bf16_greedy_parity(make, tmp_path / "a", decode_kernel=kernel)
+    bf16_parity.check_bf16_greedy_parity(make, tmp_path / "b", decode_kernel=kernel,
+                                         linear_kernel=linear)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,cols", [(1280, 768), (37, 64), (768, 2048), (16, 2)])
+def test_linear_kernel_matches_onednn(linear, rows, cols):
+    """The matmul kernel against the oneDNN-packed `Linear` it replaces, from 1 to 33 rows,
+    with and without a bias, on widths that are and are not multiples of 16: equal but
+    for a few outputs one bf16 step apart (the same VDPBF16PS products, summed in another
+    order past 8 rows), and the weight comes back out exactly (`dense`)."""
+    g = torch.Generator().manual_seed(rows + cols)
+    weight = (0.05 * torch.randn(rows, cols, generator=g)).to(torch.bfloat16)
+    bias = torch.randn(rows, generator=g).to(torch.bfloat16)
+    for b in (None, bias):
+        ours, theirs = Linear(weight, b), Linear(weight, b)
+        assert ours.use_kernel(linear) and ours.packed is None
+        assert torch.equal(ours.dense(), weight)
+        for m in (1, 3, 8, 9, 33):
+            x = torch.randn(m, cols, generator=g).to(torch.bfloat16)
+            want, got = theirs(x).float(), ours(x).float()
+            assert got.shape == (m, rows)
+            assert (want != got).float().mean().item() < 0.005
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7)
+        x3 = torch.randn(2, 3, cols, generator=g).to(torch.bfloat16)    # leading dims kept
+        assert ours(x3).shape == (2, 3, rows)
+        assert ours(x3[:, :, :].transpose(0, 1)).shape == (3, 2, rows)  # a strided input
+    odd = Linear(torch.zeros(4, 5, dtype=torch.bfloat16))
+    assert not odd.use_kernel(linear) and odd.packed is not None    # odd width: oneDNN keeps it
 
 
 def test_build_is_cached_per_source_and_says_why_it_cannot(tmp_path, monkeypatch):
@@ -166,10 +204,10 @@ def test_build_is_cached_per_source_and_says_why_it_cannot(tmp_path, monkeypatch
 
 
 def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypatch, capfd):
-    """A bf16 decode worker (the daemon's spec: cpu_kernels auto) builds the kernel into its
-    kernel_dir and attends through it; with no compiler, or with more than one thread, it
-    says so in one line and serves on torch's path; `off`, and prefill workers, never
-    build it."""
+    """A bf16 decode worker (the daemon's spec: cpu_kernels auto) builds the kernels into
+    its kernel_dir, attends and multiplies through them (an agg worker only attends); with
+    no compiler, or with more than one thread, it says so in one line and serves on
+    torch's path; `off`, and prefill workers, never build them."""
     from appliance.engines import dtypes
     monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx512_bf16"}))
 
@@ -182,7 +220,14 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
     if kernel_build.compiler() is not None and _has_avx512():
         e = build_torch_engine(spec("decode", "auto", "a"), tiny_model)
         assert e.model.attn.decode_kernel is not None
-        assert [p.suffix for p in (tmp_path / "a").iterdir()] == [".so"]
+        assert all(layer.pairs is not None and layer.packed is None
+                   for layer in dense_linears(e.model))
+        assert sorted(p.name.split("-")[0] for p in (tmp_path / "a").iterdir()) == [
+            "linear_bf16", "paged_decode"]
+        # an agg worker: the attention kernel, oneDNN's matmuls (its prompts are theirs)
+        e = build_torch_engine(spec("agg", "auto", "a"), tiny_model)
+        assert e.model.attn.decode_kernel is not None
+        assert all(layer.pairs is None for layer in dense_linears(e.model))
     for role, kernels, where in (("decode", "off", "b"), ("prefill", "auto", "c")):
         e = build_torch_engine(spec(role, kernels, where), tiny_model)
         assert e.model.attn.decode_kernel is None and not (tmp_path / where).exists()
@@ -193,14 +238,16 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
     assert e.model.attn.decode_kernel is None
     assert capfd.readouterr().err.strip().splitlines() == [
         "applianced worker decode0: decode attention on torch's path (no C compiler (cc, gcc "
-        "or $CC) on this host)"]
+        "or $CC) on this host)",
+        "applianced worker decode0: decode matmuls on oneDNN (no C compiler (cc, gcc or $CC) "
+        "on this host)"]
     # More threads than the kernel uses: torch's path, which uses them all.
     try:
         e = build_torch_engine(spec("decode", "auto", "e", threads=2), tiny_model)
         assert e.model.attn.decode_kernel is None and not (tmp_path / "e").exists()
         assert capfd.readouterr().err.strip().splitlines() == [
-            "applianced worker decode0: decode attention on torch's path (the C kernel is "
-            "single-threaded; this worker has 2 threads)"]
+            "applianced worker decode0: decode attention and matmuls on torch's path (the C "
+            "kernels are single-threaded; this worker has 2 threads)"]
     finally:
         torch.set_num_threads(1)
 
@@ -225,7 +272,7 @@ def test_daemon_builds_the_kernel_into_its_state_and_serves_greedy_tokens(tmp_pa
                 temperature=0).choices[0].text for prompt in ("def main(", "import os\n", "x = [")]
         finally:
             d.stop()
-    built = sorted(p.suffix for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
-    assert built == [".so"]                       # the decode worker's; the prefill one builds none
+    built = sorted(p.name.split("-")[0] for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
+    assert built == ["linear_bf16", "paged_decode"]     # the decode worker's
     assert not (tmp_path / "off" / "state" / "kernels").exists()
     assert outs["auto"] == outs["off"] and all(outs["auto"])

@@ -1,9 +1,13 @@
 """C kernels for what torch's CPU build does slowly, loaded through ctypes.
 
-One so far: `PagedDecode`, a decode step's attention read straight from the paged KV pool
-in bf16 (paged_decode.c says why and what it computes). The torch path stays the
-reference and the fallback: a kernel is only used when `load_paged_decode` could build
-and load it, and for the shapes it `supports`.
+- `PagedDecode`: a decode step's attention read straight from the paged KV pool in bf16
+  (paged_decode.c says why and what it computes);
+- `LinearBf16`: a bf16 linear layer for a decode step's few rows, its weight stored as
+  the kernel streams it (linear_bf16.c).
+
+Torch's ops stay the reference and the fallback: a kernel is only used when it could be
+built and loaded here (`load_paged_decode`, `load_linear_bf16`), and for what it
+`supports`.
 """
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ import torch
 
 from appliance.engines.cpu_kernels.builder import KernelUnavailable, build, cache_dir
 
-__all__ = ["KernelUnavailable", "PagedDecode", "load_paged_decode"]
+__all__ = ["KernelUnavailable", "LinearBf16", "PagedDecode", "load_linear_bf16",
+           "load_paged_decode"]
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -61,18 +66,75 @@ class PagedDecode:
                              f" (heads {H}, kv heads {k_pool.shape[2]}, head_dim {hd})")
 
 
-_loaded: dict[str, PagedDecode] = {}
+class LinearBf16:
+    """``linear_bf16`` of a loaded library: `pack` a weight once, then call with rows."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fn = ctypes.CDLL(str(path)).linear_bf16
+        self._fn.restype = _I
+        self._fn.argtypes = [_P, _L, _L, _P, _L, _L, _P, _P, _L]
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        return (weight.dim() == 2 and weight.dtype == torch.bfloat16
+                and weight.device.type == "cpu" and weight.shape[1] % 2 == 0)
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> [ceil(N/16), K/2, 16, 2]: pairs of input columns interleaved across
+        16 output rows (rows past N are zero)."""
+        N, K = weight.shape
+        pad = -N % 16
+        if pad:
+            weight = torch.cat((weight, weight.new_zeros(pad, K)))
+        return weight.view(-1, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    @staticmethod
+    def unpack(packed: torch.Tensor, rows: int) -> torch.Tensor:
+        """The [rows, K] weight `pack` was given."""
+        blocks, half, _, _ = packed.shape
+        return packed.permute(0, 2, 1, 3).reshape(blocks * 16, half * 2)[:rows].contiguous()
+
+    def __call__(self, packed: torch.Tensor, rows: int, x: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] bf16 -> [..., rows] bf16; `bias`: fp32 [rows] or None."""
+        K = packed.shape[1] * 2
+        if x.dtype != torch.bfloat16 or x.shape[-1] != K or x.device.type != "cpu":
+            raise ValueError(f"linear_bf16: x must be CPU bfloat16 [..., {K}], got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        x2 = x.reshape(-1, K)
+        if x2.stride(1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < K):
+            x2 = x2.contiguous()
+        M = x2.shape[0]
+        y = torch.empty(M, rows, dtype=torch.bfloat16)
+        if M:
+            self._fn(packed.data_ptr(), rows, K, x2.data_ptr(), M, x2.stride(0) if M > 1 else K,
+                     bias.data_ptr() if bias is not None else None, y.data_ptr(), rows)
+        return y.view(*x.shape[:-1], rows)
+
+
+_loaded: dict[tuple[str, str], object] = {}
+
+
+def _load(name: str, cls, directory: str):
+    where = cache_dir(directory)
+    key = (name, str(where))
+    if key not in _loaded:
+        path = build(name, where)
+        try:
+            _loaded[key] = cls(path)
+        except OSError as exc:
+            raise KernelUnavailable(f"cannot load {path.name}: {exc}") from None
+    return _loaded[key]
 
 
 def load_paged_decode(directory: str = "") -> PagedDecode:
     """The paged decode kernel, built into `directory` (`builder.cache_dir`) on first use.
     Raises KernelUnavailable (one line) when this host cannot build or load it."""
-    where = cache_dir(directory)
-    key = str(where)
-    if key not in _loaded:
-        path = build("paged_decode", where)
-        try:
-            _loaded[key] = PagedDecode(path)
-        except OSError as exc:
-            raise KernelUnavailable(f"cannot load {path.name}: {exc}") from None
-    return _loaded[key]
+    return _load("paged_decode", PagedDecode, directory)
+
+
+def load_linear_bf16(directory: str = "") -> LinearBf16:
+    """The bf16 linear kernel, as `load_paged_decode` (it also needs AVX512-BF16)."""
+    return _load("linear_bf16", LinearBf16, directory)

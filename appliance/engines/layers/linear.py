@@ -22,26 +22,48 @@ class Linear:
     AVX512-BF16 core, 0.23 ms packed vs 0.75 ms for F.linear on a 768x2304 weight; the
     results are identical). Only the packed copy is kept. Elsewhere (CUDA, fp16, a torch
     build without oneDNN) the weight stays as is and ``F.linear`` runs.
+
+    A CPU decode worker may hand a bf16 layer to a C kernel instead (`use_kernel`,
+    `engines.cpu_kernels.LinearBf16`): the weight is then kept only in that kernel's layout.
     """
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "kernel", "pairs", "rows", "bias32")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.bias = bias
         self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None
+        self.kernel = None
+        self.pairs: torch.Tensor | None = None    # the weight in the kernel's layout
+        self.rows = weight.shape[0]
+        self.bias32: torch.Tensor | None = None
         if (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
                 and _onednn_ok(weight.dtype)):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
             self.weight = None
 
+    def use_kernel(self, kernel) -> bool:
+        """Multiply through `kernel` (a `cpu_kernels.LinearBf16`) from now on, its layout
+        replacing the packed weight; False (nothing changed) for a weight it does not take."""
+        dense = self.dense()
+        if kernel is None or not kernel.supports(dense):
+            return False
+        self.pairs = kernel.pack(dense)
+        self.bias32 = self.bias.float() if self.bias is not None else None
+        self.kernel, self.packed, self.weight = kernel, None, None
+        return True
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pairs is not None:
+            return self.kernel(self.pairs, self.rows, x, self.bias32)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def dense(self) -> torch.Tensor:
         """The weight in its ordinary [out, in] layout (a copy when packed)."""
+        if self.pairs is not None:
+            return self.kernel.unpack(self.pairs, self.rows)
         if self.packed is not None:
             return self.packed.to_dense()
         assert self.weight is not None
