@@ -197,6 +197,15 @@ def test_build_is_cached_per_source_and_says_why_it_cannot(tmp_path, monkeypatch
     with pytest.raises(cpu_kernels.KernelUnavailable, match="could not build kernel paged_decode: "):
         kernel_build.build("paged_decode", tmp_path / "bad")
     assert list((tmp_path / "bad").iterdir()) == []
+    # A cached build that does not load (damaged on disk) is said, removed, and rebuilt.
+    monkeypatch.undo()                                      # the real source again
+    broken = tmp_path / "broken"
+    good = kernel_build.build("paged_decode", broken)
+    good.write_bytes(b"not a shared library")
+    with pytest.raises(cpu_kernels.KernelUnavailable, match=f"cannot load {good.name}"):
+        cpu_kernels.load_paged_decode(str(broken))
+    assert not good.exists()
+    assert cpu_kernels.load_paged_decode(str(broken)).path == good and good.exists()
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert kernel_build.compiler() is None
     with pytest.raises(cpu_kernels.KernelUnavailable, match="no C compiler"):

@@ -124,7 +124,8 @@ def _load(name: str, cls, directory: str):
         path = build(name, where)
         try:
             _loaded[key] = cls(path)
-        except OSError as exc:
+        except (OSError, AttributeError) as exc:    # not a library, or not this kernel's
+            path.unlink(missing_ok=True)            # so the next start builds it again
             raise KernelUnavailable(f"cannot load {path.name}: {exc}") from None
     return _loaded[key]
 
