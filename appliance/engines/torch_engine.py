@@ -526,8 +526,7 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     temp_bytes = int(os.environ.get(ATTENTION_BYTES_ENV, "0") or 0) or \
         attention_backends.DEFAULT_TEMP_BYTES
     model.set_attention(backend, temp_bytes)
-    if device.type == "cpu" and dtype == torch.bfloat16 and spec.cpu_kernels != "off" \
-            and spec.role != "prefill":         # a prefill worker never decodes
+    if device.type == "cpu" and dtype == torch.bfloat16 and spec.cpu_kernels != "off":
         _use_cpu_kernels(model, spec)
     plan = None
     if device.type == "cuda":
@@ -560,27 +559,34 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
 
 
 def _use_cpu_kernels(model: LlamaModel, spec) -> None:
-    """The C kernels of `engines.cpu_kernels` where this host builds them: decode attention
-    (decode and agg workers), and the dense layers' matmuls on decode workers (an agg
-    worker's prompt-sized matmuls are oneDNN's best case). What cannot be used is said in
-    one line on stderr, and torch's path serves it. The kernels run on one thread, so a
-    worker with more keeps torch's path, which uses them all."""
+    """The C kernels of `engines.cpu_kernels` where this host builds them: a prompt's
+    attention (every worker), decode attention (decode and agg workers; a prefill worker
+    never decodes), and the dense layers' matmuls on decode workers (an agg worker's
+    prompt-sized matmuls are oneDNN's best case). What cannot be used is said in one line
+    on stderr, and torch's path serves it. The kernels run on one thread, so a worker with
+    more keeps torch's path, which uses them all."""
     from appliance.engines import cpu_kernels
 
     def say(what: str) -> None:
         print(f"applianced worker {spec.worker}: {what}", file=sys.stderr, flush=True)
     if torch.get_num_threads() > 1:
-        say(f"decode attention and matmuls on torch's path (the C kernels are single-threaded; "
+        say(f"attention and matmuls on torch's path (the C kernels are single-threaded; "
             f"this worker has {torch.get_num_threads()} threads)")
         return
-    try:
-        attention = cpu_kernels.load_paged_decode(spec.kernel_dir)
-    except cpu_kernels.KernelUnavailable as exc:
-        say(f"decode attention on torch's path ({exc})")
-    else:
-        if not model.attn.set_decode_kernel(attention):
-            say("decode attention on torch's path (the C kernel does not take this model's "
-                "heads, or its attention sinks)")
+
+    def load(what: str, loader, apply) -> None:
+        try:
+            kernel = loader(spec.kernel_dir)
+        except cpu_kernels.KernelUnavailable as exc:
+            say(f"{what} on torch's path ({exc})")
+            return
+        if not apply(kernel):
+            say(f"{what} on torch's path (the C kernel does not take this model's heads, "
+                "or its attention sinks)")
+    load("prompt attention", cpu_kernels.load_causal_prefill, model.attn.set_prefill_kernel)
+    if spec.role == "prefill":
+        return
+    load("decode attention", cpu_kernels.load_paged_decode, model.attn.set_decode_kernel)
     if spec.role != "decode":
         return
     try:

@@ -29,10 +29,11 @@ def gemma3(transformers):
     return transformers.Gemma3ForCausalLM, cfg, 0.0
 
 
-def check_bf16_greedy_parity(make, tmp_path, decode_kernel=None, linear_kernel=None) -> None:
+def check_bf16_greedy_parity(make, tmp_path, decode_kernel=None, linear_kernel=None,
+                             prefill_kernel=None) -> None:
     """Weights and KV in bf16 on both sides (transformers' eager attention, ours over the
-    paged pool; decode rows through `decode_kernel`, and the dense layers through
-    `linear_kernel`, when given): prefill and 12 greedy
+    paged pool; decode rows through `decode_kernel`, prompts through `prefill_kernel`, and
+    the dense layers through `linear_kernel`, when given): prefill and 12 greedy
     decode steps give the same tokens, and the logits agree within what bf16 rounding
     allows: 3% of the logits' range (observed: up to 2% for Llama, 1% for Gemma 3)."""
     transformers = pytest.importorskip("transformers")
@@ -51,6 +52,8 @@ def check_bf16_greedy_parity(make, tmp_path, decode_kernel=None, linear_kernel=N
     assert model.dtype == torch.bfloat16
     if decode_kernel is not None:
         assert model.attn.set_decode_kernel(decode_kernel)
+    if prefill_kernel is not None:
+        assert model.attn.set_prefill_kernel(prefill_kernel)
     if linear_kernel is not None:
         from appliance.engines.torch_engine import dense_linears
         layers = dense_linears(model)

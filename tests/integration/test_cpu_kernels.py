@@ -144,10 +144,76 @@ def linear(tmp_path_factory):
 
 @needs_kernel
 @pytest.mark.parametrize("make", [bf16_parity.llama, bf16_parity.gemma3], ids=["llama", "gemma3"])
-def test_bf16_greedy_parity_with_transformers_through_the_kernels(kernel, linear, make, tmp_path):
+def test_bf16_greedy_parity_with_transformers_through_the_kernels(kernel, linear, prefill,
+                                                                  make, tmp_path):
     bf16_parity.check_bf16_greedy_parity(make, tmp_path / "a", decode_kernel=kernel)
     bf16_parity.check_bf16_greedy_parity(make, tmp_path / "b", decode_kernel=kernel,
-                                         linear_kernel=linear)
+                                         linear_kernel=linear, prefill_kernel=prefill)
+
+
+@pytest.fixture(scope="module")
+def prefill(tmp_path_factory):
+    try:
+        return cpu_kernels.load_causal_prefill(str(tmp_path_factory.mktemp("kernels")))
+    except cpu_kernels.KernelUnavailable as exc:        # no AVX512-BF16 here
+        pytest.skip(str(exc))
+
+
+def _sdpa_causal(q, k, v):
+    """torch's CPU SDPA (its flash kernel) on [n, heads, hd] rows, causal."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,heads,kv_heads,hd", [(256, 12, 4, 64), (1, 4, 2, 16), (37, 8, 8, 64),
+                                                 (100, 16, 2, 128), (17, 6, 1, 32)])
+def test_prefill_kernel_matches_sdpa(prefill, n, heads, kv_heads, hd):
+    """A prompt's causal attention through the kernel, from slices of one fused qkv row as
+    the model makes them, against SDPA in bf16 (what it replaces): rounded the same way,
+    so most outputs are equal and none is over a bf16 step apart, and it is exactly as
+    close to an fp32 reference."""
+    g = torch.Generator().manual_seed(n + heads + hd)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * hd, generator=g).to(torch.bfloat16)
+    q = qkv[:, :heads * hd].view(n, heads, hd)
+    k = qkv[:, heads * hd:(heads + kv_heads) * hd].view(n, kv_heads, hd)
+    v = qkv[:, (heads + kv_heads) * hd:].view(n, kv_heads, hd)
+    got = prefill(q, k, v, hd ** -0.5).float()
+    want = _sdpa_causal(q, k, v).float()
+    assert got.shape == (n, heads, hd)
+    assert (got == want).float().mean().item() > 0.85
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7)
+    exact = _sdpa_causal(q.float(), k.float(), v.float())
+    err, sdpa_err = (got - exact).abs().max().item(), (want - exact).abs().max().item()
+    assert err <= sdpa_err * 1.25 + 1e-6, (err, sdpa_err)
+
+
+@needs_kernel
+def test_prompts_go_through_the_prefill_kernel_only_where_it_applies(prefill):
+    """Through `PagedAttention`: a fresh prompt is the kernel's; one with a cached prefix,
+    or one a sliding window cuts, stays with SDPA (the same output as with no kernel)."""
+    shape = _shape(4, 2, 64)
+    n = 40
+    kv = torch.randn(2, 1, 8, 16, 2, 64).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(n, 4, 64, generator=g).to(torch.bfloat16)
+    k = torch.randn(n, 2, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(n, 2, 64, generator=g).to(torch.bfloat16)
+    fresh = AttnBatch(True, [n], [n], [[0, 1, 2]], torch.zeros(n, dtype=torch.long))
+    cached = AttnBatch(True, [8], [48], [[0, 1, 2]], torch.zeros(8, dtype=torch.long))
+    outs = {}
+    for name, kernel in (("sdpa", None), ("kernel", prefill)):
+        attn = PagedAttention(shape, torch.device("cpu"), torch.bfloat16)
+        assert attn.set_prefill_kernel(kernel) is (kernel is not None)
+        outs[name] = [_attend(attn, q, kv, fresh, None, k, v),
+                      _attend(attn, q[:8], kv, cached, None, k[:8], v[:8]),
+                      _attend(attn, q, kv, fresh, 12, k, v)]
+    assert torch.equal(outs["kernel"][0], prefill(q, k, v, 64 ** -0.5).reshape(n, -1))
+    torch.testing.assert_close(outs["kernel"][0].float(), outs["sdpa"][0].float(),
+                               rtol=2 ** -7, atol=2 ** -7)
+    assert torch.equal(outs["sdpa"][1], outs["kernel"][1])         # cached prefix: SDPA
+    assert torch.equal(outs["sdpa"][2], outs["kernel"][2])         # a window: SDPA
 
 
 @needs_kernel
@@ -231,21 +297,30 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
         assert e.model.attn.decode_kernel is not None
         assert all(layer.pairs is not None and layer.packed is None
                    for layer in dense_linears(e.model))
+        assert e.model.attn.prefill_kernel is not None
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "a").iterdir()) == [
-            "linear_bf16", "paged_decode"]
+            "causal_prefill", "linear_bf16", "paged_decode"]
         # an agg worker: the attention kernel, oneDNN's matmuls (its prompts are theirs)
         e = build_torch_engine(spec("agg", "auto", "a"), tiny_model)
         assert e.model.attn.decode_kernel is not None
         assert all(layer.pairs is None for layer in dense_linears(e.model))
-    for role, kernels, where in (("decode", "off", "b"), ("prefill", "auto", "c")):
-        e = build_torch_engine(spec(role, kernels, where), tiny_model)
-        assert e.model.attn.decode_kernel is None and not (tmp_path / where).exists()
+    e = build_torch_engine(spec("decode", "off", "b"), tiny_model)
+    assert e.model.attn.decode_kernel is None and e.model.attn.prefill_kernel is None
+    assert not (tmp_path / "b").exists()
+    if kernel_build.compiler() is not None and _has_avx512():
+        # a prefill worker: its prompts' attention only (it never decodes)
+        e = build_torch_engine(spec("prefill", "auto", "c"), tiny_model)
+        assert e.model.attn.prefill_kernel is not None and e.model.attn.decode_kernel is None
+        assert all(layer.pairs is None for layer in dense_linears(e.model))
+        assert [p.name.split("-")[0] for p in (tmp_path / "c").iterdir()] == ["causal_prefill"]
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(shutil, "which", lambda name: None)
     capfd.readouterr()
     e = build_torch_engine(spec("decode", "auto", "d"), tiny_model)
     assert e.model.attn.decode_kernel is None
     assert capfd.readouterr().err.strip().splitlines() == [
+        "applianced worker decode0: prompt attention on torch's path (no C compiler (cc, gcc "
+        "or $CC) on this host)",
         "applianced worker decode0: decode attention on torch's path (no C compiler (cc, gcc "
         "or $CC) on this host)",
         "applianced worker decode0: decode matmuls on oneDNN (no C compiler (cc, gcc or $CC) "
@@ -255,33 +330,43 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
         e = build_torch_engine(spec("decode", "auto", "e", threads=2), tiny_model)
         assert e.model.attn.decode_kernel is None and not (tmp_path / "e").exists()
         assert capfd.readouterr().err.strip().splitlines() == [
-            "applianced worker decode0: decode attention and matmuls on torch's path (the C "
+            "applianced worker decode0: attention and matmuls on torch's path (the C "
             "kernels are single-threaded; this worker has 2 threads)"]
     finally:
         torch.set_num_threads(1)
 
 
 @needs_kernel
-def test_daemon_builds_the_kernel_into_its_state_and_serves_greedy_tokens(tmp_path, tiny_model):
-    """A bf16 daemon (disagg: prefill and decode workers) builds the kernel into
-    <state>/kernels/ and serves with it the greedy tokens it serves with `cpu_kernels =
-    "off"`, from the same prompts."""
+def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens(tmp_path,
+                                                                                tiny_model):
+    """A bf16 daemon (disagg: prefill and decode workers) builds the kernels into
+    <state>/kernels/, and serves with them, as with `cpu_kernels = "off"`, the greedy
+    tokens transformers generates in bf16 from the same prompts."""
+    from appliance.daemon.tokenizer import ServedTokenizer
     from appliance.engines import dtypes
     from helpers.daemons import start_daemon
+    transformers = pytest.importorskip("transformers")
     if not dtypes.cpu_supports(torch.bfloat16, dtypes.cpu_flags()):
         pytest.skip("this CPU has no bf16")
-    outs = {}
+    tok = ServedTokenizer(tiny_model)
+    prompts = [tok.encode(p) for p in ("def main(", "import os\n", "x = [", "Hello",
+                                       "class Parser:\n    def __init__(self")]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    with torch.inference_mode():
+        want = [tok.decode(ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                        pad_token_id=1)[0, len(ids):].tolist()) for ids in prompts]
     for kernels in ("auto", "off"):
         d = start_daemon(tmp_path / kernels, tiny_model, "--engine", "torch",
                          config=f'[engine]\ndtype = "bfloat16"\ncpu_kernels = "{kernels}"\n')
         try:
             client = d.client()
-            outs[kernels] = [client.completions.create(
-                model=client.models.list().data[0].id, prompt=prompt, max_tokens=24,
-                temperature=0).choices[0].text for prompt in ("def main(", "import os\n", "x = [")]
+            got = [client.completions.create(model=client.models.list().data[0].id, prompt=ids,
+                                             max_tokens=24, temperature=0).choices[0].text
+                   for ids in prompts]
         finally:
             d.stop()
+        assert got == want, kernels
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
-    assert built == ["linear_bf16", "paged_decode"]     # the decode worker's
+    assert built == ["causal_prefill", "linear_bf16", "paged_decode"]
     assert not (tmp_path / "off" / "state" / "kernels").exists()
-    assert outs["auto"] == outs["off"] and all(outs["auto"])

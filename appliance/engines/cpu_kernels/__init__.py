@@ -3,7 +3,8 @@
 - `PagedDecode`: a decode step's attention read straight from the paged KV pool in bf16
   (paged_decode.c says why and what it computes);
 - `LinearBf16`: a bf16 linear layer for a decode step's few rows, its weight stored as
-  the kernel streams it (linear_bf16.c).
+  the kernel streams it (linear_bf16.c);
+- `CausalPrefill`: a prompt's causal self-attention in bf16 (causal_prefill.c).
 
 Torch's ops stay the reference and the fallback: a kernel is only used when it could be
 built and loaded here (`load_paged_decode`, `load_linear_bf16`), and for what it
@@ -18,8 +19,8 @@ import torch
 
 from appliance.engines.cpu_kernels.builder import KernelUnavailable, build, cache_dir
 
-__all__ = ["KernelUnavailable", "LinearBf16", "PagedDecode", "load_linear_bf16",
-           "load_paged_decode"]
+__all__ = ["CausalPrefill", "KernelUnavailable", "LinearBf16", "PagedDecode",
+           "load_causal_prefill", "load_linear_bf16", "load_paged_decode"]
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -114,6 +115,55 @@ class LinearBf16:
         return y.view(*x.shape[:-1], rows)
 
 
+class CausalPrefill:
+    """``causal_prefill_bf16`` of a loaded library: one prompt, no cached prefix, no window."""
+
+    MAX_HEAD_DIM = 256
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        self._fn = lib.causal_prefill_bf16
+        self._fn.restype = _I
+        self._fn.argtypes = [_P, _L, _P, _P, _L, _L, _I, _I, _I, ctypes.c_float, _P, _P]
+        self._scratch_bytes = lib.causal_prefill_scratch
+        self._scratch_bytes.restype = _L
+        self._scratch_bytes.argtypes = [_L, _I]
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def supports(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return (head_dim <= self.MAX_HEAD_DIM and head_dim % 16 == 0 and num_kv_heads >= 1
+                and num_heads % num_kv_heads == 0)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """q [n, H, hd], k and v [n, KVH, hd], bf16 on the CPU, each row's heads dense
+        (rows may be strided, as slices of a fused qkv are); returns [n, H, hd]."""
+        n, H, hd = q.shape
+        KVH = k.shape[1]
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.dim() != 3 \
+                    or t.shape[0] != n or t.shape[2] != hd:
+                raise ValueError(f"causal_prefill: {name} must be CPU bfloat16 [{n}, heads, "
+                                 f"{hd}], got {t.dtype} {tuple(t.shape)}")
+        if v.shape[1] != KVH:
+            raise ValueError("causal_prefill: k and v differ in heads")
+        q, k, v = (t if t.stride(2) == 1 and t.stride(1) == hd else t.contiguous()
+                   for t in (q, k, v))
+        if k.stride(0) != v.stride(0):
+            k, v = k.contiguous(), v.contiguous()
+        need = self._scratch_bytes(n, hd)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need + need // 2, dtype=torch.uint8)
+        out = torch.empty(n, H, hd, dtype=torch.bfloat16)
+        rc = self._fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), n, H,
+                      KVH, hd, scale, self._scratch.data_ptr(), out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"causal_prefill: unsupported shape (heads {H}, kv heads {KVH}, "
+                             f"head_dim {hd})")
+        return out
+
+
 _loaded: dict[tuple[str, str], object] = {}
 
 
@@ -134,6 +184,11 @@ def load_paged_decode(directory: str = "") -> PagedDecode:
     """The paged decode kernel, built into `directory` (`builder.cache_dir`) on first use.
     Raises KernelUnavailable (one line) when this host cannot build or load it."""
     return _load("paged_decode", PagedDecode, directory)
+
+
+def load_causal_prefill(directory: str = "") -> CausalPrefill:
+    """The prompt attention kernel, as `load_paged_decode` (it also needs AVX512-BF16)."""
+    return _load("causal_prefill", CausalPrefill, directory)
 
 
 def load_linear_bf16(directory: str = "") -> LinearBf16:

@@ -11,7 +11,9 @@ then calls the `PagedAttention` with its q, k, v. The backends:
 
 On the CPU in bf16 a worker may hand its decode rows to a C kernel instead
 (`set_decode_kernel`, `engines.cpu_kernels`): it reads K and V in place through the block
-tables, with the rounding of `_grouped_decode`, which stays the reference and fallback.
+tables, with the rounding of `_grouped_decode`, which stays the reference and fallback;
+and a prompt's plain causal attention (no cached prefix, no window) to another
+(`set_prefill_kernel`), rounded as SDPA's flash kernel rounds, which stays the fallback.
 
 Sliding windows: a layer called with ``window=W`` attends as `transformers` does for
 Mistral, Qwen2 and Gemma 3 (a query at position p sees keys p-W+1 .. p, itself included).
@@ -326,8 +328,10 @@ class PagedAttention:
         self.backend = "sdpa"
         self.budget = attention_backends.DEFAULT_TEMP_BYTES
         self._flashinfer: attention_backends.FlashInferAttention | None = None
-        # A C kernel for bf16 decode rows on the CPU (`set_decode_kernel`); None: torch's path.
+        # C kernels for bf16 on the CPU (`set_decode_kernel`, `set_prefill_kernel`): decode
+        # rows, and prompts with no cached prefix or window; None: torch's path.
         self.decode_kernel: Any = None
+        self.prefill_kernel: Any = None
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def set_decode_kernel(self, kernel: Any) -> bool:
@@ -338,6 +342,16 @@ class PagedAttention:
         usable = (kernel is not None and self.device.type == "cpu" and not s.attention_sinks
                   and kernel.supports(s.num_heads, s.num_kv_heads, s.head_dim))
         self.decode_kernel = kernel if usable else None
+        return usable
+
+    def set_prefill_kernel(self, kernel: Any) -> bool:
+        """Use `kernel` (a `cpu_kernels.CausalPrefill`) for a bf16 prompt's causal attention
+        over its own K/V on the CPU (no cached prefix, no window hiding keys), or SDPA with
+        None. Returns whether it is used (see `set_decode_kernel`)."""
+        s = self.shape
+        usable = (kernel is not None and self.device.type == "cpu" and not s.attention_sinks
+                  and kernel.supports(s.num_heads, s.num_kv_heads, s.head_dim))
+        self.prefill_kernel = kernel if usable else None
         return usable
 
     def set_backend(self, backend: str, budget: int = attention_backends.DEFAULT_TEMP_BYTES,
@@ -412,7 +426,13 @@ class PagedAttention:
         out = torch.empty(q.shape[0], s.q_size, device=q.device, dtype=q.dtype)
         # 4-d inputs: with 3-d ones torch 2.13's CPU SDPA falls back to the math kernel
         # (materialized scores), 3-5x slower on long prompts than the fused kernel.
+        kernel = (self.prefill_kernel if sinks is None and q.dtype == torch.bfloat16 else None)
         for start, end, ctx_slots, mask in plan.prefill:
+            if kernel is not None and ctx_slots is None and mask is None:   # plain causal
+                o = kernel(q[start:end], k[start:end], v[start:end],
+                           s.head_dim ** -0.5 if self.scale is None else self.scale)
+                out[start:end] = o.view(end - start, s.q_size)
+                continue
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             if ctx_slots is None:   # this step's own K/V: causal, or a window's mask
                 ki = k[start:end].transpose(0, 1).unsqueeze(0)
