@@ -81,13 +81,16 @@ def main() -> None:
     ap.add_argument("--prefault", action="store_true",
                     help="touch every page of the KV pool first (a fresh pool's first "
                          "writes page-fault: compare)")
+    ap.add_argument("--cpu-kernels", default="off", choices=("off", "auto"),
+                    help="the worker's engine.cpu_kernels (auto: the prompt attention kernel)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not (args.model / "config.json").exists():
         raise SystemExit(f"{args.model}: no checkpoint (bench/bench_vs_vllm.py makes the 82m one)")
     spec = WorkerSpec(worker="prefill0", role="prefill", engine="torch", devices=["cpu"],
                       device_kind="cpu", model_dir=str(args.model), cpu_threads=args.threads,
-                      dtype=args.dtype, max_batch_tokens=1 << 20, kv_cache_bytes=1 << 30)
+                      dtype=args.dtype, max_batch_tokens=1 << 20, kv_cache_bytes=1 << 30,
+                      cpu_kernels=args.cpu_kernels)
     engine = build_torch_engine(spec, args.model)
     model = engine.model
     if args.prefault:
