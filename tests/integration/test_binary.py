@@ -46,7 +46,7 @@ def test_bundle_carries_textual_widgets_stylesheets_and_the_corpus():
         assert (DIST / "_internal" / tcss.relative_to(ROOT)).is_file(), tcss
     assert (DIST / "_internal" / "stdlib_corpus").is_dir()
     # the C kernels' sources, which the worker compiles on the box (engines/cpu_kernels)
-    sources = sorted(ROOT.joinpath("appliance").rglob("*.c"))
+    sources = sorted([*ROOT.joinpath("appliance").rglob("*.c"), *ROOT.joinpath("appliance").rglob("*.h")])
     assert sources
     for source in sources:
         assert sha256(DIST / "_internal" / source.relative_to(ROOT)) == sha256(source), source

@@ -134,12 +134,21 @@ def test_kernel_refuses_what_it_does_not_take(kernel):
                torch.empty(4), torch.empty_like(q))
 
 
-@pytest.fixture(scope="module")
-def linear(tmp_path_factory):
+def _built(loader, tmp_path_factory):
     try:
-        return cpu_kernels.load_linear_bf16(str(tmp_path_factory.mktemp("kernels")))
+        return loader(str(tmp_path_factory.mktemp("kernels")))
     except cpu_kernels.KernelUnavailable as exc:        # no AVX512-BF16 here
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def linear(tmp_path_factory):
+    return _built(cpu_kernels.load_linear_bf16, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def prefill(tmp_path_factory):
+    return _built(cpu_kernels.load_causal_prefill, tmp_path_factory)
 
 
 @needs_kernel
@@ -149,14 +158,6 @@ def test_bf16_greedy_parity_with_transformers_through_the_kernels(kernel, linear
     bf16_parity.check_bf16_greedy_parity(make, tmp_path / "a", decode_kernel=kernel)
     bf16_parity.check_bf16_greedy_parity(make, tmp_path / "b", decode_kernel=kernel,
                                          linear_kernel=linear, prefill_kernel=prefill)
-
-
-@pytest.fixture(scope="module")
-def prefill(tmp_path_factory):
-    try:
-        return cpu_kernels.load_causal_prefill(str(tmp_path_factory.mktemp("kernels")))
-    except cpu_kernels.KernelUnavailable as exc:        # no AVX512-BF16 here
-        pytest.skip(str(exc))
 
 
 def _sdpa_causal(q, k, v):
@@ -256,8 +257,14 @@ def test_build_is_cached_per_source_and_says_why_it_cannot(tmp_path, monkeypatch
     src.mkdir()
     (src / "paged_decode.c").write_text((kernel_build.SOURCE_DIR / "paged_decode.c").read_text()
                                         + "\n/* changed */\n")
+    header = (kernel_build.SOURCE_DIR / "vec_math.h").read_text()
+    (src / "vec_math.h").write_text(header)
     monkeypatch.setattr(kernel_build, "SOURCE_DIR", src)
-    assert kernel_build.build("paged_decode", tmp_path / "k") != first
+    second = kernel_build.build("paged_decode", tmp_path / "k")
+    assert second != first
+    # ... and so is another header beside it (what the source includes)
+    (src / "vec_math.h").write_text(header + "\n/* changed */\n")
+    assert kernel_build.build("paged_decode", tmp_path / "k") not in (first, second)
     # A compiler that fails, and none at all: one line each, nothing left behind.
     (src / "paged_decode.c").write_text("this is not C\n")
     with pytest.raises(cpu_kernels.KernelUnavailable, match="could not build kernel paged_decode: "):

@@ -2,8 +2,8 @@
 
 Why at run time, on the host: the kernels use the processor's vector instructions
 (``-march=native``), and the appliance ships as one binary to boxes whose CPUs the build
-machine never saw. The shared library is cached under a name that hashes the source, the
-compiler and the processor's feature flags, so a box compiles once (well under a second)
+machine never saw. The shared library is cached under a name that hashes the source (and
+the headers beside it), the compiler and the processor's feature flags, so a box compiles once (well under a second)
 and a changed CPU or source compiles again. No compiler, or a processor without the
 instructions (the compile fails): the caller gets `KernelUnavailable` with one line, and
 the engine keeps torch's path.
@@ -67,7 +67,8 @@ def build(name: str, directory: Path, cc: str | None = None) -> Path:
     cc = cc or compiler()
     if cc is None:
         raise KernelUnavailable("no C compiler (cc, gcc or $CC) on this host")
-    key = hashlib.sha256(b"\0".join([text, cc.encode(), " ".join(FLAGS).encode(),
+    headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]   # what it includes
+    key = hashlib.sha256(b"\0".join([text, *headers, cc.encode(), " ".join(FLAGS).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     target = directory / f"{name}-{key}.so"
     if target.is_file():
