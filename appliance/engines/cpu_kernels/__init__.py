@@ -7,8 +7,8 @@
 - `CausalPrefill`: a prompt's causal self-attention in bf16 (causal_prefill.c).
 
 Torch's ops stay the reference and the fallback: a kernel is only used when it could be
-built and loaded here (`load_paged_decode`, `load_linear_bf16`), and for what it
-`supports`.
+built and loaded here (`load_paged_decode`, `load_linear_bf16`, `load_causal_prefill`),
+and for what it `supports`.
 """
 from __future__ import annotations
 
