@@ -14,7 +14,8 @@ BINARY := dist/applianced/applianced
 PYTHON312 ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.1[23]*/bin/python3; do \
   $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
 FOCUS  := .venv-focus/.installed
-SOURCES := $(shell find appliance packaging -name '*.py' -o -name '*.tcss' -o -name '*.spec')
+SOURCES := $(shell find appliance packaging -name '*.py' -o -name '*.tcss' -o -name '*.spec' \
+             -o -name '*.c' -o -name '*.h')
 
 .PHONY: serve test test-unit test-integration docs bench bench-serving binary install promtool clean
 

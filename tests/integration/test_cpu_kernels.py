@@ -23,11 +23,8 @@ torch.set_num_threads(1)
 
 
 def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return " avx512f" in f.read()
-    except OSError:
-        return False
+    from appliance.engines.dtypes import cpu_flags
+    return "avx512f" in cpu_flags()
 
 
 needs_kernel = pytest.mark.skipif(kernel_build.compiler() is None or not _has_avx512(),

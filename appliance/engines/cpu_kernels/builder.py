@@ -17,6 +17,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from appliance.engines.dtypes import cpu_flags
+
 __all__ = ["FLAGS", "KernelUnavailable", "build", "cache_dir", "compiler"]
 
 SOURCE_DIR = Path(__file__).resolve().parent
@@ -45,17 +47,6 @@ def cache_dir(configured: str = "") -> Path:
     return Path(base) / "applianced" / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.strip()
-    except OSError:
-        pass
-    return os.uname().machine
-
-
 def build(name: str, directory: Path, cc: str | None = None) -> Path:
     """The shared library of ``<name>.c`` (beside this file), compiled into `directory`
     unless a build of the same source, compiler and processor is there already."""
@@ -68,8 +59,9 @@ def build(name: str, directory: Path, cc: str | None = None) -> Path:
     if cc is None:
         raise KernelUnavailable("no C compiler (cc, gcc or $CC) on this host")
     headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]   # what it includes
+    cpu = " ".join(sorted(cpu_flags())) or os.uname().machine
     key = hashlib.sha256(b"\0".join([text, *headers, cc.encode(), " ".join(FLAGS).encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+                                     cpu.encode()])).hexdigest()[:16]
     target = directory / f"{name}-{key}.so"
     if target.is_file():
         return target

@@ -338,21 +338,24 @@ class PagedAttention:
         """Use `kernel` (a `cpu_kernels.PagedDecode`) for bf16 decode rows on the CPU, or
         torch's path with None. Returns whether it is used: not for shapes it does not
         support, nor where attention sinks (gpt-oss) need torch's path."""
-        s = self.shape
-        usable = (kernel is not None and self.device.type == "cpu" and not s.attention_sinks
-                  and kernel.supports(s.num_heads, s.num_kv_heads, s.head_dim))
-        self.decode_kernel = kernel if usable else None
-        return usable
+        self.decode_kernel = kernel if self._takes(kernel) else None
+        return self.decode_kernel is not None
 
     def set_prefill_kernel(self, kernel: Any) -> bool:
         """Use `kernel` (a `cpu_kernels.CausalPrefill`) for a bf16 prompt's causal attention
         over its own K/V on the CPU (no cached prefix, no window hiding keys), or SDPA with
         None. Returns whether it is used (see `set_decode_kernel`)."""
+        self.prefill_kernel = kernel if self._takes(kernel) else None
+        return self.prefill_kernel is not None
+
+    def _takes(self, kernel: Any) -> bool:
         s = self.shape
-        usable = (kernel is not None and self.device.type == "cpu" and not s.attention_sinks
-                  and kernel.supports(s.num_heads, s.num_kv_heads, s.head_dim))
-        self.prefill_kernel = kernel if usable else None
-        return usable
+        return (kernel is not None and self.device.type == "cpu" and not s.attention_sinks
+                and kernel.supports(s.num_heads, s.num_kv_heads, s.head_dim))
+
+    def _score_scale(self) -> float:
+        """The scores' factor as a number (``self.scale`` None means 1/sqrt(head_dim))."""
+        return self.shape.head_dim ** -0.5 if self.scale is None else self.scale
 
     def set_backend(self, backend: str, budget: int = attention_backends.DEFAULT_TEMP_BYTES,
                     flashinfer_module: Any = None) -> None:
@@ -429,8 +432,7 @@ class PagedAttention:
         kernel = (self.prefill_kernel if sinks is None and q.dtype == torch.bfloat16 else None)
         for start, end, ctx_slots, mask in plan.prefill:
             if kernel is not None and ctx_slots is None and mask is None:   # plain causal
-                o = kernel(q[start:end], k[start:end], v[start:end],
-                           s.head_dim ** -0.5 if self.scale is None else self.scale)
+                o = kernel(q[start:end], k[start:end], v[start:end], self._score_scale())
                 out[start:end] = o.view(end - start, s.q_size)
                 continue
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
@@ -524,8 +526,7 @@ class PagedAttention:
         q = q.contiguous()
         out = torch.empty_like(q)
         self.decode_kernel(q, kv_layer[0], kv_layer[1], args.tables, args.ctx_lens, args.starts,
-                           s.head_dim ** -0.5 if self.scale is None else self.scale,
-                           self._scratch, out)
+                           self._score_scale(), self._scratch, out)
         return out.reshape(q.shape[0], s.q_size)
 
     def _gather_buffer(self, elems: int) -> torch.Tensor:
