@@ -258,7 +258,8 @@ def compare_kernels(args) -> list[dict]:
     """torch's decode step against the C kernels (`engines.cpu_kernels`, built here on first
     use), alternating two steps each, 8 times, as --compare-compile does: torch's attention
     and oneDNN's matmuls; the attention kernel; the attention and matmul kernels (a second
-    copy of the model, its dense layers in the matmul kernel's layout)."""
+    copy of the model, its dense layers in the matmul kernel's layout); and those with the
+    glue kernel (norms, RoPE with the KV write, activation)."""
     from appliance.engines import cpu_kernels
     from appliance.engines.torch_engine import dense_linears
     torch.set_num_threads(args.threads)
@@ -269,6 +270,7 @@ def compare_kernels(args) -> list[dict]:
     fast = load_model(d, device=torch.device("cpu"), dtype=dtype)
     attention = cpu_kernels.load_paged_decode()
     linear = cpu_kernels.load_linear_bf16()
+    glue = cpu_kernels.load_layer_glue()
     if not fast.attn.set_decode_kernel(attention) or \
             not all(layer.use_kernel(linear) for layer in dense_linears(fast)):
         raise SystemExit(f"the kernels do not take {d.name}")
@@ -276,7 +278,8 @@ def compare_kernels(args) -> list[dict]:
     for B in [int(b) for b in args.batches.split(",")]:
         engines = {"torch": build(plain, B, args.prompt, 60, "off"),
                    "attention": build(plain, B, args.prompt, 60, "off"),
-                   "attention+matmuls": build(fast, B, args.prompt, 60, "off")}
+                   "attention+matmuls": build(fast, B, args.prompt, 60, "off"),
+                   "attention+matmuls+glue": build(fast, B, args.prompt, 60, "off")}
         res: dict[str, list[float]] = {name: [] for name in engines}
         for eng in engines.values():
             for _ in range(3):
@@ -284,6 +287,7 @@ def compare_kernels(args) -> list[dict]:
         for _ in range(8):
             for name, eng in engines.items():
                 plain.attn.set_decode_kernel(attention if name == "attention" else None)
+                fast.set_glue_kernel(glue if name == "attention+matmuls+glue" else None)
                 eng.step()
                 c0 = time.process_time()
                 eng.step()

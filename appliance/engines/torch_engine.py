@@ -552,7 +552,12 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         grammar=GrammarBook(model_dir, model.shape.vocab_size, read_eos_ids(model_dir)))
     engine.memory_plan = plan
     if spec.compile != "off" and spec.role != "prefill":   # a prefill worker never decodes
-        engine.set_compile(spec.compile)
+        if model.glue_kernel is not None:
+            print(f"applianced worker {spec.worker}: engine.compile = {spec.compile!r} not "
+                  "applied: the C kernels already run a decode step's norms",
+                  file=sys.stderr, flush=True)
+        else:
+            engine.set_compile(spec.compile)
     if spec.nixl:
         engine.enable_nixl()
     return engine
@@ -560,9 +565,10 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
 
 def _use_cpu_kernels(model: LlamaModel, spec) -> None:
     """The C kernels of `engines.cpu_kernels` where this host builds them: a prompt's
-    attention (every worker), decode attention (decode and agg workers; a prefill worker
-    never decodes), and the dense layers' matmuls on decode workers (an agg worker's
-    prompt-sized matmuls are oneDNN's best case). What cannot be used is said in one line
+    attention (every worker), decode attention and a decode step's elementwise work (decode
+    and agg workers; a prefill worker never decodes), and the dense layers' matmuls on
+    decode workers (an agg
+    worker's prompt-sized matmuls are oneDNN's best case). What cannot be used is said in one line
     on stderr, and torch's path serves it. The kernels run on one thread, so a worker with
     more keeps torch's path, which uses them all."""
     from appliance.engines import cpu_kernels
@@ -570,23 +576,25 @@ def _use_cpu_kernels(model: LlamaModel, spec) -> None:
     def say(what: str) -> None:
         print(f"applianced worker {spec.worker}: {what}", file=sys.stderr, flush=True)
     if torch.get_num_threads() > 1:
-        say(f"attention and matmuls on torch's path (the C kernels are single-threaded; "
+        say(f"attention, matmuls and norms on torch's path (the C kernels are single-threaded; "
             f"this worker has {torch.get_num_threads()} threads)")
         return
 
-    def load(what: str, loader, apply) -> None:
+    def load(what: str, loader, apply, why: str = "the C kernel does not take this "
+             "model's heads, or its attention sinks") -> None:
         try:
             kernel = loader(spec.kernel_dir)
         except cpu_kernels.KernelUnavailable as exc:
             say(f"{what} on torch's path ({exc})")
             return
         if not apply(kernel):
-            say(f"{what} on torch's path (the C kernel does not take this model's heads, "
-                "or its attention sinks)")
+            say(f"{what} on torch's path ({why})")
     load("prompt attention", cpu_kernels.load_causal_prefill, model.attn.set_prefill_kernel)
     if spec.role == "prefill":
         return
     load("decode attention", cpu_kernels.load_paged_decode, model.attn.set_decode_kernel)
+    load("a decode step's norms, RoPE and activation", cpu_kernels.load_layer_glue,
+         model.set_glue_kernel, "this model family's layers are not the kernel's")
     if spec.role != "decode":
         return
     try:

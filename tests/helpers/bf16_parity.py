@@ -30,10 +30,11 @@ def gemma3(transformers):
 
 
 def check_bf16_greedy_parity(make, tmp_path, decode_kernel=None, linear_kernel=None,
-                             prefill_kernel=None) -> None:
+                             prefill_kernel=None, glue_kernel=None) -> None:
     """Weights and KV in bf16 on both sides (transformers' eager attention, ours over the
-    paged pool; decode rows through `decode_kernel`, prompts through `prefill_kernel`, and
-    the dense layers through `linear_kernel`, when given): prefill and 12 greedy
+    paged pool; decode rows through `decode_kernel`, prompts through `prefill_kernel`, the
+    dense layers through `linear_kernel`, and a decode step's norms, RoPE and activation
+    through `glue_kernel` where the family takes it, when given): prefill and 12 greedy
     decode steps give the same tokens, and the logits agree within what bf16 rounding
     allows: 3% of the logits' range (observed: up to 2% for Llama, 1% for Gemma 3)."""
     transformers = pytest.importorskip("transformers")
@@ -58,6 +59,9 @@ def check_bf16_greedy_parity(make, tmp_path, decode_kernel=None, linear_kernel=N
         from appliance.engines.torch_engine import dense_linears
         layers = dense_linears(model)
         assert layers and all(layer.use_kernel(linear_kernel) for layer in layers)
+    if glue_kernel is not None:
+        from appliance.engines.models.gemma3 import Gemma3Model
+        assert model.set_glue_kernel(glue_kernel) is not isinstance(model, Gemma3Model)
     kv = allocate_kv_pool(model.shape, 16, BLOCK, dtype=torch.bfloat16)
     prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     table = list(range(16))[::-1]

@@ -12,8 +12,10 @@ import torch
 
 from appliance.engines import cpu_kernels
 from appliance.engines.cpu_kernels import builder as kernel_build
+from appliance.engines.kv_pool import allocate_kv_pool
 from appliance.engines.layers.attention import AttnBatch, PagedAttention
 from appliance.engines.layers.linear import Linear
+from appliance.engines.loader import load_model
 from appliance.engines.torch_engine import build_torch_engine, dense_linears
 from appliance.models.shape import LlamaShape
 from appliance.worker.spec import WorkerSpec
@@ -148,13 +150,19 @@ def prefill(tmp_path_factory):
     return _built(cpu_kernels.load_causal_prefill, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def glue(tmp_path_factory):
+    return _built(cpu_kernels.load_layer_glue, tmp_path_factory)
+
+
 @needs_kernel
 @pytest.mark.parametrize("make", [bf16_parity.llama, bf16_parity.gemma3], ids=["llama", "gemma3"])
 def test_bf16_greedy_parity_with_transformers_through_the_kernels(kernel, linear, prefill,
-                                                                  make, tmp_path):
+                                                                  glue, make, tmp_path):
     bf16_parity.check_bf16_greedy_parity(make, tmp_path / "a", decode_kernel=kernel)
     bf16_parity.check_bf16_greedy_parity(make, tmp_path / "b", decode_kernel=kernel,
-                                         linear_kernel=linear, prefill_kernel=prefill)
+                                         linear_kernel=linear, prefill_kernel=prefill,
+                                         glue_kernel=glue)
 
 
 def _sdpa_causal(q, k, v):
@@ -241,6 +249,154 @@ def test_linear_kernel_matches_onednn(linear, rows, cols):
     assert not odd.use_kernel(linear) and odd.packed is not None    # odd width: oneDNN keeps it
 
 
+def _rope_tables(positions: int, hd: int):
+    ang = torch.rand(positions, hd // 2, generator=torch.Generator().manual_seed(hd)) * 6
+    cos, sin = ang.cos(), ang.sin()
+    return (torch.cat((cos, cos), -1).to(torch.bfloat16),
+            torch.cat((-sin, sin), -1).to(torch.bfloat16))
+
+
+def _mostly_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for rare elements one bf16 step apart (a sum's order, exp's last ulp)."""
+    assert got.shape == want.shape and got.dtype == want.dtype == torch.bfloat16
+    assert (got != want).float().mean().item() < 0.001
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -9)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,width", [(1, 768), (5, 2048), (33, 40), (3, 17)])
+def test_layer_glue_matches_the_torch_ops_it_replaces(glue, rows, width):
+    """Residual add + RMSNorm against `layers.glue`'s eager functions, and SwiGLU's
+    activation against `DenseMLP`'s ops: equal element for element but for a rare last
+    step (the norm's sum and exp run in another order), on widths that are and are not
+    multiples of 16."""
+    from appliance.engines.layers.glue import eager_glue
+    g = torch.Generator().manual_seed(rows * width)
+    h = (3 * torch.randn(rows, width, generator=g)).to(torch.bfloat16)
+    delta = torch.randn(rows, width, generator=g).to(torch.bfloat16)
+    w = (1 + 0.5 * torch.randn(width, generator=g)).to(torch.bfloat16)
+    want_h, want_x = eager_glue().add_rms_norm(h, delta, w, 1e-5)
+    got_h, got_x = glue.add_rms_norm(h, delta, w, 1e-5)
+    assert torch.equal(got_h, want_h)                   # one bf16 add: exact
+    _mostly_equal(got_x, want_x)
+    _mostly_equal(glue.rms_norm(h, w, 1e-6), eager_glue().rms_norm(h, w, 1e-6))
+    gate_up = (3 * torch.randn(rows, 2 * width, generator=g)).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _mostly_equal(glue.silu_mul(gate_up), torch.nn.functional.silu(gate).mul_(up))
+    with pytest.raises(ValueError, match="contiguous CPU bfloat16"):
+        glue.rms_norm(h.float(), w, 1e-6)
+    with pytest.raises(ValueError, match="contiguous CPU bfloat16"):
+        glue.add_rms_norm(h, delta, w[:-1], 1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,hd", [(12, 4, 64), (4, 4, 16), (8, 1, 128), (2, 1, 48)])
+def test_rope_kernel_rotates_and_writes_the_cache_as_the_forward_does(glue, heads, kv_heads, hd):
+    """RoPE on q and k with the K/V write against the forward's torch ops (`mul_`,
+    `addcmul_`, `index_copy_`): the same bits; a position or slot out of range is refused
+    before anything is written."""
+    T, slots_n = 5, 40
+    cos, sin = _rope_tables(4096, hd)
+    g = torch.Generator().manual_seed(heads + hd)
+    qkv = torch.randn(T, heads + 2 * kv_heads, hd, generator=g).to(torch.bfloat16)
+    positions = torch.tensor([0, 7, 4095, 300, 300])
+    slots = torch.tensor([3, 0, 39, 17, 18])
+    want = qkv.clone()
+    qk = want[:, :heads + kv_heads]
+    swapped = qk.view(T, heads + kv_heads, 2, hd // 2).flip(2).view(T, heads + kv_heads, hd)
+    qk.mul_(cos[positions].unsqueeze(1)).addcmul_(swapped, sin[positions].unsqueeze(1))
+    want_k = torch.zeros(slots_n, kv_heads, hd, dtype=torch.bfloat16)
+    want_v = torch.zeros_like(want_k)
+    want_k.index_copy_(0, slots, want[:, heads:heads + kv_heads])
+    want_v.index_copy_(0, slots, want[:, heads + kv_heads:])
+    got, k_cache, v_cache = qkv.clone(), torch.zeros_like(want_k), torch.zeros_like(want_v)
+    glue.rope_kv(got, heads, kv_heads, cos, sin, positions, slots, k_cache, v_cache)
+    assert torch.equal(got, want)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    before = qkv.clone()
+    for pos, slot in (([0, 1, 2, 3, 4096], slots), (positions, [0, 1, 2, 3, 40])):
+        with pytest.raises(ValueError, match="past the"):
+            glue.rope_kv(qkv, heads, kv_heads, cos, sin, torch.as_tensor(pos), torch.as_tensor(slot),
+                         torch.zeros_like(want_k), torch.zeros_like(want_v))
+        assert torch.equal(qkv, before)
+    with pytest.raises(ValueError, match="heads"):
+        glue.rope_kv(qkv, heads + 1, kv_heads, cos, sin, positions)
+
+
+@needs_kernel
+def test_decode_steps_through_the_glue_kernel_keep_torchs_logits(glue, tiny_model):
+    """A bf16 engine's decode steps with and without the glue kernel, from the same
+    prompt: the same greedy tokens and logits within bf16 rounding; prompts keep torch's
+    ops (the kernel is only called on decode steps); Gemma's forward refuses it."""
+    from appliance.engines.models.gemma3 import Gemma3Model
+    model = load_model(tiny_model, dtype=torch.bfloat16)
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(glue, name)
+
+            def counted(*a, **k):
+                calls.append(name)
+                return fn(*a, **k)
+            return counted
+    runs = {}
+    for name, k in (("torch", None), ("kernel", Counting())):
+        assert model.set_glue_kernel(k)
+        kv = allocate_kv_pool(model.shape, 8, 16, dtype=torch.bfloat16)
+        prompt = list(range(3, 23))
+        batch = AttnBatch(True, [len(prompt)], [len(prompt)], [[5, 2]],
+                          torch.tensor([5 * 16 + p if p < 16 else 2 * 16 + p - 16
+                                        for p in range(len(prompt))]))
+        logits = model(torch.tensor(prompt), torch.arange(len(prompt)), batch, kv)
+        assert calls == []                              # the prompt: torch's ops
+        seq, out = list(prompt), []
+        for _ in range(6):
+            seq.append(int(logits[0].argmax()))
+            p = len(seq) - 1
+            table = [5, 2, 7]
+            batch = AttnBatch(False, [1], [len(seq)], [table],
+                              torch.tensor([table[p // 16] * 16 + p % 16]))
+            logits = model(torch.tensor([seq[-1]]), torch.tensor([p]), batch, kv)
+            out.append(logits[0])
+        runs[name] = (seq, torch.stack(out))
+        if k is not None:
+            assert {"rope_kv", "add_rms_norm", "rms_norm", "silu_mul"} <= set(calls)
+    assert runs["kernel"][0] == runs["torch"][0]
+    torch.testing.assert_close(runs["kernel"][1], runs["torch"][1], rtol=0.0,
+                               atol=0.02 * float(runs["torch"][1].abs().max()))
+    assert not Gemma3Model.set_glue_kernel(model, glue)
+    assert model.set_glue_kernel(None) and model.glue_kernel is None
+
+
+def test_weights_for_the_matmul_kernel_are_advised_for_huge_pages():
+    """`huge_page_empty`: 64-byte aligned slices of one mapping advised MADV_HUGEPAGE (the
+    `hg` flag of /proc/self/smaps), writable, and kept apart."""
+    import mmap
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no MADV_HUGEPAGE here")
+    a = cpu_kernels.huge_page_empty(3 << 20, torch.bfloat16)
+    b = cpu_kernels.huge_page_empty(100, torch.bfloat16)
+    assert a.numel() == 3 << 20 and b.numel() == 100
+    assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0
+    assert b.data_ptr() >= a.data_ptr() + a.numel() * 2     # not overlapping
+    a.fill_(1.5)
+    b.fill_(-2)
+    assert float(a.float().sum()) == 1.5 * (3 << 20) and float(b.float().sum()) == -200
+    start = a.data_ptr()
+    flags = None
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= start < hi:
+                flags = next(ln for ln in lines[i + 1:] if ln.startswith("VmFlags:"))
+                break
+    assert flags is not None and " hg" in flags, flags
+
+
 def test_build_is_cached_per_source_and_says_why_it_cannot(tmp_path, monkeypatch):
     if kernel_build.compiler() is None or not _has_avx512():
         pytest.skip("needs a C compiler and AVX-512F")
@@ -288,6 +444,7 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
     no compiler, or with more than one thread, it says so in one line and serves on
     torch's path; `off`, and prefill workers, never build them."""
     from appliance.engines import dtypes
+    can_build = kernel_build.compiler() is not None and _has_avx512()   # before the patch
     monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx512_bf16"}))
 
     def spec(role: str, kernels: str, where: str, threads: int = 1) -> WorkerSpec:
@@ -296,25 +453,26 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
                           kv_cache_bytes=8 << 20, max_batch_tokens=256, dtype="bfloat16",
                           cpu_kernels=kernels, kernel_dir=str(tmp_path / where),
                           cpu_threads=threads)
-    if kernel_build.compiler() is not None and _has_avx512():
+    if can_build:
         e = build_torch_engine(spec("decode", "auto", "a"), tiny_model)
         assert e.model.attn.decode_kernel is not None
         assert all(layer.pairs is not None and layer.packed is None
                    for layer in dense_linears(e.model))
-        assert e.model.attn.prefill_kernel is not None
+        assert e.model.attn.prefill_kernel is not None and e.model.glue_kernel is not None
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "a").iterdir()) == [
-            "causal_prefill", "linear_bf16", "paged_decode"]
-        # an agg worker: the attention kernel, oneDNN's matmuls (its prompts are theirs)
+            "causal_prefill", "layer_glue", "linear_bf16", "paged_decode"]
+        # an agg worker: attention and glue kernels, oneDNN's matmuls (prompts are theirs)
         e = build_torch_engine(spec("agg", "auto", "a"), tiny_model)
-        assert e.model.attn.decode_kernel is not None
+        assert e.model.attn.decode_kernel is not None and e.model.glue_kernel is not None
         assert all(layer.pairs is None for layer in dense_linears(e.model))
     e = build_torch_engine(spec("decode", "off", "b"), tiny_model)
     assert e.model.attn.decode_kernel is None and e.model.attn.prefill_kernel is None
     assert not (tmp_path / "b").exists()
-    if kernel_build.compiler() is not None and _has_avx512():
+    if can_build:
         # a prefill worker: its prompts' attention only (it never decodes)
         e = build_torch_engine(spec("prefill", "auto", "c"), tiny_model)
         assert e.model.attn.prefill_kernel is not None and e.model.attn.decode_kernel is None
+        assert e.model.glue_kernel is None
         assert all(layer.pairs is None for layer in dense_linears(e.model))
         assert [p.name.split("-")[0] for p in (tmp_path / "c").iterdir()] == ["causal_prefill"]
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
@@ -327,6 +485,8 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
         "or $CC) on this host)",
         "applianced worker decode0: decode attention on torch's path (no C compiler (cc, gcc "
         "or $CC) on this host)",
+        "applianced worker decode0: a decode step's norms, RoPE and activation on torch's "
+        "path (no C compiler (cc, gcc or $CC) on this host)",
         "applianced worker decode0: decode matmuls on oneDNN (no C compiler (cc, gcc or $CC) "
         "on this host)"]
     # More threads than the kernel uses: torch's path, which uses them all.
@@ -334,7 +494,7 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
         e = build_torch_engine(spec("decode", "auto", "e", threads=2), tiny_model)
         assert e.model.attn.decode_kernel is None and not (tmp_path / "e").exists()
         assert capfd.readouterr().err.strip().splitlines() == [
-            "applianced worker decode0: attention and matmuls on torch's path (the C "
+            "applianced worker decode0: attention, matmuls and norms on torch's path (the C "
             "kernels are single-threaded; this worker has 2 threads)"]
     finally:
         torch.set_num_threads(1)
@@ -372,5 +532,5 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
             d.stop()
         assert got == want, kernels
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
-    assert built == ["causal_prefill", "linear_bf16", "paged_decode"]
+    assert built == ["causal_prefill", "layer_glue", "linear_bf16", "paged_decode"]
     assert not (tmp_path / "off" / "state" / "kernels").exists()

@@ -4,25 +4,84 @@
   (paged_decode.c says why and what it computes);
 - `LinearBf16`: a bf16 linear layer for a decode step's few rows, its weight stored as
   the kernel streams it (linear_bf16.c);
-- `CausalPrefill`: a prompt's causal self-attention in bf16 (causal_prefill.c).
+- `CausalPrefill`: a prompt's causal self-attention in bf16 (causal_prefill.c);
+- `LayerGlue`: a decode step's residual adds with RMSNorms, RoPE with the KV write, and
+  SwiGLU's activation, each one call (layer_glue.c).
 
 Torch's ops stay the reference and the fallback: a kernel is only used when it could be
 built and loaded here (`load_paged_decode`, `load_linear_bf16`, `load_causal_prefill`),
-and for what it `supports`.
+and for what it `supports`. The wrappers check what they are given (dtype, layout) and
+raise ValueError rather than hand a C function memory it would misread.
 """
 from __future__ import annotations
 
 import ctypes
+import mmap
 from pathlib import Path
 
 import torch
 
 from appliance.engines.cpu_kernels.builder import KernelUnavailable, build, cache_dir
 
-__all__ = ["CausalPrefill", "KernelUnavailable", "LinearBf16", "PagedDecode",
-           "load_causal_prefill", "load_linear_bf16", "load_paged_decode"]
+__all__ = ["CausalPrefill", "KernelUnavailable", "LayerGlue", "LinearBf16", "PagedDecode",
+           "huge_page_empty", "load_causal_prefill", "load_layer_glue", "load_linear_bf16",
+           "load_paged_decode"]
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_GROUP = 2              # linear_bf16.c's NT: 16-row blocks read side by side
+_HUGE_PAGE = 2 << 20
+
+
+def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized 1-D tensor, 64-byte aligned, on memory advised for transparent
+    huge pages (`_HugeArena`)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return _arena.take(numel * elem).view(dtype)
+
+
+class _HugeArena:
+    """Memory advised for transparent huge pages, handed out in 64-byte aligned slices.
+
+    Why: a decode step streams every weight once, and on 4 KB pages one core read the 82m
+    model's weights ~1.5x slower here than on 2 MB pages (linear_bf16.c). Linux's default
+    THP mode is often `madvise`, which leaves ordinary allocations on small pages, so the
+    memory is mapped here and advised before it is touched. Weights share chunks: a weight
+    alone in its mapping would leave its last partial 2 MB on small pages (half of the 82m
+    model's were). Where the advice is not available (not Linux, THP off) the memory is
+    plain, as fast as before. Slices are never freed: weights live as long as the worker."""
+
+    CHUNK = 64 << 20
+
+    def __init__(self) -> None:
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        span = -(-nbytes // 64) * 64    # the next slice starts 64-byte aligned
+        if self._chunk is None or self._used + span > self._chunk.numel():
+            self._chunk, self._used = self._map(max(self.CHUNK, span)), 0
+        out = self._chunk[self._used:self._used + nbytes]
+        self._used += span
+        return out
+
+    @staticmethod
+    def _map(nbytes: int) -> torch.Tensor:
+        nbytes = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advice is None:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        # anonymous and private (a shared one is shmem, whose THP setting is separate)
+        buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+        raw = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive; not touched yet
+        start = -raw.data_ptr() % _HUGE_PAGE
+        try:
+            buf.madvise(advice, start, nbytes)
+        except OSError:     # THP compiled out: small pages
+            pass
+        return raw[start:start + nbytes]
+
+
+_arena = _HugeArena()
 
 
 class PagedDecode:
@@ -83,24 +142,40 @@ class LinearBf16:
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] -> [ceil(N/16), K/2, 16, 2]: pairs of input columns interleaved across
-        16 output rows (rows past N are zero)."""
+        """[N, K] -> the kernel's stream (linear_bf16.c, "Layout"), as [ceil(N/16), 16 * K]
+        on huge pages: pairs of input columns interleaved across the 32 output rows of
+        each group of two 16-row blocks (rows past N are zero)."""
         N, K = weight.shape
-        pad = -N % 16
-        if pad:
-            weight = torch.cat((weight, weight.new_zeros(pad, K)))
-        return weight.view(-1, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+        blocks = -(-N // 16)
+        out = huge_page_empty(blocks * 16 * K, torch.bfloat16).view(blocks, 16 * K)
+        full = blocks - blocks % _GROUP
+        if N % 16:
+            weight = torch.cat((weight, weight.new_zeros(blocks * 16 - N, K)))
+        w = weight.view(blocks, 16, K // 2, 2)
+        if full:    # [G, 2, 16, K/2, 2] -> [G, K/2, 2, 16, 2]
+            out[:full].view(full // _GROUP, K // 2, _GROUP, 16, 2).copy_(
+                w[:full].view(full // _GROUP, _GROUP, 16, K // 2, 2).permute(0, 3, 1, 2, 4))
+        if blocks > full:   # a last group of one block
+            out[full:].view(K // 2, 16, 2).copy_(w[full].permute(1, 0, 2))
+        return out
 
     @staticmethod
     def unpack(packed: torch.Tensor, rows: int) -> torch.Tensor:
         """The [rows, K] weight `pack` was given."""
-        blocks, half, _, _ = packed.shape
-        return packed.permute(0, 2, 1, 3).reshape(blocks * 16, half * 2)[:rows].contiguous()
+        blocks, K = packed.shape[0], packed.shape[1] // 16
+        full = blocks - blocks % _GROUP
+        dense = torch.empty(blocks * 16, K, dtype=packed.dtype).view(blocks * 16, K // 2, 2)
+        if full:
+            dense[:full * 16].view(full // _GROUP, _GROUP, 16, K // 2, 2).copy_(
+                packed[:full].view(full // _GROUP, K // 2, _GROUP, 16, 2).permute(0, 2, 3, 1, 4))
+        if blocks > full:
+            dense[full * 16:].copy_(packed[full:].view(K // 2, 16, 2).permute(1, 0, 2))
+        return dense.view(blocks * 16, K)[:rows].contiguous()
 
     def __call__(self, packed: torch.Tensor, rows: int, x: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] bf16 -> [..., rows] bf16; `bias`: fp32 [rows] or None."""
-        K = packed.shape[1] * 2
+        K = packed.shape[1] // 16
         if x.dtype != torch.bfloat16 or x.shape[-1] != K or x.device.type != "cpu":
             raise ValueError(f"linear_bf16: x must be CPU bfloat16 [..., {K}], got "
                              f"{x.dtype} {tuple(x.shape)}")
@@ -164,6 +239,93 @@ class CausalPrefill:
         return out
 
 
+class LayerGlue:
+    """``layer_glue``'s three functions, for bf16 CPU tensors (layer_glue.c says what each
+    computes and how it rounds)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        self._norm = lib.add_rms_norm_bf16
+        self._norm.restype = None
+        self._norm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P, _P]
+        self._rope = lib.rope_kv_bf16
+        self._rope.restype = _I
+        self._rope.argtypes = [_P, _L, _L, _I, _I, _P, _P, _P, _L, _I, _P, _P, _P, _L]
+        self._silu = lib.silu_mul_bf16
+        self._silu.restype = None
+        self._silu.argtypes = [_P, _L, _L, _P]
+
+    @staticmethod
+    def _rows(what: str, t: torch.Tensor, width: int) -> None:
+        if (t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous()
+                or t.shape[-1] != width):
+            raise ValueError(f"layer_glue: {what} must be a contiguous CPU bfloat16 tensor "
+                             f"[..., {width}], got {t.dtype} {tuple(t.shape)}")
+
+    def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """F.rms_norm(h, weight) of bf16 rows."""
+        n = weight.numel()
+        self._rows("h", h, n)
+        self._rows("weight", weight, n)
+        x = torch.empty_like(h)
+        self._norm(h.data_ptr(), None, weight.data_ptr(), h.numel() // n, n, eps, None,
+                   x.data_ptr())
+        return x
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, F.rms_norm(h + delta, weight)), as `layers.glue` computes them."""
+        n = weight.numel()
+        for what, t in (("h", h), ("delta", delta), ("weight", weight)):
+            self._rows(what, t, n)
+        if delta.shape != h.shape:
+            raise ValueError(f"layer_glue: delta {tuple(delta.shape)} is not h's {tuple(h.shape)}")
+        out, x = torch.empty_like(h), torch.empty_like(h)
+        self._norm(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), h.numel() // n, n, eps,
+                   out.data_ptr(), x.data_ptr())
+        return out, x
+
+    def rope_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
+                sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None = None,
+                k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None) -> None:
+        """RoPE in place on the q and k heads of `qkv` [T, heads + 2 * kv_heads, hd]
+        (the model's `rope_cos`/`rope_sin` tables [positions, hd], `positions` int64 [T]);
+        then, given `slots` (int64 [T]) and the layer's caches [slots, kv_heads, hd], its
+        K and V written there, as the forward's `index_copy_` does."""
+        T, width, hd = qkv.shape
+        if width != heads + 2 * kv_heads:
+            raise ValueError(f"layer_glue: qkv has {width} heads, not {heads} + 2 x {kv_heads}")
+        self._rows("qkv", qkv, hd)
+        self._rows("cos", cos, hd)
+        self._rows("sin", sin, hd)
+        if cos.shape != sin.shape or positions.dtype != torch.int64 or positions.numel() != T \
+                or not positions.is_contiguous():
+            raise ValueError("layer_glue: cos, sin or positions do not fit qkv")
+        caches = (None, None, None, 0)
+        if slots is not None:
+            if k_cache is None or v_cache is None:
+                raise ValueError("layer_glue: slots given without both caches")
+            for what, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+                self._rows(what, t, hd)
+            if slots.dtype != torch.int64 or slots.numel() != T or not slots.is_contiguous() \
+                    or k_cache.shape != v_cache.shape or k_cache.shape[-2] != kv_heads:
+                raise ValueError("layer_glue: slots or caches do not fit qkv")
+            caches = (slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0])
+        if self._rope(qkv.data_ptr(), T, width * hd, heads + kv_heads, hd, cos.data_ptr(),
+                      sin.data_ptr(), positions.data_ptr(), cos.shape[0], kv_heads, *caches):
+            raise ValueError(f"layer_glue: a position past the RoPE table's {cos.shape[0]} "
+                             f"rows, or a slot past the cache's {caches[3]}")
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of rows [..., 2 * inter] (gate first), as `DenseMLP` computes it."""
+        inter = gate_up.shape[-1] // 2
+        self._rows("gate_up", gate_up, 2 * inter)
+        out = torch.empty(*gate_up.shape[:-1], inter, dtype=torch.bfloat16)
+        self._silu(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, out.data_ptr())
+        return out
+
+
 _loaded: dict[tuple[str, str], object] = {}
 
 
@@ -194,3 +356,8 @@ def load_causal_prefill(directory: str = "") -> CausalPrefill:
 def load_linear_bf16(directory: str = "") -> LinearBf16:
     """The bf16 linear kernel, as `load_paged_decode` (it also needs AVX512-BF16)."""
     return _load("linear_bf16", LinearBf16, directory)
+
+
+def load_layer_glue(directory: str = "") -> LayerGlue:
+    """The decode step's elementwise kernels, as `load_paged_decode` (AVX-512F)."""
+    return _load("layer_glue", LayerGlue, directory)

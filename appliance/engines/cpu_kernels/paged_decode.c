@@ -81,13 +81,156 @@ static void softmax_rows(float* sc, int rows, int n) {
     }
 }
 
-static inline const uint16_t* row_at(const uint16_t* pool, const int64_t* tab, int t, int bs,
-                                     int64_t tok) {
-    return pool + (tab[t / bs] * bs + t % bs) * tok;
+/* Walks a sequence's positions through its block table without a division per row. */
+typedef struct {
+    const uint16_t* pool;
+    const int64_t* tab;
+    int64_t tok;
+    int bs, blk, off;
+} rows_t;
+
+static inline rows_t rows_from(const uint16_t* pool, const int64_t* tab, int t, int bs, int64_t tok) {
+    rows_t r = {pool, tab, tok, bs, t / bs, t % bs};
+    return r;
 }
 
-static inline void prefetch_row(const uint16_t* row, int64_t elems) {
+static inline const uint16_t* row_here(const rows_t* r) {
+    return r->pool + (r->tab[r->blk] * r->bs + r->off) * r->tok;
+}
+
+static inline void row_next(rows_t* r) {
+    if (++r->off == r->bs) {
+        r->off = 0;
+        r->blk++;
+    }
+}
+
+/* always_inline: gcc 12 judged an out-of-line copy of this free of side effects and dropped
+   its calls (a prefetch changes no memory) */
+static inline __attribute__((always_inline)) void prefetch_row(const uint16_t* row, int64_t elems) {
     for (int64_t b = 0; b < elems * 2; b += 64) _mm_prefetch((const char*)row + b, _MM_HINT_T0);
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* 16 positions' scores for one query head: a vector of 16 fp32 sums (NV = head_dim/16,
+   a constant in each instantiation so the loops unroll and the sums stay in registers) */
+INLINE __m512 scores16(const uint16_t* const* rows, int hoff, const uint16_t* qh,
+                       const float* qq, const int NV) {
+    __m512 part[16];
+#ifdef __AVX512BF16__
+    /* bf16 pairs straight from q and the pool: the same exact products, summed in fp32
+       in another order */
+    (void)qq;
+    __m512bh qv[(MAX_HEAD_DIM + 31) / 32];
+    for (int d = 0; d < NV; d += 2)
+        qv[d / 2] = (__m512bh)_mm512_maskz_loadu_epi16(NV - d >= 2 ? 0xffffffffu : 0xffffu, qh + 16 * d);
+    for (int i = 0; i < 16; i++) {
+        const uint16_t* kr = rows[i] + hoff;
+        __m512 a = _mm512_setzero_ps();
+        for (int d = 0; d < NV; d += 2)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(
+                                        NV - d >= 2 ? 0xffffffffu : 0xffffu, kr + 16 * d), qv[d / 2]);
+        part[i] = a;
+    }
+#else
+    (void)qh;
+    for (int i = 0; i < 16; i++) {
+        const uint16_t* kr = rows[i] + hoff;
+        __m512 a = _mm512_mul_ps(_mm512_load_ps(qq), load_bf16(kr));
+        for (int v = 1; v < NV; v++)
+            a = _mm512_fmadd_ps(_mm512_load_ps(qq + 16 * v), load_bf16(kr + 16 * v), a);
+        part[i] = a;
+    }
+#endif
+    return sums_of_16(part);
+}
+
+/* out rows of GJ query heads of one KV head: sum over positions of p * v, in fp32 */
+INLINE void values(rows_t vat, int n, int hoff, const float* p, int64_t pstride,
+                   uint16_t* out, int hd, const int NV, const int GJ) {
+    __m512 acc[4][MAX_HEAD_DIM / 16];   /* [GJ][NV] used: constants, so registers */
+    for (int j = 0; j < GJ; j++)
+        for (int v = 0; v < NV; v++) acc[j][v] = _mm512_setzero_ps();
+    rows_t ahead = vat;
+    for (int i = 0; i < 48; i++) row_next(&ahead);
+    for (int t = 0; t < n; t++, row_next(&vat), row_next(&ahead)) {
+        const uint16_t* vr = row_here(&vat) + hoff;
+        if (t + 48 < n) prefetch_row(row_here(&ahead) + hoff, hd);
+        __m512 w[4];
+        for (int j = 0; j < GJ; j++) w[j] = _mm512_set1_ps(p[j * pstride + t]);
+        for (int v = 0; v < NV; v++) {
+            const __m512 x = load_bf16(vr + 16 * v);
+            for (int j = 0; j < GJ; j++) acc[j][v] = _mm512_fmadd_ps(w[j], x, acc[j][v]);
+        }
+    }
+    for (int j = 0; j < GJ; j++)
+        for (int v = 0; v < NV; v++)    /* bf16, rounded to nearest even */
+            _mm256_storeu_si256((__m256i*)(out + (int64_t)j * hd + 16 * v),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+                                    _mm512_castps_si512(round_bf16(acc[j][v])), 16)));
+}
+
+INLINE int decode(const uint16_t* q, const uint16_t* kpool, const uint16_t* vpool,
+                  const int64_t* tables, int64_t table_stride, const int32_t* ctx_lens,
+                  const int32_t* starts, int B, int H, int KVH, int bs, float scale,
+                  float* scratch, int64_t scratch_elems, uint16_t* out, const int NV) {
+    const int hd = 16 * NV, g = H / KVH;
+    /* query heads per call of `values`: at most 16 accumulators */
+    const int GJ = NV <= 4 ? 4 : NV <= 8 ? 2 : 1;
+    const int64_t tok = (int64_t)KVH * hd; /* elements of one position's row */
+    float qf[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    for (int b = 0; b < B; b++) {
+        const int c = ctx_lens[b], s0 = starts[b], n = c - s0;
+        if (n < 1) return -1;
+        if ((int64_t)H * n > scratch_elems) return -2;
+        const int64_t* tab = tables + (int64_t)b * table_stride;
+        const uint16_t* qb = q + (int64_t)b * H * hd;
+#ifndef __AVX512BF16__
+        for (int i = 0; i < H * hd; i++) {
+            union { uint32_t u; float f; } v;
+            v.u = (uint32_t)qb[i] << 16;
+            qf[i] = v.f;
+        }
+#endif
+        float* sc = scratch; /* [H][n] */
+        /* scores, 16 positions at a time: one vector of 16 sums per query head */
+        rows_t at = rows_from(kpool, tab, s0, bs, tok), ahead = at;
+        for (int i = 0; i < 16 && s0 + i < c; i++) row_next(&ahead);
+        for (int t0 = s0; t0 < c; t0 += 16) {
+            const int nt = c - t0 < 16 ? c - t0 : 16;
+            const uint16_t* rows[16];
+            for (int i = 0; i < 16; i++) {
+                rows[i] = row_here(&at);
+                if (i + 1 < nt) row_next(&at);
+            }
+            row_next(&at);
+            for (int i = 0; i < 16 && t0 + 16 + i < c; i++) {
+                prefetch_row(row_here(&ahead), tok);
+                row_next(&ahead);
+            }
+            for (int h = 0; h < H; h++) {
+                const __m512 s = _mm512_mul_ps(
+                    round_bf16(scores16(rows, (h / g) * hd, qb + h * hd, qf + h * hd, NV)),
+                    _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(sc + (int64_t)h * n + (t0 - s0), first(nt), s);
+            }
+        }
+        softmax_rows(sc, H, n);
+        /* values: GJ query heads of one KV head at a time */
+        const rows_t vat = rows_from(vpool, tab, s0, bs, tok);
+        for (int h = 0; h < KVH; h++)
+            for (int j = 0; j < g; j += GJ) {
+                const float* p = sc + (int64_t)(h * g + j) * n;
+                uint16_t* o = out + ((int64_t)b * H + h * g + j) * hd;
+#define VALUES(R) values(vat, n, h * hd, p, n, o, hd, NV, R); break;
+                switch (g - j < GJ ? g - j : GJ) {
+                case 1: VALUES(1) case 2: VALUES(2) case 3: VALUES(3) default: VALUES(4)
+                }
+#undef VALUES
+            }
+    }
+    return 0;
 }
 
 /* Returns 0; -1 when the shape is outside this kernel (the caller uses torch's path);
@@ -97,70 +240,12 @@ int paged_decode_bf16(const uint16_t* q, const uint16_t* kpool, const uint16_t* 
                       const int32_t* starts, int B, int H, int KVH, int hd, int bs, float scale,
                       float* scratch, int64_t scratch_elems, uint16_t* out) {
     if (H > MAX_HEADS || hd > MAX_HEAD_DIM || hd % 16 || KVH < 1 || H % KVH || bs < 1) return -1;
-    const int g = H / KVH, nv = hd / 16;
-    const int64_t tok = (int64_t)KVH * hd; /* elements of one position's row */
-    float qf[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
-    for (int b = 0; b < B; b++) {
-        const int c = ctx_lens[b], s0 = starts[b], n = c - s0;
-        if (n < 1) return -1;
-        if ((int64_t)H * n > scratch_elems) return -2;
-        const int64_t* tab = tables + (int64_t)b * table_stride;
-        for (int i = 0; i < H * hd; i++) {
-            union { uint32_t u; float f; } v;
-            v.u = (uint32_t)q[(int64_t)b * H * hd + i] << 16;
-            qf[i] = v.f;
-        }
-        float* sc = scratch; /* [H][n] */
-        /* scores, 16 positions at a time: one vector of 16 sums per query head */
-        for (int t0 = s0; t0 < c; t0 += 16) {
-            const int nt = c - t0 < 16 ? c - t0 : 16;
-            const uint16_t* rows[16];
-            for (int i = 0; i < 16; i++) rows[i] = row_at(kpool, tab, t0 + (i < nt ? i : 0), bs, tok);
-            for (int i = 0; i < 16 && t0 + 16 + i < c; i++)
-                prefetch_row(row_at(kpool, tab, t0 + 16 + i, bs, tok), tok);
-            for (int h = 0; h < KVH; h++) {
-                for (int j = 0; j < g; j++) {
-                    const float* qq = qf + (h * g + j) * hd;
-                    __m512 part[16];
-                    for (int i = 0; i < 16; i++) {
-                        const uint16_t* kr = rows[i] + h * hd;
-                        __m512 a = _mm512_mul_ps(_mm512_load_ps(qq), load_bf16(kr));
-                        for (int v = 1; v < nv; v++)
-                            a = _mm512_fmadd_ps(_mm512_load_ps(qq + 16 * v), load_bf16(kr + 16 * v), a);
-                        part[i] = a;
-                    }
-                    __m512 s = _mm512_mul_ps(round_bf16(sums_of_16(part)), _mm512_set1_ps(scale));
-                    _mm512_mask_storeu_ps(sc + (int64_t)(h * g + j) * n + (t0 - s0), first(nt), s);
-                }
-            }
-        }
-        softmax_rows(sc, H, n);
-        /* values: up to 4 query heads of one KV head at a time, accumulated in fp32 */
-        for (int h = 0; h < KVH; h++) {
-            for (int j0 = 0; j0 < g; j0 += 4) {
-                const int gj = g - j0 < 4 ? g - j0 : 4;
-                __m512 acc[4][MAX_HEAD_DIM / 16];
-                for (int j = 0; j < gj; j++)
-                    for (int v = 0; v < nv; v++) acc[j][v] = _mm512_setzero_ps();
-                for (int t = s0; t < c; t++) {
-                    const uint16_t* vr = row_at(vpool, tab, t, bs, tok) + h * hd;
-                    if (t + 8 < c) prefetch_row(row_at(vpool, tab, t + 8, bs, tok) + h * hd, hd);
-                    for (int v = 0; v < nv; v++) {
-                        const __m512 x = load_bf16(vr + 16 * v);
-                        for (int j = 0; j < gj; j++)
-                            acc[j][v] = _mm512_fmadd_ps(
-                                _mm512_set1_ps(sc[(int64_t)(h * g + j0 + j) * n + (t - s0)]), x,
-                                acc[j][v]);
-                    }
-                }
-                for (int j = 0; j < gj; j++) {
-                    float tmp[MAX_HEAD_DIM] __attribute__((aligned(64)));
-                    for (int v = 0; v < nv; v++) _mm512_store_ps(tmp + 16 * v, acc[j][v]);
-                    uint16_t* o = out + ((int64_t)b * H + h * g + j0 + j) * hd;
-                    for (int d = 0; d < hd; d++) o[d] = to_bf16(tmp[d]);
-                }
-            }
-        }
+#define CASE(NV) case NV: return decode(q, kpool, vpool, tables, table_stride, ctx_lens, \
+                                        starts, B, H, KVH, bs, scale, scratch, scratch_elems, out, NV);
+    switch (hd / 16) {
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
     }
-    return 0;
+#undef CASE
+    return -1;
 }

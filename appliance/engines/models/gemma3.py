@@ -138,6 +138,11 @@ class Gemma3Model(LlamaModel):
         self.embed_scale = torch.tensor(math.sqrt(shape.hidden_size), dtype=dt)
         self.act = _ACTIVATIONS[shape.hidden_act]
 
+    def set_glue_kernel(self, kernel) -> bool:
+        """Gemma's norms (times 1 + w, in fp32), embedding scale and activation are not
+        `LayerGlue`'s: its forward keeps torch's ops."""
+        return kernel is None
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Gemma3RMSNorm: in fp32, times (1 + w), cast back."""
         eps = self.shape.rms_norm_eps

@@ -233,6 +233,21 @@ class LlamaModel(torch.nn.Module):
         # Residual adds and norms: eager, or compiled for decode steps (`layers.glue`).
         self.glue = eager_glue()
         self.decode_glue: Glue = self.glue
+        # A decode step's elementwise work in C (`set_glue_kernel`), or None: torch's ops.
+        self.glue_kernel = None
+        self._kernel_glue: Glue | None = None
+
+    def set_glue_kernel(self, kernel) -> bool:
+        """Run a decode step's residual adds and norms, RoPE with the KV write, and a dense
+        MLP's activation through `kernel` (`engines.cpu_kernels.LayerGlue`, bf16 on the
+        CPU; it rounds as the torch ops it replaces), or torch's ops again with None.
+        Prompts keep torch's ops. False (nothing changed) for a model it does not fit."""
+        if kernel is not None and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
+            return False
+        self.glue_kernel = kernel
+        self._kernel_glue = (None if kernel is None else
+                             Glue(kernel.rms_norm, kernel.add_rms_norm, compiled=False))
+        return True
 
     @property
     def attention(self) -> str:
@@ -281,11 +296,15 @@ class LlamaModel(torch.nn.Module):
         kv_flat = kv.view(2, s.num_layers, kv.shape[2] * kv.shape[3], s.num_kv_heads, s.head_dim)
         slot_mapping = batch.slot_mapping.to(kv.device, torch.long)
 
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, hd]
-        sin = self.rope_sin[positions].unsqueeze(1)
         eps = s.rms_norm_eps
-
-        glue = self.decode_glue if batch.prompts() == 0 else self.glue
+        decode = batch.prompts() == 0
+        fused = self.glue_kernel if decode else None     # C for the elementwise work
+        if fused is not None:
+            glue = self._kernel_glue
+        else:
+            glue = self.decode_glue if decode else self.glue
+            cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, hd]
+            sin = self.rope_sin[positions].unsqueeze(1)
         h = self.embed[input_ids]  # [T, D]
         # Each residual add is done with the norm after it (one compiled loop, `glue`).
         x = glue.rms_norm(h, self.layers[0].attn_norm, eps)
@@ -295,20 +314,29 @@ class LlamaModel(torch.nn.Module):
             if layer.q_norm is not None:
                 head_rms_norm_(qkv[:, :H], layer.q_norm, eps)
                 head_rms_norm_(qkv[:, H : H + KVH], layer.k_norm, eps)
-            # RoPE on the q and k heads together, in place (see rope_cos / rope_sin).
-            qk = qkv[:, : H + KVH]
-            swapped = qk.view(T, H + KVH, 2, hd // 2).flip(2).view(T, H + KVH, hd)
-            qk.mul_(cos).addcmul_(swapped, sin)
-            q, k, v = qkv[:, :H], qkv[:, H : H + KVH], qkv[:, H + KVH :]
-            # K and V of this layer side by side: [2, T, KVH, hd] -> [2, slots, KVH, hd].
             kv_layer = kv_flat[:, li]
-            kv_layer.index_copy_(1, slot_mapping, qkv[:, H:].view(T, 2, KVH, hd).transpose(0, 1))
             k_cache, v_cache = kv_layer[0], kv_layer[1]
+            if fused is not None:
+                fused.rope_kv(qkv, H, KVH, self.rope_cos, self.rope_sin, positions,
+                              slot_mapping, k_cache, v_cache)
+            else:
+                # RoPE on the q and k heads together, in place (see rope_cos / rope_sin).
+                qk = qkv[:, : H + KVH]
+                swapped = qk.view(T, H + KVH, 2, hd // 2).flip(2).view(T, H + KVH, hd)
+                qk.mul_(cos).addcmul_(swapped, sin)
+                # K and V of this layer side by side: [2, T, KVH, hd] -> [2, slots, KVH, hd].
+                kv_layer.index_copy_(1, slot_mapping,
+                                     qkv[:, H:].view(T, 2, KVH, hd).transpose(0, 1))
+            q, k, v = qkv[:, :H], qkv[:, H : H + KVH], qkv[:, H + KVH :]
 
             o = self.attn(li, q, k, v, kv, k_cache, v_cache, batch, plan, window=s.window(li),
                           sinks=layer.sinks)
             h, x = glue.add_rms_norm(h, layer.o(o), layer.mlp_norm, eps)
-            delta = layer.mlp(x)
+            mlp = layer.mlp
+            if fused is not None and isinstance(mlp, DenseMLP):
+                delta = mlp.down(fused.silu_mul(mlp.gate_up(x)))
+            else:
+                delta = mlp(x)
             if li < last_layer:
                 h, x = glue.add_rms_norm(h, delta, self.layers[li + 1].attn_norm, eps)
             else:

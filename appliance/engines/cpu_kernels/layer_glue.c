@@ -1,0 +1,123 @@
+/* The elementwise work between a decode step's matmuls, in bf16 (AVX-512F): a residual
+   add with the RMSNorm after it, RoPE on q and k with the step's K and V written into the
+   paged pool, and SwiGLU's silu(gate) * up.
+
+   Why a kernel: at a decode step's few rows each of these is a handful of torch ops (an
+   RMSNorm in bf16 is some thirteen: casts, pow, mean, rsqrt, two multiplies...), each a
+   dispatch of a few microseconds over a few kilobytes; on the 82m model they were ~1.5 ms
+   of a ~11 ms step at 5 rows (bench/bench_decode_step.py). One call here does each.
+
+   The numbers are torch's: every value is rounded to bf16 where torch's bf16 ops round
+   (checked element for element against them in tests/integration/test_cpu_kernels.py):
+   - add_rms_norm: h = bf16(h + delta); x = bf16((h * r) * w) in fp32, with
+     r = 1 / sqrt(sum(h^2) / n + eps) (F.rms_norm's composite on the CPU: one rounding);
+   - rope: x = bf16(bf16(x * cos) + rotate_half(x) * sin) (`mul_` then `addcmul_`), with
+     the tables' rows as the model keeps them (sin's first half negated);
+   - silu_mul: bf16(bf16(g / (1 + exp(-g))) * u) (`silu` then `mul_`).
+   Only a sum's order (the norm's mean) and exp (Cephes', within ~1 ulp) can differ.
+   Built by appliance/engines/cpu_kernels/builder.py with the host's compiler. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+static inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* fp32 -> bf16 -> fp32, round to nearest even as torch's cast (a NaN stays a NaN) */
+static inline __m512 round_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), hi);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_and_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)), hi);
+    return _mm512_castsi512_ps(r);
+}
+
+static inline void store_bf16(uint16_t* p, __m512 x, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(x)), 16)));
+}
+
+/* h_out = h + delta (delta NULL: h_out = h, not written); x_out = rms_norm(h_out) * w.
+   Rows are contiguous, n wide. */
+void add_rms_norm_bf16(const uint16_t* h, const uint16_t* delta, const uint16_t* w,
+                       int64_t rows, int64_t n, float eps, uint16_t* h_out, uint16_t* x_out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t* a = h + r * n;
+        uint16_t* hr = delta ? h_out + r * n : (uint16_t*)a;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = first(n - i);
+            __m512 v = load_bf16(a + i, m);
+            if (delta) {
+                v = round_bf16(_mm512_add_ps(v, load_bf16(delta + r * n + i, m)));
+                store_bf16(hr + i, v, m);
+            }
+            ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
+        }
+        const float var = _mm512_reduce_add_ps(ss) / (float)n;
+        const __m512 rs = _mm512_set1_ps(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(var + eps))));
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = first(n - i);
+            const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load_bf16(hr + i, m), rs), load_bf16(w + i, m));
+            store_bf16(x_out + r * n + i, y, m);
+        }
+    }
+}
+
+/* In place on rows [T][heads][hd] (row stride `ld` elements): RoPE on the first `rotate`
+   heads of each row, the cos/sin rows of each token's position from the model's tables
+   [table_rows][hd]. Then, when kcache is given, heads rotate-kvh .. rotate-1 (K) and the
+   kvh heads after them (V) are copied into kcache/vcache [cache_slots][kvh][hd] at slot
+   slots[t]. Returns 0, or -1 (nothing written) for a position or slot out of range. */
+int rope_kv_bf16(uint16_t* x, int64_t T, int64_t ld, int rotate, int hd, const uint16_t* cos_t,
+                 const uint16_t* sin_t, const int64_t* pos, int64_t table_rows, int kvh,
+                 const int64_t* slots, uint16_t* kcache, uint16_t* vcache, int64_t cache_slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= table_rows || (kcache && (slots[t] < 0 || slots[t] >= cache_slots)))
+            return -1;
+    const int half = hd / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t* c = cos_t + pos[t] * hd;
+        const uint16_t* s = sin_t + pos[t] * hd;
+        uint16_t* row = x + t * ld;
+        for (int h = 0; h < rotate; h++) {
+            uint16_t* p = row + (int64_t)h * hd;
+            for (int i = 0; i < half; i += 16) {
+                const __mmask16 m = first(half - i);
+                const __m512 lo = load_bf16(p + i, m), hi = load_bf16(p + half + i, m);
+                const __m512 a = _mm512_add_ps(round_bf16(_mm512_mul_ps(lo, load_bf16(c + i, m))),
+                                               _mm512_mul_ps(hi, load_bf16(s + i, m)));
+                const __m512 b = _mm512_add_ps(round_bf16(_mm512_mul_ps(hi, load_bf16(c + half + i, m))),
+                                               _mm512_mul_ps(lo, load_bf16(s + half + i, m)));
+                store_bf16(p + i, a, m);
+                store_bf16(p + half + i, b, m);
+            }
+        }
+        if (kcache) {
+            const int64_t tok = (int64_t)kvh * hd;
+            memcpy(kcache + slots[t] * tok, row + (int64_t)(rotate - kvh) * hd, tok * 2);
+            memcpy(vcache + slots[t] * tok, row + (int64_t)rotate * hd, tok * 2);
+        }
+    }
+    return 0;
+}
+
+/* out [rows][inter] = silu(gu[:, :inter]) * gu[:, inter:] */
+void silu_mul_bf16(const uint16_t* gu, int64_t rows, int64_t inter, uint16_t* out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t* g = gu + r * 2 * inter;
+        for (int64_t i = 0; i < inter; i += 16) {
+            const __mmask16 m = first(inter - i);
+            const __m512 v = load_bf16(g + i, m);
+            const __m512 sv = round_bf16(_mm512_div_ps(
+                v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v)))));
+            store_bf16(out + r * inter + i, _mm512_mul_ps(sv, load_bf16(g + inter + i, m)), m);
+        }
+    }
+}
