@@ -20,6 +20,17 @@ def llama(transformers):
     return transformers.LlamaForCausalLM, cfg, 1.0
 
 
+def qwen3(transformers):
+    """Not in the greedy parity tests: on this random config a near tie flips a greedy
+    token between transformers' bf16 and ours, kernels or not; the kernel tests compare
+    a Qwen3's decode steps with torch's own path instead."""
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=128, use_sliding_window=False)
+    return transformers.Qwen3ForCausalLM, cfg, 1.0
+
+
 def gemma3(transformers):
     cfg = transformers.Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,

@@ -65,6 +65,23 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def kernel_without_bf16(tmp_path_factory):
+    """The decode kernel as a CPU with AVX-512F but not AVX512-BF16 builds it (Skylake,
+    Cascade Lake): its scores then run on fp32 FMAs, a path this CPU would not take."""
+    path = kernel_build.build("paged_decode", tmp_path_factory.mktemp("no-bf16"),
+                              flags=(*kernel_build.FLAGS, "-mno-avx512bf16"))
+    return cpu_kernels.PagedDecode(path)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,hd,bs,ctx,window,scale", CASES)
+def test_kernel_without_bf16_matches_torch_path(kernel_without_bf16, heads, kv_heads, hd, bs,
+                                                ctx, window, scale):
+    test_kernel_matches_torch_path(kernel_without_bf16, heads, kv_heads, hd, bs, ctx, window,
+                                   scale)
+
+
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,hd,bs,ctx,window,scale", CASES)
 def test_kernel_matches_torch_path(kernel, heads, kv_heads, hd, bs, ctx, window, scale):
@@ -266,8 +283,8 @@ def _mostly_equal(got: torch.Tensor, want: torch.Tensor) -> None:
 @needs_kernel
 @pytest.mark.parametrize("rows,width", [(1, 768), (5, 2048), (33, 40), (3, 17)])
 def test_layer_glue_matches_the_torch_ops_it_replaces(glue, rows, width):
-    """Residual add + RMSNorm against `layers.glue`'s eager functions, and SwiGLU's
-    activation against `DenseMLP`'s ops: equal element for element but for a rare last
+    """Residual add + RMSNorm against `layers.glue`'s eager functions, Qwen3's per-head
+    norm against `layers.norm`'s, and SwiGLU's activation against `DenseMLP`'s ops: equal element for element but for a rare last
     step (the norm's sum and exp run in another order), on widths that are and are not
     multiples of 16."""
     from appliance.engines.layers.glue import eager_glue
@@ -283,6 +300,17 @@ def test_layer_glue_matches_the_torch_ops_it_replaces(glue, rows, width):
     gate_up = (3 * torch.randn(rows, 2 * width, generator=g)).to(torch.bfloat16)
     gate, up = gate_up.chunk(2, dim=-1)
     _mostly_equal(glue.silu_mul(gate_up), torch.nn.functional.silu(gate).mul_(up))
+    from appliance.engines.layers.norm import head_rms_norm_
+    hd = {768: 64, 2048: 128, 40: 48, 17: 16}[width]
+    qkv = torch.randn(rows, 7, hd, generator=g).to(torch.bfloat16)
+    qw = (1 + 0.1 * torch.randn(hd, generator=g)).to(torch.bfloat16)
+    want_qkv, got_qkv = qkv.clone(), qkv.clone()
+    head_rms_norm_(want_qkv[:, 1:5], qw, 1e-6)
+    glue.head_rms_norm_(got_qkv, 1, 4, qw, 1e-6)
+    _mostly_equal(got_qkv, want_qkv)
+    assert torch.equal(got_qkv[:, [0, 5, 6]], qkv[:, [0, 5, 6]])    # other heads untouched
+    with pytest.raises(ValueError, match="not in 7"):
+        glue.head_rms_norm_(got_qkv, 4, 4, qw, 1e-6)
     with pytest.raises(ValueError, match="contiguous CPU bfloat16"):
         glue.rms_norm(h.float(), w, 1e-6)
     with pytest.raises(ValueError, match="contiguous CPU bfloat16"):
@@ -323,13 +351,30 @@ def test_rope_kernel_rotates_and_writes_the_cache_as_the_forward_does(glue, head
         glue.rope_kv(qkv, heads + 1, kv_heads, cos, sin, positions)
 
 
+def _tiny_qwen3(path):
+    """A random tiny Qwen3 (q/k norms) saved by transformers, with norm weights not 1."""
+    transformers = pytest.importorskip("transformers")
+    cls, cfg, _ = bf16_parity.qwen3(transformers)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.15 * torch.randn(p.shape))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 @needs_kernel
-def test_decode_steps_through_the_glue_kernel_keep_torchs_logits(glue, tiny_model):
-    """A bf16 engine's decode steps with and without the glue kernel, from the same
-    prompt: the same greedy tokens and logits within bf16 rounding; prompts keep torch's
-    ops (the kernel is only called on decode steps); Gemma's forward refuses it."""
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_decode_steps_through_the_glue_kernel_keep_torchs_logits(glue, tiny_model, tmp_path,
+                                                                 family):
+    """A bf16 model's decode steps with and without the glue kernel, from the same
+    prompt (the generated Llama; a Qwen3, whose q/k norms it also takes): the same greedy
+    tokens and logits within bf16 rounding; prompts keep torch's ops (the kernel is only
+    called on decode steps); Gemma's forward refuses it."""
     from appliance.engines.models.gemma3 import Gemma3Model
-    model = load_model(tiny_model, dtype=torch.bfloat16)
+    where = tiny_model if family == "llama" else _tiny_qwen3(tmp_path / "qwen3")
+    model = load_model(where, dtype=torch.bfloat16)
     calls = []
 
     class Counting:
@@ -362,6 +407,7 @@ def test_decode_steps_through_the_glue_kernel_keep_torchs_logits(glue, tiny_mode
         runs[name] = (seq, torch.stack(out))
         if k is not None:
             assert {"rope_kv", "add_rms_norm", "rms_norm", "silu_mul"} <= set(calls)
+            assert ("head_rms_norm_" in calls) is (family == "qwen3")
     assert runs["kernel"][0] == runs["torch"][0]
     torch.testing.assert_close(runs["kernel"][1], runs["torch"][1], rtol=0.0,
                                atol=0.02 * float(runs["torch"][1].abs().max()))

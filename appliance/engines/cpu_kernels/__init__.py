@@ -255,6 +255,9 @@ class LayerGlue:
         self._silu = lib.silu_mul_bf16
         self._silu.restype = None
         self._silu.argtypes = [_P, _L, _L, _P]
+        self._head_norm = lib.head_rms_norm_bf16
+        self._head_norm.restype = None
+        self._head_norm.argtypes = [_P, _L, _L, _I, _I, _P, ctypes.c_float]
 
     @staticmethod
     def _rows(what: str, t: torch.Tensor, width: int) -> None:
@@ -316,6 +319,18 @@ class LayerGlue:
                       sin.data_ptr(), positions.data_ptr(), cos.shape[0], kv_heads, *caches):
             raise ValueError(f"layer_glue: a position past the RoPE table's {cos.shape[0]} "
                              f"rows, or a slot past the cache's {caches[3]}")
+
+    def head_rms_norm_(self, qkv: torch.Tensor, first: int, heads: int, weight: torch.Tensor,
+                       eps: float) -> None:
+        """`layers.norm.head_rms_norm_` in place on heads first .. first+heads-1 of `qkv`
+        [T, all heads, hd] (Qwen3's q and k norms)."""
+        T, width, hd = qkv.shape
+        self._rows("qkv", qkv, hd)
+        self._rows("weight", weight, hd)
+        if first < 0 or heads < 0 or first + heads > width:
+            raise ValueError(f"layer_glue: heads {first}..{first + heads - 1} not in {width}")
+        self._head_norm(qkv.data_ptr() + first * hd * 2, T, width * hd, heads, hd,
+                        weight.data_ptr(), eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of rows [..., 2 * inter] (gate first), as `DenseMLP` computes it."""

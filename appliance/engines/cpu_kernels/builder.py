@@ -49,9 +49,12 @@ def cache_dir(configured: str = "") -> Path:
     return Path(base) / "applianced" / "kernels"
 
 
-def build(name: str, directory: Path, cc: str | None = None) -> Path:
+def build(name: str, directory: Path, cc: str | None = None,
+          flags: tuple[str, ...] = FLAGS) -> Path:
     """The shared library of ``<name>.c`` (beside this file), compiled into `directory`
-    unless a build of the same source, compiler and processor is there already."""
+    unless a build of the same source, compiler, flags and processor is there already.
+    (Tests pass `flags` with an instruction set turned off, to run the code a CPU without
+    it would.)"""
     source = SOURCE_DIR / f"{name}.c"
     try:
         text = source.read_bytes()
@@ -62,7 +65,7 @@ def build(name: str, directory: Path, cc: str | None = None) -> Path:
         raise KernelUnavailable("no C compiler (cc, gcc or $CC) on this host")
     headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]   # what it includes
     cpu = " ".join(sorted(cpu_flags())) or os.uname().machine
-    key = hashlib.sha256(b"\0".join([text, *headers, cc.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([text, *headers, cc.encode(), " ".join(flags).encode(),
                                      cpu.encode()])).hexdigest()[:16]
     target = directory / f"{name}-{key}.so"
     if target.is_file():
@@ -74,7 +77,7 @@ def build(name: str, directory: Path, cc: str | None = None) -> Path:
     except OSError as exc:
         raise KernelUnavailable(f"cannot write kernels to {directory}: {exc}") from None
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(source)], capture_output=True,
+        done = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True,
                               text=True, timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             lines = [ln for ln in done.stderr.splitlines() if "error" in ln] or \

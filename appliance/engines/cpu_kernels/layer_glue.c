@@ -13,7 +13,9 @@
      r = 1 / sqrt(sum(h^2) / n + eps) (F.rms_norm's composite on the CPU: one rounding);
    - rope: x = bf16(bf16(x * cos) + rotate_half(x) * sin) (`mul_` then `addcmul_`), with
      the tables' rows as the model keeps them (sin's first half negated);
-   - silu_mul: bf16(bf16(g / (1 + exp(-g))) * u) (`silu` then `mul_`).
+   - silu_mul: bf16(bf16(g / (1 + exp(-g))) * u) (`silu` then `mul_`);
+   - head_rms_norm: x = bf16(w * bf16(x * r)) per head (Qwen3's q/k norms,
+     `layers.norm.head_rms_norm_`: normalized in fp32, cast, then scaled).
    Only a sum's order (the norm's mean) and exp (Cephes', within ~1 ulp) can differ.
    Built by appliance/engines/cpu_kernels/builder.py with the host's compiler. */
 #include <immintrin.h>
@@ -68,6 +70,28 @@ void add_rms_norm_bf16(const uint16_t* h, const uint16_t* delta, const uint16_t*
             store_bf16(x_out + r * n + i, y, m);
         }
     }
+}
+
+/* In place on heads [T][heads][hd] (token stride `ld` elements): each head's vector
+   normalized over hd, as `layers.norm.head_rms_norm_` does in bf16. */
+void head_rms_norm_bf16(uint16_t* x, int64_t T, int64_t ld, int heads, int hd, const uint16_t* w,
+                        float eps) {
+    for (int64_t t = 0; t < T; t++)
+        for (int h = 0; h < heads; h++) {
+            uint16_t* p = x + t * ld + (int64_t)h * hd;
+            __m512 ss = _mm512_setzero_ps();
+            for (int i = 0; i < hd; i += 16) {
+                const __m512 v = load_bf16(p + i, first(hd - i));
+                ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
+            }
+            const float var = _mm512_reduce_add_ps(ss) / (float)hd;
+            const __m512 rs = _mm512_set1_ps(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(var + eps))));
+            for (int i = 0; i < hd; i += 16) {
+                const __mmask16 m = first(hd - i);
+                const __m512 n = round_bf16(_mm512_mul_ps(load_bf16(p + i, m), rs));
+                store_bf16(p + i, _mm512_mul_ps(load_bf16(w + i, m), n), m);
+            }
+        }
 }
 
 /* In place on rows [T][heads][hd] (row stride `ld` elements): RoPE on the first `rotate`

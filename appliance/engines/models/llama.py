@@ -238,8 +238,8 @@ class LlamaModel(torch.nn.Module):
         self._kernel_glue: Glue | None = None
 
     def set_glue_kernel(self, kernel) -> bool:
-        """Run a decode step's residual adds and norms, RoPE with the KV write, and a dense
-        MLP's activation through `kernel` (`engines.cpu_kernels.LayerGlue`, bf16 on the
+        """Run a decode step's residual adds and norms (Qwen3's q/k norms too), RoPE with
+        the KV write, and a dense MLP's activation through `kernel` (`engines.cpu_kernels.LayerGlue`, bf16 on the
         CPU; it rounds as the torch ops it replaces), or torch's ops again with None.
         Prompts keep torch's ops. False (nothing changed) for a model it does not fit."""
         if kernel is not None and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
@@ -312,8 +312,12 @@ class LlamaModel(torch.nn.Module):
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv(x).view(T, H + 2 * KVH, hd)
             if layer.q_norm is not None:
-                head_rms_norm_(qkv[:, :H], layer.q_norm, eps)
-                head_rms_norm_(qkv[:, H : H + KVH], layer.k_norm, eps)
+                if fused is not None:
+                    fused.head_rms_norm_(qkv, 0, H, layer.q_norm, eps)
+                    fused.head_rms_norm_(qkv, H, KVH, layer.k_norm, eps)
+                else:
+                    head_rms_norm_(qkv[:, :H], layer.q_norm, eps)
+                    head_rms_norm_(qkv[:, H : H + KVH], layer.k_norm, eps)
             kv_layer = kv_flat[:, li]
             k_cache, v_cache = kv_layer[0], kv_layer[1]
             if fused is not None:
