@@ -554,7 +554,7 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     if spec.compile != "off" and spec.role != "prefill":   # a prefill worker never decodes
         if model.glue_kernel is not None:
             print(f"applianced worker {spec.worker}: engine.compile = {spec.compile!r} not "
-                  "applied: the C kernels already run a decode step's norms",
+                  "applied: the C kernels already run the steps' norms",
                   file=sys.stderr, flush=True)
         else:
             engine.set_compile(spec.compile)
@@ -565,7 +565,7 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
 
 def _use_cpu_kernels(model: LlamaModel, spec) -> None:
     """The C kernels of `engines.cpu_kernels` where this host builds them: a prompt's
-    attention (every worker), decode attention and a decode step's elementwise work (decode
+    attention and every step's elementwise work (every worker), decode attention (decode
     and agg workers; a prefill worker never decodes), and the dense layers' matmuls on
     decode workers (an agg
     worker's prompt-sized matmuls are oneDNN's best case). What cannot be used is said in one line
@@ -590,11 +590,11 @@ def _use_cpu_kernels(model: LlamaModel, spec) -> None:
         if not apply(kernel):
             say(f"{what} on torch's path ({why})")
     load("prompt attention", cpu_kernels.load_causal_prefill, model.attn.set_prefill_kernel)
+    load("norms, RoPE and activation", cpu_kernels.load_layer_glue, model.set_glue_kernel,
+         "this model family's layers are not the kernel's")
     if spec.role == "prefill":
         return
     load("decode attention", cpu_kernels.load_paged_decode, model.attn.set_decode_kernel)
-    load("a decode step's norms, RoPE and activation", cpu_kernels.load_layer_glue,
-         model.set_glue_kernel, "this model family's layers are not the kernel's")
     if spec.role != "decode":
         return
     try:

@@ -368,10 +368,9 @@ def _tiny_qwen3(path):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_decode_steps_through_the_glue_kernel_keep_torchs_logits(glue, tiny_model, tmp_path,
                                                                  family):
-    """A bf16 model's decode steps with and without the glue kernel, from the same
-    prompt (the generated Llama; a Qwen3, whose q/k norms it also takes): the same greedy
-    tokens and logits within bf16 rounding; prompts keep torch's ops (the kernel is only
-    called on decode steps); Gemma's forward refuses it."""
+    """A bf16 model's prompt and decode steps with and without the glue kernel (the
+    generated Llama; a Qwen3, whose q/k norms it also takes): the same greedy tokens, and
+    logits within bf16 rounding; Gemma's forward refuses it."""
     from appliance.engines.models.gemma3 import Gemma3Model
     where = tiny_model if family == "llama" else _tiny_qwen3(tmp_path / "qwen3")
     model = load_model(where, dtype=torch.bfloat16)
@@ -394,8 +393,8 @@ def test_decode_steps_through_the_glue_kernel_keep_torchs_logits(glue, tiny_mode
                           torch.tensor([5 * 16 + p if p < 16 else 2 * 16 + p - 16
                                         for p in range(len(prompt))]))
         logits = model(torch.tensor(prompt), torch.arange(len(prompt)), batch, kv)
-        assert calls == []                              # the prompt: torch's ops
-        seq, out = list(prompt), []
+        assert (calls != []) is (k is not None)         # the prompt went through it too
+        seq, out = list(prompt), [logits[0]]
         for _ in range(6):
             seq.append(int(logits[0].argmax()))
             p = len(seq) - 1
@@ -486,7 +485,8 @@ def test_build_is_cached_per_source_and_says_why_it_cannot(tmp_path, monkeypatch
 
 def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypatch, capfd):
     """A bf16 decode worker (the daemon's spec: cpu_kernels auto) builds the kernels into
-    its kernel_dir, attends and multiplies through them (an agg worker only attends); with
+    its kernel_dir, attends and multiplies through them (an agg worker does not multiply,
+    a prefill worker does not decode); with
     no compiler, or with more than one thread, it says so in one line and serves on
     torch's path; `off`, and prefill workers, never build them."""
     from appliance.engines import dtypes
@@ -518,9 +518,10 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
         # a prefill worker: its prompts' attention only (it never decodes)
         e = build_torch_engine(spec("prefill", "auto", "c"), tiny_model)
         assert e.model.attn.prefill_kernel is not None and e.model.attn.decode_kernel is None
-        assert e.model.glue_kernel is None
+        assert e.model.glue_kernel is not None
         assert all(layer.pairs is None for layer in dense_linears(e.model))
-        assert [p.name.split("-")[0] for p in (tmp_path / "c").iterdir()] == ["causal_prefill"]
+        assert sorted(p.name.split("-")[0] for p in (tmp_path / "c").iterdir()) == [
+            "causal_prefill", "layer_glue"]
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(shutil, "which", lambda name: None)
     capfd.readouterr()
@@ -529,10 +530,10 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
     assert capfd.readouterr().err.strip().splitlines() == [
         "applianced worker decode0: prompt attention on torch's path (no C compiler (cc, gcc "
         "or $CC) on this host)",
+        "applianced worker decode0: norms, RoPE and activation on torch's path (no C "
+        "compiler (cc, gcc or $CC) on this host)",
         "applianced worker decode0: decode attention on torch's path (no C compiler (cc, gcc "
         "or $CC) on this host)",
-        "applianced worker decode0: a decode step's norms, RoPE and activation on torch's "
-        "path (no C compiler (cc, gcc or $CC) on this host)",
         "applianced worker decode0: decode matmuls on oneDNN (no C compiler (cc, gcc or $CC) "
         "on this host)"]
     # More threads than the kernel uses: torch's path, which uses them all.

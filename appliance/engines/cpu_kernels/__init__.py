@@ -5,8 +5,8 @@
 - `LinearBf16`: a bf16 linear layer for a decode step's few rows, its weight stored as
   the kernel streams it (linear_bf16.c);
 - `CausalPrefill`: a prompt's causal self-attention in bf16 (causal_prefill.c);
-- `LayerGlue`: a decode step's residual adds with RMSNorms, RoPE with the KV write, and
-  SwiGLU's activation, each one call (layer_glue.c).
+- `LayerGlue`: a step's residual adds with RMSNorms, RoPE with the KV write, SwiGLU's
+  activation and Qwen3's q/k norms, each one call (layer_glue.c).
 
 Torch's ops stay the reference and the fallback: a kernel is only used when it could be
 built and loaded here (`load_paged_decode`, `load_linear_bf16`, `load_causal_prefill`),
@@ -374,5 +374,5 @@ def load_linear_bf16(directory: str = "") -> LinearBf16:
 
 
 def load_layer_glue(directory: str = "") -> LayerGlue:
-    """The decode step's elementwise kernels, as `load_paged_decode` (AVX-512F)."""
+    """A step's elementwise kernels, as `load_paged_decode` (AVX-512F)."""
     return _load("layer_glue", LayerGlue, directory)

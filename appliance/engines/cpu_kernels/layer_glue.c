@@ -1,11 +1,12 @@
-/* The elementwise work between a decode step's matmuls, in bf16 (AVX-512F): a residual
-   add with the RMSNorm after it, RoPE on q and k with the step's K and V written into the
-   paged pool, and SwiGLU's silu(gate) * up.
+/* The elementwise work between a step's matmuls, in bf16 (AVX-512F): a residual add with
+   the RMSNorm after it, RoPE on q and k with the step's K and V written into the paged
+   pool, SwiGLU's silu(gate) * up, and Qwen3's per-head q/k norms.
 
    Why a kernel: at a decode step's few rows each of these is a handful of torch ops (an
    RMSNorm in bf16 is some thirteen: casts, pow, mean, rsqrt, two multiplies...), each a
-   dispatch of a few microseconds over a few kilobytes; on the 82m model they were ~1.5 ms
-   of a ~11 ms step at 5 rows (bench/bench_decode_step.py). One call here does each.
+   dispatch of a few microseconds over a few kilobytes; on the 82m model they were ~1.2 ms
+   of an ~11 ms step at 5 rows (bench/bench_decode_step.py). One call here does each. A
+   prompt's rows pass over memory once instead of once per op.
 
    The numbers are torch's: every value is rounded to bf16 where torch's bf16 ops round
    (checked element for element against them in tests/integration/test_cpu_kernels.py):

@@ -125,16 +125,19 @@ class DenseMLP:
     gate_up: Linear  # [2*intermediate, hidden]
     down: Linear
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, glue=None) -> torch.Tensor:
+        """`glue`: a `cpu_kernels.LayerGlue` for the activation, else torch's ops."""
         T = x.shape[0]
         if T <= MLP_ROWS or x.device.type != "cpu":
-            return self._rows(x)
+            return self._rows(x, glue)
         out = torch.empty_like(x)       # down maps back to the hidden size
         for a in range(0, T, MLP_ROWS):
-            out[a:a + MLP_ROWS] = self._rows(x[a:a + MLP_ROWS])
+            out[a:a + MLP_ROWS] = self._rows(x[a:a + MLP_ROWS], glue)
         return out
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+    def _rows(self, x: torch.Tensor, glue=None) -> torch.Tensor:
+        if glue is not None:
+            return self.down(glue.silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         h = F.silu(gate)
         return self.down(h.mul_(up))
@@ -233,15 +236,15 @@ class LlamaModel(torch.nn.Module):
         # Residual adds and norms: eager, or compiled for decode steps (`layers.glue`).
         self.glue = eager_glue()
         self.decode_glue: Glue = self.glue
-        # A decode step's elementwise work in C (`set_glue_kernel`), or None: torch's ops.
+        # A step's elementwise work in C (`set_glue_kernel`), or None: torch's ops.
         self.glue_kernel = None
         self._kernel_glue: Glue | None = None
 
     def set_glue_kernel(self, kernel) -> bool:
-        """Run a decode step's residual adds and norms (Qwen3's q/k norms too), RoPE with
-        the KV write, and a dense MLP's activation through `kernel` (`engines.cpu_kernels.LayerGlue`, bf16 on the
-        CPU; it rounds as the torch ops it replaces), or torch's ops again with None.
-        Prompts keep torch's ops. False (nothing changed) for a model it does not fit."""
+        """Run every step's residual adds and norms (Qwen3's q/k norms too), RoPE with the
+        KV write, and a dense MLP's activation through `kernel` (`engines.cpu_kernels.
+        LayerGlue`, bf16 on the CPU; it rounds as the torch ops it replaces), or torch's
+        ops again with None. False (nothing changed) for a model it does not fit."""
         if kernel is not None and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
             return False
         self.glue_kernel = kernel
@@ -297,12 +300,11 @@ class LlamaModel(torch.nn.Module):
         slot_mapping = batch.slot_mapping.to(kv.device, torch.long)
 
         eps = s.rms_norm_eps
-        decode = batch.prompts() == 0
-        fused = self.glue_kernel if decode else None     # C for the elementwise work
+        fused = self.glue_kernel                          # C for the elementwise work
         if fused is not None:
             glue = self._kernel_glue
         else:
-            glue = self.decode_glue if decode else self.glue
+            glue = self.decode_glue if batch.prompts() == 0 else self.glue
             cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, hd]
             sin = self.rope_sin[positions].unsqueeze(1)
         h = self.embed[input_ids]  # [T, D]
@@ -337,10 +339,7 @@ class LlamaModel(torch.nn.Module):
                           sinks=layer.sinks)
             h, x = glue.add_rms_norm(h, layer.o(o), layer.mlp_norm, eps)
             mlp = layer.mlp
-            if fused is not None and isinstance(mlp, DenseMLP):
-                delta = mlp.down(fused.silu_mul(mlp.gate_up(x)))
-            else:
-                delta = mlp(x)
+            delta = mlp(x, fused) if fused is not None and isinstance(mlp, DenseMLP) else mlp(x)
             if li < last_layer:
                 h, x = glue.add_rms_norm(h, delta, self.layers[li + 1].attn_norm, eps)
             else:
