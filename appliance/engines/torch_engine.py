@@ -567,17 +567,16 @@ def _use_cpu_kernels(model: LlamaModel, spec) -> None:
     """The C kernels of `engines.cpu_kernels` where this host builds them: a prompt's
     attention and every step's elementwise work (every worker), decode attention (decode
     and agg workers; a prefill worker never decodes), and the dense layers' matmuls on
-    decode workers (an agg
-    worker's prompt-sized matmuls are oneDNN's best case). What cannot be used is said in one line
-    on stderr, and torch's path serves it. The kernels run on one thread, so a worker with
-    more keeps torch's path, which uses them all."""
+    decode workers (an agg worker's prompt-sized matmuls are oneDNN's best case). What
+    cannot be used is said in one line on stderr, and torch's path serves it. The kernels
+    run on one thread, so a worker with more keeps torch's path, which uses them all."""
     from appliance.engines import cpu_kernels
 
     def say(what: str) -> None:
         print(f"applianced worker {spec.worker}: {what}", file=sys.stderr, flush=True)
     if torch.get_num_threads() > 1:
-        say(f"attention, matmuls and norms on torch's path (the C kernels are single-threaded; "
-            f"this worker has {torch.get_num_threads()} threads)")
+        say(f"attention, matmuls and norms on torch's path (the C kernels are "
+            f"single-threaded; this worker has {torch.get_num_threads()} threads)")
         return
 
     def load(what: str, loader, apply, why: str = "the C kernel does not take this "

@@ -294,7 +294,7 @@ class LlamaModel(torch.nn.Module):
         if kv.dtype != self.dtype or not kv.is_contiguous():
             raise ValueError(f"KV pool must be a contiguous {self.dtype} tensor, got {kv.dtype}")
         input_ids = input_ids.to(self.device)
-        positions = positions.to(self.device)
+        positions = positions.to(self.device, torch.long)
         plan = self.attn.begin(batch, T, kv)
         kv_flat = kv.view(2, s.num_layers, kv.shape[2] * kv.shape[3], s.num_kv_heads, s.head_dim)
         slot_mapping = batch.slot_mapping.to(kv.device, torch.long)
