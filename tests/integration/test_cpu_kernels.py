@@ -284,9 +284,9 @@ def _mostly_equal(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("rows,width", [(1, 768), (5, 2048), (33, 40), (3, 17)])
 def test_layer_glue_matches_the_torch_ops_it_replaces(glue, rows, width):
     """Residual add + RMSNorm against `layers.glue`'s eager functions, Qwen3's per-head
-    norm against `layers.norm`'s, and SwiGLU's activation against `DenseMLP`'s ops: equal element for element but for a rare last
-    step (the norm's sum and exp run in another order), on widths that are and are not
-    multiples of 16."""
+    norm against `layers.norm`'s, and SwiGLU's activation against `DenseMLP`'s ops: equal
+    element for element but for a rare last step (the norm's sum and exp run in another
+    order), on widths that are and are not multiples of 16."""
     from appliance.engines.layers.glue import eager_glue
     g = torch.Generator().manual_seed(rows * width)
     h = (3 * torch.randn(rows, width, generator=g)).to(torch.bfloat16)

@@ -35,8 +35,7 @@ _HUGE_PAGE = 2 << 20
 def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized 1-D tensor, 64-byte aligned, on memory advised for transparent
     huge pages (`_HugeArena`)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return _arena.take(numel * elem).view(dtype)
+    return _arena.take(numel * dtype.itemsize).view(dtype)
 
 
 class _HugeArena:
@@ -240,8 +239,9 @@ class CausalPrefill:
 
 
 class LayerGlue:
-    """``layer_glue``'s three functions, for bf16 CPU tensors (layer_glue.c says what each
-    computes and how it rounds)."""
+    """``layer_glue``'s four functions, for bf16 CPU tensors (layer_glue.c says what each
+    computes and how it rounds). Its `rms_norm` and `add_rms_norm` are `layers.glue.Glue`'s,
+    so a forward calls it in a Glue's place."""
 
     def __init__(self, path: Path):
         self.path = path

@@ -3,8 +3,8 @@
 Why at run time, on the host: the kernels use the processor's vector instructions
 (``-march=native``), and the appliance ships as one binary to boxes whose CPUs the build
 machine never saw. The shared library is cached under a name that hashes the source (and
-the headers beside it), the compiler and the processor's feature flags, so a box compiles once (well under a second)
-and a changed CPU or source compiles again. No compiler, or a processor without the
+the headers beside it), the compiler, its flags and the processor's feature flags, so a box
+compiles once (well under a second) and a changed CPU or source compiles again. No compiler, or a processor without the
 instructions (the compile fails): the caller gets `KernelUnavailable` with one line, and
 the engine keeps torch's path.
 """

@@ -30,10 +30,6 @@
 #define RV 4 /* query rows per value tile */
 #define MAX_HEAD_DIM 256
 
-static inline __mmask16 first(int64_t n) {
-    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-}
-
 static inline int64_t up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 static inline __attribute__((always_inline)) void score_tile(

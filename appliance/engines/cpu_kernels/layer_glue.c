@@ -25,27 +25,6 @@
 
 #include "vec_math.h"
 
-static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
-
-static inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-/* fp32 -> bf16 -> fp32, round to nearest even as torch's cast (a NaN stays a NaN) */
-static inline __m512 round_bf16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-    __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), hi);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_and_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)), hi);
-    return _mm512_castsi512_ps(r);
-}
-
-static inline void store_bf16(uint16_t* p, __m512 x, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(x)), 16)));
-}
-
 /* h_out = h + delta (delta NULL: h_out = h, not written); x_out = rms_norm(h_out) * w.
    Rows are contiguous, n wide. */
 void add_rms_norm_bf16(const uint16_t* h, const uint16_t* delta, const uint16_t* w,
@@ -56,9 +35,9 @@ void add_rms_norm_bf16(const uint16_t* h, const uint16_t* delta, const uint16_t*
         __m512 ss = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i += 16) {
             const __mmask16 m = first(n - i);
-            __m512 v = load_bf16(a + i, m);
+            __m512 v = load_bf16_mask(a + i, m);
             if (delta) {
-                v = round_bf16(_mm512_add_ps(v, load_bf16(delta + r * n + i, m)));
+                v = round_bf16(_mm512_add_ps(v, load_bf16_mask(delta + r * n + i, m)));
                 store_bf16(hr + i, v, m);
             }
             ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
@@ -67,7 +46,7 @@ void add_rms_norm_bf16(const uint16_t* h, const uint16_t* delta, const uint16_t*
         const __m512 rs = _mm512_set1_ps(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(var + eps))));
         for (int64_t i = 0; i < n; i += 16) {
             const __mmask16 m = first(n - i);
-            const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load_bf16(hr + i, m), rs), load_bf16(w + i, m));
+            const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load_bf16_mask(hr + i, m), rs), load_bf16_mask(w + i, m));
             store_bf16(x_out + r * n + i, y, m);
         }
     }
@@ -82,15 +61,15 @@ void head_rms_norm_bf16(uint16_t* x, int64_t T, int64_t ld, int heads, int hd, c
             uint16_t* p = x + t * ld + (int64_t)h * hd;
             __m512 ss = _mm512_setzero_ps();
             for (int i = 0; i < hd; i += 16) {
-                const __m512 v = load_bf16(p + i, first(hd - i));
+                const __m512 v = load_bf16_mask(p + i, first(hd - i));
                 ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
             }
             const float var = _mm512_reduce_add_ps(ss) / (float)hd;
             const __m512 rs = _mm512_set1_ps(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(var + eps))));
             for (int i = 0; i < hd; i += 16) {
                 const __mmask16 m = first(hd - i);
-                const __m512 n = round_bf16(_mm512_mul_ps(load_bf16(p + i, m), rs));
-                store_bf16(p + i, _mm512_mul_ps(load_bf16(w + i, m), n), m);
+                const __m512 n = round_bf16(_mm512_mul_ps(load_bf16_mask(p + i, m), rs));
+                store_bf16(p + i, _mm512_mul_ps(load_bf16_mask(w + i, m), n), m);
             }
         }
 }
@@ -115,11 +94,11 @@ int rope_kv_bf16(uint16_t* x, int64_t T, int64_t ld, int rotate, int hd, const u
             uint16_t* p = row + (int64_t)h * hd;
             for (int i = 0; i < half; i += 16) {
                 const __mmask16 m = first(half - i);
-                const __m512 lo = load_bf16(p + i, m), hi = load_bf16(p + half + i, m);
-                const __m512 a = _mm512_add_ps(round_bf16(_mm512_mul_ps(lo, load_bf16(c + i, m))),
-                                               _mm512_mul_ps(hi, load_bf16(s + i, m)));
-                const __m512 b = _mm512_add_ps(round_bf16(_mm512_mul_ps(hi, load_bf16(c + half + i, m))),
-                                               _mm512_mul_ps(lo, load_bf16(s + half + i, m)));
+                const __m512 lo = load_bf16_mask(p + i, m), hi = load_bf16_mask(p + half + i, m);
+                const __m512 a = _mm512_add_ps(round_bf16(_mm512_mul_ps(lo, load_bf16_mask(c + i, m))),
+                                               _mm512_mul_ps(hi, load_bf16_mask(s + i, m)));
+                const __m512 b = _mm512_add_ps(round_bf16(_mm512_mul_ps(hi, load_bf16_mask(c + half + i, m))),
+                                               _mm512_mul_ps(lo, load_bf16_mask(s + half + i, m)));
                 store_bf16(p + i, a, m);
                 store_bf16(p + half + i, b, m);
             }
@@ -139,10 +118,10 @@ void silu_mul_bf16(const uint16_t* gu, int64_t rows, int64_t inter, uint16_t* ou
         const uint16_t* g = gu + r * 2 * inter;
         for (int64_t i = 0; i < inter; i += 16) {
             const __mmask16 m = first(inter - i);
-            const __m512 v = load_bf16(g + i, m);
+            const __m512 v = load_bf16_mask(g + i, m);
             const __m512 sv = round_bf16(_mm512_div_ps(
                 v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v)))));
-            store_bf16(out + r * inter + i, _mm512_mul_ps(sv, load_bf16(g + inter + i, m)), m);
+            store_bf16(out + r * inter + i, _mm512_mul_ps(sv, load_bf16_mask(g + inter + i, m)), m);
         }
     }
 }

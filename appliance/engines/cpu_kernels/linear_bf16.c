@@ -10,7 +10,7 @@
    The weight is one contiguous stream in the order the kernel reads it, and the caller
    keeps it on transparent huge pages (`cpu_kernels.huge_page_empty`): measured on the
    82m model's weights at 5 rows, one core, 32 GB/s against 19 with 16-row blocks stored
-   one after the other (two streams that restart at every 4 KB page). No software
+   one after the other on 4 KB pages (~22 on huge pages). No software
    prefetch: the hardware's stream does better (one row 6.4 ms per step's layers without,
    7.4 ms prefetching 1 KB ahead, 7.8 ms at 8 KB).
 

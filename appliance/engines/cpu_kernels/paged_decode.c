@@ -23,26 +23,6 @@
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
 
-static inline __m512 load_bf16(const uint16_t* p) {
-    __m256i h = _mm256_loadu_si256((const __m256i*)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* fp32 -> bf16 -> fp32, round to nearest even (as torch's cast of finite values) */
-static inline __m512 round_bf16(__m512 x) {
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-static inline uint16_t to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    v.u += 0x7fff + ((v.u >> 16) & 1);
-    return (uint16_t)(v.u >> 16);
-}
-
 /* [a's pairwise sums | b's pairwise sums] */
 static inline __m512 pair_sums(__m512 a, __m512 b) {
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -58,8 +38,6 @@ static inline __m512 sums_of_16(const __m512* v) {
     for (int i = 0; i < 2; i++) u[i] = pair_sums(s[2 * i], s[2 * i + 1]);
     return pair_sums(u[0], u[1]);
 }
-
-static inline __mmask16 first(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
 /* each row of sc ([rows][n]) -> bf16(softmax(row)) */
 static void softmax_rows(float* sc, int rows, int n) {
@@ -165,10 +143,7 @@ INLINE void values(rows_t vat, int n, int hoff, const float* p, int64_t pstride,
         }
     }
     for (int j = 0; j < GJ; j++)
-        for (int v = 0; v < NV; v++)    /* bf16, rounded to nearest even */
-            _mm256_storeu_si256((__m256i*)(out + (int64_t)j * hd + 16 * v),
-                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(
-                                    _mm512_castps_si512(round_bf16(acc[j][v])), 16)));
+        for (int v = 0; v < NV; v++) store_bf16(out + (int64_t)j * hd + 16 * v, acc[j][v], 0xffff);
 }
 
 INLINE int decode(const uint16_t* q, const uint16_t* kpool, const uint16_t* vpool,

@@ -3,6 +3,39 @@
 #ifndef APPLIANCED_VEC_MATH_H
 #define APPLIANCED_VEC_MATH_H
 #include <immintrin.h>
+#include <stdint.h>
+
+/* the first n of 16 lanes */
+static inline __mmask16 first(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* 16 bf16 -> fp32 (exact) */
+static inline __m512 load_bf16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i*)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* the first lanes of `m` as load_bf16, the rest zero */
+static inline __m512 load_bf16_mask(const uint16_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* fp32 -> bf16 -> fp32, round to nearest even as torch's cast (a NaN stays a NaN) */
+static inline __m512 round_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), hi);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_and_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)), hi);
+    return _mm512_castsi512_ps(r);
+}
+
+/* the lanes of `m`, rounded to bf16 as round_bf16 */
+static inline void store_bf16(uint16_t* p, __m512 x, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(x)), 16)));
+}
 
 /* exp of 16 floats: Cephes' expf, 2^n * p(r) with r = x - n ln2, |r| <= ln2/2; within
    ~1 ulp of expf (what torch's softmax computes with Sleef's expf). */

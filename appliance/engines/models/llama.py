@@ -238,7 +238,6 @@ class LlamaModel(torch.nn.Module):
         self.decode_glue: Glue = self.glue
         # A step's elementwise work in C (`set_glue_kernel`), or None: torch's ops.
         self.glue_kernel = None
-        self._kernel_glue: Glue | None = None
 
     def set_glue_kernel(self, kernel) -> bool:
         """Run every step's residual adds and norms (Qwen3's q/k norms too), RoPE with the
@@ -248,8 +247,6 @@ class LlamaModel(torch.nn.Module):
         if kernel is not None and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
             return False
         self.glue_kernel = kernel
-        self._kernel_glue = (None if kernel is None else
-                             Glue(kernel.rms_norm, kernel.add_rms_norm, compiled=False))
         return True
 
     @property
@@ -302,7 +299,7 @@ class LlamaModel(torch.nn.Module):
         eps = s.rms_norm_eps
         fused = self.glue_kernel                          # C for the elementwise work
         if fused is not None:
-            glue = self._kernel_glue
+            glue = fused                                  # its norms are a Glue's
         else:
             glue = self.decode_glue if batch.prompts() == 0 else self.glue
             cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, hd]
