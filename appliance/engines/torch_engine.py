@@ -567,7 +567,8 @@ def _use_cpu_kernels(model: LlamaModel, spec) -> None:
     """The C kernels of `engines.cpu_kernels` where this host builds them: a prompt's
     attention and every step's elementwise work (every worker), decode attention (decode
     and agg workers; a prefill worker never decodes), and the dense layers' matmuls on
-    decode workers (an agg worker's prompt-sized matmuls are oneDNN's best case). What
+    decode workers without AMX (an agg worker's prompt-sized matmuls, and any matmul on
+    AMX, are oneDNN's best case). What
     cannot be used is said in one line on stderr, and torch's path serves it. The kernels
     run on one thread, so a worker with more keeps torch's path, which uses them all."""
     from appliance.engines import cpu_kernels
@@ -595,6 +596,10 @@ def _use_cpu_kernels(model: LlamaModel, spec) -> None:
         return
     load("decode attention", cpu_kernels.load_paged_decode, model.attn.set_decode_kernel)
     if spec.role != "decode":
+        return
+    if "amx_bf16" in dtypes.cpu_flags():
+        say("decode matmuls on oneDNN (this CPU has AMX, whose tiles oneDNN multiplies on: "
+            "as fast at 16 rows as at 1, where the C kernel is ahead only up to 3)")
         return
     try:
         linear = cpu_kernels.load_linear_bf16(spec.kernel_dir)

@@ -511,6 +511,20 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
         e = build_torch_engine(spec("agg", "auto", "a"), tiny_model)
         assert e.model.attn.decode_kernel is not None and e.model.glue_kernel is not None
         assert all(layer.pairs is None for layer in dense_linears(e.model))
+        # a CPU with AMX: oneDNN's matmuls on the decode worker too, said in one line
+        monkeypatch.setattr(dtypes, "cpu_flags",
+                            lambda *a: frozenset({"avx512_bf16", "amx_bf16"}))
+        capfd.readouterr()
+        e = build_torch_engine(spec("decode", "auto", "a"), tiny_model)
+        assert e.model.attn.decode_kernel is not None and e.model.glue_kernel is not None
+        assert all(layer.pairs is None and layer.packed is not None
+                   for layer in dense_linears(e.model))
+        assert [line for line in capfd.readouterr().err.splitlines()
+                if "applianced worker" in line] == [
+            "applianced worker decode0: decode matmuls on oneDNN (this CPU has AMX, whose "
+            "tiles oneDNN multiplies on: as fast at 16 rows as at 1, where the C kernel is "
+            "ahead only up to 3)"]
+        monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx512_bf16"}))
     e = build_torch_engine(spec("decode", "off", "b"), tiny_model)
     assert e.model.attn.decode_kernel is None and e.model.attn.prefill_kernel is None
     assert not (tmp_path / "b").exists()
@@ -579,5 +593,7 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
             d.stop()
         assert got == want, kernels
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
-    assert built == ["causal_prefill", "layer_glue", "linear_bf16", "paged_decode"]
+    # a CPU with AMX keeps oneDNN's matmuls (no linear_bf16)
+    assert built == sorted(["causal_prefill", "layer_glue", "paged_decode"]
+                           + ([] if "amx_bf16" in dtypes.cpu_flags() else ["linear_bf16"]))
     assert not (tmp_path / "off" / "state" / "kernels").exists()
