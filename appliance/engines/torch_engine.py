@@ -567,8 +567,7 @@ def _use_cpu_kernels(model: LlamaModel, spec) -> None:
     """The C kernels of `engines.cpu_kernels` where this host builds them: a prompt's
     attention and every step's elementwise work (every worker), decode attention (decode
     and agg workers; a prefill worker never decodes), and the dense layers' matmuls on
-    decode workers without AMX (an agg worker's prompt-sized matmuls, and any matmul on
-    AMX, are oneDNN's best case). What
+    decode workers (an agg worker's prompt-sized matmuls are oneDNN's best case). What
     cannot be used is said in one line on stderr, and torch's path serves it. The kernels
     run on one thread, so a worker with more keeps torch's path, which uses them all."""
     from appliance.engines import cpu_kernels
@@ -597,14 +596,15 @@ def _use_cpu_kernels(model: LlamaModel, spec) -> None:
     load("decode attention", cpu_kernels.load_paged_decode, model.attn.set_decode_kernel)
     if spec.role != "decode":
         return
-    if "amx_bf16" in dtypes.cpu_flags():
-        say("decode matmuls on oneDNN (this CPU has AMX, whose tiles oneDNN multiplies on: "
-            "as fast at 16 rows as at 1, where the C kernel is ahead only up to 3)")
-        return
     try:
         linear = cpu_kernels.load_linear_bf16(spec.kernel_dir)
     except cpu_kernels.KernelUnavailable as exc:
         say(f"decode matmuls on oneDNN ({exc})")
+        return
+    if "amx_bf16" in dtypes.cpu_flags() and not linear.amx:
+        # without its tiles the kernel trails oneDNN's AMX path beyond 3 rows
+        say("decode matmuls on oneDNN (this CPU has AMX, but the kernel was built without "
+            "it or Linux did not grant this process the tiles)")
         return
     for layer in dense_linears(model):
         layer.use_kernel(linear)

@@ -157,9 +157,20 @@ def _built(loader, tmp_path_factory):
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="module")
-def linear(tmp_path_factory):
-    return _built(cpu_kernels.load_linear_bf16, tmp_path_factory)
+@pytest.fixture(scope="module", params=["native", "no AMX"])
+def linear(request, tmp_path_factory):
+    """The matmul kernel as this host builds it (on an AMX CPU: its tile path for K a
+    multiple of 32), and built without AMX (VDPBF16PS only, what a CPU without tiles runs)."""
+    from appliance.engines.dtypes import cpu_flags
+    kernel = _built(cpu_kernels.load_linear_bf16, tmp_path_factory)
+    if request.param == "native":
+        assert kernel.amx is ("amx_bf16" in cpu_flags())
+        return kernel
+    path = kernel_build.build("linear_bf16", tmp_path_factory.mktemp("no-amx"),
+                              flags=(*kernel_build.FLAGS, "-mno-amx-tile", "-mno-amx-bf16"))
+    kernel = cpu_kernels.LinearBf16(path)
+    assert not kernel.amx
+    return kernel
 
 
 @pytest.fixture(scope="module")
@@ -240,12 +251,13 @@ def test_prompts_go_through_the_prefill_kernel_only_where_it_applies(prefill):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows,cols", [(1280, 768), (37, 64), (768, 2048), (16, 2)])
+@pytest.mark.parametrize("rows,cols", [(1280, 768), (37, 64), (768, 2048), (40, 48), (16, 2)])
 def test_linear_kernel_matches_onednn(linear, rows, cols):
-    """The matmul kernel against the oneDNN-packed `Linear` it replaces, from 1 to 33 rows,
-    with and without a bias, on widths that are and are not multiples of 16: equal but
-    for a few outputs one bf16 step apart (the same VDPBF16PS products, summed in another
-    order past 8 rows), and the weight comes back out exactly (`dense`)."""
+    """The matmul kernel against the oneDNN-packed `Linear` it replaces, from 1 to 69 rows
+    (the AMX path's chunks of 32 and their halves of 16), with and without a bias, on
+    widths that are and are not multiples of 16 (and of 32, which the AMX path needs), an
+    odd number of 16-row blocks: equal but for a few outputs one bf16 step apart (the same
+    bf16 products, summed in another order), and the weight comes back out exactly."""
     g = torch.Generator().manual_seed(rows + cols)
     weight = (0.05 * torch.randn(rows, cols, generator=g)).to(torch.bfloat16)
     bias = torch.randn(rows, generator=g).to(torch.bfloat16)
@@ -253,7 +265,7 @@ def test_linear_kernel_matches_onednn(linear, rows, cols):
         ours, theirs = Linear(weight, b), Linear(weight, b)
         assert ours.use_kernel(linear) and ours.packed is None
         assert torch.equal(ours.dense(), weight)
-        for m in (1, 3, 8, 9, 33):
+        for m in (1, 3, 8, 9, 17, 33, 69):
             x = torch.randn(m, cols, generator=g).to(torch.bfloat16)
             want, got = theirs(x).float(), ours(x).float()
             assert got.shape == (m, rows)
@@ -511,9 +523,11 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
         e = build_torch_engine(spec("agg", "auto", "a"), tiny_model)
         assert e.model.attn.decode_kernel is not None and e.model.glue_kernel is not None
         assert all(layer.pairs is None for layer in dense_linears(e.model))
-        # a CPU with AMX: oneDNN's matmuls on the decode worker too, said in one line
+        # a CPU with AMX whose tiles the kernel cannot use (built without them, or Linux
+        # refused them): oneDNN, which has an AMX path, keeps the matmuls, said in one line
         monkeypatch.setattr(dtypes, "cpu_flags",
                             lambda *a: frozenset({"avx512_bf16", "amx_bf16"}))
+        monkeypatch.setattr(cpu_kernels.load_linear_bf16(str(tmp_path / "a")), "amx", False)
         capfd.readouterr()
         e = build_torch_engine(spec("decode", "auto", "a"), tiny_model)
         assert e.model.attn.decode_kernel is not None and e.model.glue_kernel is not None
@@ -521,9 +535,8 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
                    for layer in dense_linears(e.model))
         assert [line for line in capfd.readouterr().err.splitlines()
                 if "applianced worker" in line] == [
-            "applianced worker decode0: decode matmuls on oneDNN (this CPU has AMX, whose "
-            "tiles oneDNN multiplies on: as fast at 16 rows as at 1, where the C kernel is "
-            "ahead only up to 3)"]
+            "applianced worker decode0: decode matmuls on oneDNN (this CPU has AMX, but the "
+            "kernel was built without it or Linux did not grant this process the tiles)"]
         monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx512_bf16"}))
     e = build_torch_engine(spec("decode", "off", "b"), tiny_model)
     assert e.model.attn.decode_kernel is None and e.model.attn.prefill_kernel is None
@@ -593,7 +606,5 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
             d.stop()
         assert got == want, kernels
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
-    # a CPU with AMX keeps oneDNN's matmuls (no linear_bf16)
-    assert built == sorted(["causal_prefill", "layer_glue", "paged_decode"]
-                           + ([] if "amx_bf16" in dtypes.cpu_flags() else ["linear_bf16"]))
+    assert built == ["causal_prefill", "layer_glue", "linear_bf16", "paged_decode"]
     assert not (tmp_path / "off" / "state" / "kernels").exists()

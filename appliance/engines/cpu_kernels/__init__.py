@@ -130,9 +130,14 @@ class LinearBf16:
 
     def __init__(self, path: Path):
         self.path = path
-        self._fn = ctypes.CDLL(str(path)).linear_bf16
+        lib = ctypes.CDLL(str(path))
+        self._fn = lib.linear_bf16
         self._fn.restype = _I
         self._fn.argtypes = [_P, _L, _L, _P, _L, _L, _P, _P, _L]
+        lib.linear_bf16_amx.restype = _I
+        # True: built with AMX and Linux granted this process the tiles, so weights whose
+        # K is a multiple of 32 are multiplied on them (linear_bf16.c).
+        self.amx = bool(lib.linear_bf16_amx())
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
