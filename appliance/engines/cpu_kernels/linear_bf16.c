@@ -73,6 +73,11 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* w, int64_
 
 static int amx_state; /* 0 not asked yet, 1 granted, -1 refused */
 
+/* Unlike the path above, tile loads gain from a software prefetch of the stream ahead
+   (one 2 KB chunk of a group's k-pairs: the 82m model's weights at 1, 8 and 32 rows,
+   12.3 -> 11.3, 12.8 -> 12.2 and 16.2 -> 14.8 ms; 4 KB and beyond no better). */
+#define AMX_PREFETCH 2048
+
 struct tile_config {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -119,6 +124,8 @@ static inline void amx_group(const uint16_t* wt, int nblocks, int64_t K, const u
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t k = 0; k < K; k += 32) {
         const uint16_t* wk = wt + (k / 2) * nblocks * 32;
+        for (int64_t l = 0; l < wstride * 16; l += 64)
+            _mm_prefetch((const char*)wk + AMX_PREFETCH + l, _MM_HINT_T0);
         _tile_loadd(4, x0 + k, ldx * 2);
         _tile_loadd(6, wk, wstride);
         _tile_dpbf16ps(0, 4, 6);
