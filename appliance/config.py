@@ -79,6 +79,7 @@ class EngineConfig:
     dtype: str = "auto"               # torch weights and KV: auto | float32 | bfloat16 | float16
     compile: str = "off"              # torch: off | decode (torch.compile a decode step's norms/adds)
     cpu_kernels: str = "auto"         # torch on the CPU: auto (C kernels where the host builds them) | off
+    cpu_decode_helper: str = "auto"   # auto: a one-core decode worker's matmuls borrow the prefill core while it idles | off
 
 
 @dataclass
@@ -380,6 +381,9 @@ def validate(cfg: Config) -> Config:
                           f"got {cfg.engine.dtype!r}")
     if cfg.engine.compile not in ("off", "decode"):
         raise ConfigError(f"config: engine.compile must be off or decode, got {cfg.engine.compile!r}")
+    if cfg.engine.cpu_decode_helper not in ("auto", "off"):
+        raise ConfigError(f"config: engine.cpu_decode_helper must be auto or off, "
+                          f"got {cfg.engine.cpu_decode_helper!r}")
     if cfg.engine.cpu_kernels not in ("auto", "off"):
         raise ConfigError(f"config: engine.cpu_kernels must be auto or off, "
                           f"got {cfg.engine.cpu_kernels!r}")

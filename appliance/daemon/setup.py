@@ -326,7 +326,25 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
         # KV flows between the phases: a worker must see the other phase's GPUs.
         spec.peer_uuids = [u for other in specs if other.role != spec.role
                            for u in other.device_uuids if u and u not in spec.device_uuids]
+    if engine == "torch" and e.cpu_decode_helper == "auto":
+        lend_prefill_cores(specs)
     return specs
+
+
+def lend_prefill_cores(specs: list[WorkerSpec]) -> None:
+    """Each one-core CPU decode worker may borrow a one-core CPU prefill worker's core
+    while that core idles between prompts (`engines.cpu_kernels.helper_gate`): the i-th
+    decode worker the i-th prefill worker's, round robin. Workers with more threads keep
+    torch's path, which has no use for it."""
+    def lone(role: str) -> list[WorkerSpec]:
+        return [s for s in specs if s.role == role and s.device_kind == "cpu"
+                and len(s.cpu_cores) == 1 and s.cpu_threads == 1]
+    lenders = [s for s in lone("prefill") if s.cpu_cores]
+    for i, spec in enumerate(lone("decode")):
+        if lenders:
+            core = lenders[i % len(lenders)].cpu_cores[0]
+            if core not in spec.cpu_cores:
+                spec.cpu_helper_core = core
 
 
 

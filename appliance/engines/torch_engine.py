@@ -97,6 +97,8 @@ class TorchEngine(BatchEngine):
         self._unusable: set[str] = set()   # peers whose pool failed the pattern-copy check
         self.memory_plan: MemoryPlan | None = None   # GPU: the profile run's numbers
         self.nixl = None        # NixlKvAgent of a box that joins another (enable_nixl)
+        # A decode worker whose matmuls may borrow an idle core (cpu_kernels.helper_gate)
+        self.helper_gate = None
         # Every layer windowed (Mistral v0.1): blocks behind the widest window are freed
         # as a sequence decodes. With any full layer (Gemma 3) every block stays.
         if s.all_layers_slide:
@@ -313,8 +315,15 @@ class TorchEngine(BatchEngine):
             row += q
         if rows:
             attn.hidden_rows = torch.tensor(rows, dtype=torch.long)
-        logits = self.model(torch.tensor(ids, dtype=torch.long),
-                            torch.tensor(pos, dtype=torch.long), attn, self.kv)
+        gate = self.helper_gate
+        if gate is not None:
+            gate.begin()
+        try:
+            logits = self.model(torch.tensor(ids, dtype=torch.long),
+                                torch.tensor(pos, dtype=torch.long), attn, self.kv)
+        finally:
+            if gate is not None:
+                gate.end()
         if rows:
             self._prompt_logprobs(attn.hidden, scored, len(rows))
         done = [i for i, (seq, end) in enumerate(zip(batch.seqs, ctx_lens))
@@ -526,8 +535,9 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     temp_bytes = int(os.environ.get(ATTENTION_BYTES_ENV, "0") or 0) or \
         attention_backends.DEFAULT_TEMP_BYTES
     model.set_attention(backend, temp_bytes)
+    gate = None
     if device.type == "cpu" and dtype == torch.bfloat16 and spec.cpu_kernels != "off":
-        _use_cpu_kernels(model, spec)
+        gate = _use_cpu_kernels(model, spec)
     plan = None
     if device.type == "cuda":
         plan = _profile_memory_plan(model, spec, backend)
@@ -551,6 +561,7 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         fair_queuing=spec.fair_queuing, fair_chunk_tokens=spec.fair_chunk_tokens,
         grammar=GrammarBook(model_dir, model.shape.vocab_size, read_eos_ids(model_dir)))
     engine.memory_plan = plan
+    engine.helper_gate = gate
     if spec.compile != "off" and spec.role != "prefill":   # a prefill worker never decodes
         if model.glue_kernel is not None:
             print(f"applianced worker {spec.worker}: engine.compile = {spec.compile!r} not "
@@ -563,13 +574,15 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     return engine
 
 
-def _use_cpu_kernels(model: LlamaModel, spec) -> None:
+def _use_cpu_kernels(model: LlamaModel, spec):
     """The C kernels of `engines.cpu_kernels` where this host builds them: a prompt's
     attention and every step's elementwise work (every worker), decode attention (decode
     and agg workers; a prefill worker never decodes), and the dense layers' matmuls on
     decode workers (an agg worker's prompt-sized matmuls are oneDNN's best case). What
     cannot be used is said in one line on stderr, and torch's path serves it. The kernels
-    run on one thread, so a worker with more keeps torch's path, which uses them all."""
+    run on one thread, so a worker with more keeps torch's path, which uses them all.
+    Returns the `HelperGate` of a decode worker whose matmuls may borrow
+    `spec.cpu_helper_core`, else None."""
     from appliance.engines import cpu_kernels
 
     def say(what: str) -> None:
@@ -608,6 +621,14 @@ def _use_cpu_kernels(model: LlamaModel, spec) -> None:
         return
     for layer in dense_linears(model):
         layer.use_kernel(linear)
+    if spec.cpu_helper_core < 0:
+        return None
+    from appliance.engines.cpu_kernels.helper_gate import HelperGate
+    if not linear.start_helper(spec.cpu_helper_core):
+        say(f"decode matmuls on this worker's core only (no helper thread on core "
+            f"{spec.cpu_helper_core})")
+        return None
+    return HelperGate(linear, spec.cpu_helper_core)
 
 
 def dense_linears(model: LlamaModel) -> list:

@@ -34,6 +34,8 @@ class WorkerSpec:
     cpu_kernels: str = "off"        # torch on the CPU: auto | off (engines.cpu_kernels; the
                                     # daemon passes [engine] cpu_kernels, "auto" by default)
     kernel_dir: str = ""            # where built CPU kernels are cached ("" = ~/.cache/applianced)
+    cpu_helper_core: int = -1       # a decode worker's matmuls may borrow this core while it
+                                    # idles (the prefill worker's, on a small box); -1: none
     fair_queuing: bool = True       # tenants' prompts share prefill steps by weight
     fair_chunk_tokens: int = 0      # prompt chunk while tenants share; 0 = the engine's choice
     cluster_peers: list[str] = field(default_factory=list)  # [cluster] peers: KV crosses boxes

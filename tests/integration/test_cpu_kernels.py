@@ -4,8 +4,10 @@ every shape and window it takes, greedy parity with transformers through it, and
 clear line and torch's path where it cannot be built."""
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import time
 
 import pytest
 import torch
@@ -278,6 +280,102 @@ def test_linear_kernel_matches_onednn(linear, rows, cols):
     assert not odd.use_kernel(linear) and odd.packed is not None    # odd width: oneDNN keeps it
 
 
+def _own_linear(directory) -> cpu_kernels.LinearBf16:
+    """The matmul kernel loaded from a build of its own, so its helper thread (one per
+    loaded library) is this test's alone."""
+    try:
+        return cpu_kernels.LinearBf16(kernel_build.build("linear_bf16", directory))
+    except cpu_kernels.KernelUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _wait_for_helper(kernel) -> int:
+    for _ in range(200):
+        if kernel.helper_tid():
+            return kernel.helper_tid()
+        time.sleep(0.01)
+    raise AssertionError("the helper thread never started")
+
+
+@needs_kernel
+def test_the_helper_thread_shares_calls_and_writes_the_same_outputs(tmp_path):
+    """With the helper thread on another core taking part (`helper_spin(True)`), every
+    output equals the one-thread call's bit for bit (each weight group is computed the
+    same way, whoever takes it), on the AMX and the VDPBF16PS paths (K a multiple of 32
+    or not), 1 to 69 rows, with a bias, an odd number of blocks; the helper did take
+    groups; it sleeps when told, and by itself once calls stop; a core that does not
+    exist is refused."""
+    kernel = _own_linear(tmp_path / "a")
+    core = sorted(os.sched_getaffinity(0))[-1]
+    assert kernel.start_helper(core)
+    _wait_for_helper(kernel)
+    g = torch.Generator().manual_seed(7)
+    layers = []
+    for rows, cols in ((4096, 768), (1280, 768), (37, 64), (40, 48), (768, 2048)):
+        w = (0.05 * torch.randn(rows, cols, generator=g)).to(torch.bfloat16)
+        b = torch.randn(rows, generator=g).to(torch.bfloat16)
+        layer = Linear(w, b)
+        assert layer.use_kernel(kernel)
+        layers.append(layer)
+    try:
+        for m in (1, 8, 33, 69):
+            xs = [torch.randn(m, layer.pairs.shape[1] // 16, generator=g).to(torch.bfloat16)
+                  for layer in layers]
+            kernel.helper_spin(False)
+            want = [layer(x) for layer, x in zip(layers, xs)]
+            kernel.helper_spin(True)
+            for _ in range(5):
+                got = [layer(x) for layer, x in zip(layers, xs)]
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), m
+        if len(os.sched_getaffinity(0)) > 1:
+            assert kernel.helper_groups() > 0
+        kernel.helper_spin(False)
+        time.sleep(0.05)
+        assert kernel.helper_spin(True)          # it went to sleep when told
+        time.sleep(0.05)                         # no calls for 50 ms
+        assert kernel.helper_spin(True)          # it went to sleep by itself
+    finally:
+        kernel.helper_spin(False)
+    assert not _own_linear(tmp_path / "b").start_helper(1023)   # no such CPU here
+
+
+@needs_kernel
+def test_the_gate_keeps_the_helper_asleep_while_its_core_is_busy(tmp_path):
+    """A process spinning on the helper's core: within a few steps the gate finds the
+    helper waiting for its core and sends it to sleep, sitting out `PROBE_STEPS` steps
+    (then longer) before it tries again."""
+    import subprocess
+    import sys
+    from appliance.engines.cpu_kernels import helper_gate
+    kernel = _own_linear(tmp_path)
+    core = sorted(os.sched_getaffinity(0))[-1]
+    tid = None
+    if not kernel.start_helper(core) or not (tid := _wait_for_helper(kernel)) or \
+            not os.path.exists(f"/proc/self/task/{tid}/schedstat"):
+        pytest.skip("no schedstat for threads on this kernel")
+    layer = Linear((0.05 * torch.randn(4096, 768)).to(torch.bfloat16))
+    assert layer.use_kernel(kernel)
+    x = torch.randn(8, 768).to(torch.bfloat16)
+    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})"
+                             "\nwhile True: pass"])
+    gate = helper_gate.HelperGate(kernel, core)
+    try:
+        time.sleep(0.3)
+        for _ in range(3 * helper_gate.PROBE_STEPS):
+            gate.begin()
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 0.05:      # a step of 50 ms of matmuls
+                layer(x)
+            gate.end()
+    finally:
+        busy.kill()
+        busy.wait()
+        kernel.helper_spin(False)
+    assert gate.stats.turned_off >= 1
+    assert gate.stats.steps_without >= helper_gate.PROBE_STEPS
+    assert gate.stats.steps_with < 3 * helper_gate.PROBE_STEPS
+
+
 def _rope_tables(positions: int, hd: int):
     ang = torch.rand(positions, hd // 2, generator=torch.Generator().manual_seed(hd)) * 6
     cos, sin = ang.cos(), ang.sin()
@@ -505,14 +603,19 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
     can_build = kernel_build.compiler() is not None and _has_avx512()   # before the patch
     monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx512_bf16"}))
 
-    def spec(role: str, kernels: str, where: str, threads: int = 1) -> WorkerSpec:
+    def spec(role: str, kernels: str, where: str, threads: int = 1,
+             helper: int = -1) -> WorkerSpec:
         return WorkerSpec(worker=f"{role}0", role=role, engine="torch", devices=["cpu"],
                           device_kind="cpu", model_dir=str(tiny_model), block_size=16,
                           kv_cache_bytes=8 << 20, max_batch_tokens=256, dtype="bfloat16",
                           cpu_kernels=kernels, kernel_dir=str(tmp_path / where),
-                          cpu_threads=threads)
+                          cpu_threads=threads, cpu_helper_core=helper)
     if can_build:
         e = build_torch_engine(spec("decode", "auto", "a"), tiny_model)
+        assert e.helper_gate is None
+        core = sorted(os.sched_getaffinity(0))[0]
+        g = build_torch_engine(spec("decode", "auto", "h", helper=core), tiny_model)
+        assert g.helper_gate is not None and g.helper_gate.cpu == core
         assert e.model.attn.decode_kernel is not None
         assert all(layer.pairs is not None and layer.packed is None
                    for layer in dense_linears(e.model))

@@ -36,3 +36,11 @@ def test_a_bad_value_is_one_clear_error():
     assert WorkerSpec(worker="w", role="decode", engine="torch", devices=["cpu"],
                       device_kind="cpu", model_dir="/m").cpu_kernels == "off"
     assert Config().engine.cpu_kernels == "auto"
+
+
+def test_the_decode_helper_setting_is_checked():
+    assert Config().engine.cpu_decode_helper == "auto"
+    assert parse('[engine]\ncpu_decode_helper = "off"\n').engine.cpu_decode_helper == "off"
+    with pytest.raises(ConfigError,
+                       match="engine.cpu_decode_helper must be auto or off, got 'yes'"):
+        parse('[engine]\ncpu_decode_helper = "yes"\n')

@@ -53,3 +53,34 @@ def test_cpu_workers_split_the_cores(mode, threads, cores, want):
     assert {s.worker: s.cpu_cores for s in specs} == want
     assert {s.worker: s.cpu_threads for s in specs} == {
         w: threads or len(c) for w, c in want.items()}
+
+
+@pytest.mark.parametrize("mode, threads, cores, engine, setting, want", [
+    ("disagg", 0, [0, 1], "torch", "auto", {"prefill0": -1, "decode0": 0}),     # this box
+    ("disagg", 0, [2, 7], "torch", "auto", {"prefill0": -1, "decode0": 2}),     # a cpuset
+    ("disagg", 0, [0, 1], "torch", "off", {"prefill0": -1, "decode0": -1}),
+    ("disagg", 0, [0, 1], "sim", "auto", {"prefill0": -1, "decode0": -1}),
+    ("disagg", 0, [4], "torch", "auto", {"prefill0": -1, "decode0": -1}),       # shared core
+    ("disagg", 0, list(range(16)), "torch", "auto", {"prefill0": -1, "decode0": -1}),
+    ("agg", 1, [0, 1], "torch", "auto", {"agg0": -1, "agg1": -1}),
+])
+def test_a_one_core_decode_worker_may_borrow_the_prefill_core(mode, threads, cores, engine,
+                                                              setting, want):
+    """`engine.cpu_decode_helper = "auto"`: a CPU decode worker of one core and one thread
+    gets the prefill worker's core to borrow while it idles; workers of more threads (torch's
+    path), agg workers, a shared core, other engines and "off" get none."""
+    from appliance.config import Config
+    from appliance.daemon.setup import worker_specs
+    from appliance.partitions import discover, plan_partition
+    from appliance.worker.spec import WorkerSpec
+
+    cfg = Config()
+    cfg.engine.cpu_threads = threads
+    cfg.engine.cpu_decode_helper = setting
+    inv = discover("cpu")
+    inv = dataclasses.replace(inv, devices=(dataclasses.replace(inv.devices[0], cores=len(cores)),))
+    plan = plan_partition(inv, mode=mode, cpu_threads=threads)
+    specs = worker_specs(cfg, inv, plan, engine, Path("/m"), cores)
+    assert {s.worker: s.cpu_helper_core for s in specs} == want
+    # through the process boundary as it goes (JSON on the worker's command line)
+    assert [WorkerSpec.from_json(s.to_json()).cpu_helper_core for s in specs] == list(want.values())

@@ -138,6 +138,32 @@ class LinearBf16:
         # True: built with AMX and Linux granted this process the tiles, so weights whose
         # K is a multiple of 32 are multiplied on them (linear_bf16.c).
         self.amx = bool(lib.linear_bf16_amx())
+        self._start = lib.linear_bf16_helper_start
+        self._start.restype, self._start.argtypes = _I, [_I]
+        self._spin = lib.linear_bf16_helper_spin
+        self._spin.restype, self._spin.argtypes = _I, [_I]
+        self._tid = lib.linear_bf16_helper_tid
+        self._tid.restype = _I
+        self._groups = lib.linear_bf16_helper_groups
+        self._groups.restype = _L
+
+    def start_helper(self, cpu: int) -> bool:
+        """A helper thread pinned to `cpu` that shares each call's weight groups while
+        `helper_spin(True)` holds (linear_bf16.c); False when it cannot be started."""
+        return self._start(cpu) == 0
+
+    def helper_spin(self, on: bool) -> bool:
+        """Let the helper take part in calls (waking it), or send it to sleep; True when
+        it was asleep."""
+        return bool(self._spin(1 if on else 0))
+
+    def helper_tid(self) -> int:
+        """The helper's thread id (0 before it runs)."""
+        return self._tid()
+
+    def helper_groups(self) -> int:
+        """Weight groups (32 output rows of a call) the helper has written so far."""
+        return self._groups()
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:

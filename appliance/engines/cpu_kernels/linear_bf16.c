@@ -20,9 +20,17 @@
    rows zero; K even. x [M, ldx] bf16 (K columns used); bias [N] fp32 or NULL;
    y [M, ldy] bf16.
    Built by appliance/engines/cpu_kernels/builder.py with the host's compiler. */
+#define _GNU_SOURCE /* pthread_attr_setaffinity_np */
 #include <immintrin.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #define NT 2 /* 16-row weight blocks per tile */
 #define MT 8 /* input rows per tile */
@@ -65,9 +73,6 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* w, int64_
    which the stream holds NT * 64 bytes apart. Tiles: C 0-3 (rows 0-15 and 16-31 of the
    chunk, times the group's two blocks), A 4-5, B 6-7. K must be a multiple of 32 (a
    whole tile of k-pairs); other weights take the path above. */
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -155,48 +160,65 @@ static inline void amx_group(const uint16_t* wt, int nblocks, int64_t K, const u
     }
 }
 
-/* Rows in chunks of 32 (two A tiles) under each weight group, so the weight is read from
-   memory once whatever M is (the group, 32 x K, stays in L2 across the chunks). */
-static void linear_amx(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M,
-                       int64_t ldx, const float* bias, uint16_t* y, int64_t ldy) {
+static __thread int tiles_rows = -1; /* the configuration this thread loaded: rows0 * 64 + rows1 */
+
+static void configure_once(int rows0, int rows1) {
+    if (tiles_rows != rows0 * 64 + rows1) {
+        configure(rows0, rows1);
+        tiles_rows = rows0 * 64 + rows1;
+    }
+}
+
+static void release_tiles(void) {
+    if (tiles_rows >= 0) {
+        _tile_release(); /* so the kernel does not save 8 KB of tiles at every switch */
+        tiles_rows = -1;
+    }
+}
+
+/* Weight groups g0 .. g1-1 (NT blocks each) times all M rows: the rows in chunks of 32
+   (two A tiles) under each group, so the weight is read from memory once whatever M is
+   (the group, 32 x K, stays in L2 across the chunks). */
+static void amx_groups(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M,
+                       int64_t ldx, const float* bias, uint16_t* y, int64_t ldy, int64_t g0,
+                       int64_t g1) {
     const int64_t K2 = K / 2, blocks = (N + 15) / 16;
     const int64_t full = M / 32 * 32;          /* rows in whole chunks of 32 */
     const int last = (int)(M - full);
     const int last0 = last < 16 ? last : 16, last1 = last - last0;
-    int configured = -1;                       /* 0 whole chunks, 1 the last, -1 none */
-    for (int64_t nb = 0; nb < blocks; nb += NT) {
+    for (int64_t nb = g0 * NT; nb < blocks && nb < g1 * NT; nb += NT) {
         const int nblocks = blocks - nb < NT ? (int)(blocks - nb) : NT;
         const uint16_t* wt = w + nb * K2 * 32;
         if (full) {
-            if (configured != 0) { configure(16, 16); configured = 0; }
+            configure_once(16, 16);
             for (int64_t m0 = 0; m0 < full; m0 += 32)
                 amx_group(wt, nblocks, K, x + m0 * ldx, ldx, 16, 16, bias, nb * 16, N,
                           y + m0 * ldy, ldy);
         }
         if (last) {
-            if (configured != 1) { configure(last0, last1); configured = 1; }
+            configure_once(last0, last1);
             amx_group(wt, nblocks, K, x + full * ldx, ldx, last0, last1, bias, nb * 16, N,
                       y + full * ldy, ldy);
         }
     }
-    _tile_release(); /* so the kernel does not save 8 KB of tiles at every switch */
 }
+#define AMX_BUILT 1
 #else
 int linear_bf16_amx(void) { return 0; }
 #endif
 
-/* Returns 0, or -1 for an odd K. */
-int linear_bf16(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M,
-                int64_t ldx, const float* bias, uint16_t* y, int64_t ldy) {
-    if (K % 2) return -1;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* Weight groups g0 .. g1-1 times all M rows, on the AMX path where it applies. */
+static void run_groups(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M,
+                       int64_t ldx, const float* bias, uint16_t* y, int64_t ldy, int64_t g0,
+                       int64_t g1) {
+#ifdef AMX_BUILT
     if (K % 32 == 0 && amx_state == 1) {
-        linear_amx(w, N, K, x, M, ldx, bias, y, ldy);
-        return 0;
+        amx_groups(w, N, K, x, M, ldx, bias, y, ldy, g0, g1);
+        return;
     }
 #endif
     const int64_t K2 = K / 2, blocks = (N + 15) / 16;
-    for (int64_t nb = 0; nb < blocks; nb += NT) {
+    for (int64_t nb = g0 * NT; nb < blocks && nb < g1 * NT; nb += NT) {
         const int nblocks = blocks - nb < NT ? (int)(blocks - nb) : NT;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int rows = M - m0 < MT ? (int)(M - m0) : MT;
@@ -212,5 +234,159 @@ int linear_bf16(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int6
 #undef TILE
         }
     }
+}
+
+static void finish(void) {
+#ifdef AMX_BUILT
+    release_tiles();
+#endif
+}
+
+/* ---- A helper thread on another core, for boxes where that core is often idle ----
+
+   A decode step's matmuls are bound by one core's memory reads (~15 GB/s on the AMX
+   machine this was written on, where two cores read 30); on a 2-core box the prefill
+   worker's core idles between prompts. While the caller says so (`linear_bf16_helper_spin`,
+   for the length of a decode step) a thread pinned to that core takes weight groups of
+   each call from a shared counter, so both cores stream one weight. The caller never
+   returns before every group is written; a helper held up mid-group (the core's owner
+   woke) delays the call by that group's time slice, which is why the caller measures the
+   helper's run-queue wait and turns it off while its core is busy.
+
+   Claims carry the call's generation in their top 32 bits, so a helper that is late
+   cannot take a group of the next call; the call's arguments sit in one of two slots by
+   generation, and a helper re-checks the generation after copying them. */
+struct job {
+    const uint16_t* w; int64_t N, K; const uint16_t* x; int64_t M, ldx;
+    const float* bias; uint16_t* y; int64_t ldy, groups;
+};
+
+static struct job jobs[2];
+static _Atomic uint64_t claim;         /* generation << 32 | next group */
+static _Atomic int64_t finished;       /* groups written in the current call */
+static _Atomic uint32_t spin_word;     /* 1: the helper takes part in calls */
+static _Atomic uint32_t wake_seq;      /* futex word the helper sleeps on */
+static _Atomic int helper_asleep;
+static _Atomic int helper_tid;
+static _Atomic int64_t helper_groups;  /* groups the helper wrote, all calls */
+static uint32_t generation;            /* the caller's only */
+static int helper_running;
+
+/* How long the helper polls for the next call before it sleeps: longer than the gap
+   between two decode steps (the worker's bookkeeping, ~1 ms), so a busy worker never
+   has to wake it (waking an idle vCPU can take a millisecond in a VM). */
+#define HELPER_SPIN_NS 3000000
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static int claim_group(uint32_t gen, int64_t groups, int64_t* g) {
+    uint64_t v = atomic_load_explicit(&claim, memory_order_acquire);
+    for (;;) {
+        if ((uint32_t)(v >> 32) != gen || (int64_t)(v & 0xffffffffu) >= groups) return 0;
+        if (atomic_compare_exchange_weak_explicit(&claim, &v, v + 1, memory_order_acq_rel,
+                                                  memory_order_acquire)) {
+            *g = (int64_t)(v & 0xffffffffu);
+            return 1;
+        }
+    }
+}
+
+static void take_groups(const struct job* j, uint32_t gen, int helper) {
+    int64_t g;
+    while (claim_group(gen, j->groups, &g)) {
+        run_groups(j->w, j->N, j->K, j->x, j->M, j->ldx, j->bias, j->y, j->ldy, g, g + 1);
+        if (helper) atomic_fetch_add_explicit(&helper_groups, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&finished, 1, memory_order_release);
+    }
+}
+
+static void* helper_main(void* arg) {
+    (void)arg;
+    atomic_store(&helper_tid, (int)syscall(SYS_gettid));
+    uint32_t seen = 0;
+    int64_t idle_since = now_ns();
+    for (;;) {
+        const uint64_t v = atomic_load_explicit(&claim, memory_order_acquire);
+        const uint32_t gen = (uint32_t)(v >> 32);
+        if (gen != seen) {
+            seen = gen;
+            const struct job j = jobs[gen & 1];
+            if ((uint32_t)(atomic_load_explicit(&claim, memory_order_acquire) >> 32) == gen)
+                take_groups(&j, gen, 1);
+            finish();
+            idle_since = now_ns();
+        } else if (atomic_load_explicit(&spin_word, memory_order_relaxed)
+                   && now_ns() - idle_since < HELPER_SPIN_NS) {
+            _mm_pause();
+        } else {
+            const uint32_t seq = atomic_load(&wake_seq);
+            atomic_store(&helper_asleep, 1);
+            if ((uint32_t)(atomic_load(&claim) >> 32) == seen)
+                syscall(SYS_futex, &wake_seq, FUTEX_WAIT_PRIVATE, seq, NULL, NULL, 0);
+            atomic_store(&helper_asleep, 0);
+            idle_since = now_ns();
+        }
+    }
+    return NULL;
+}
+
+/* Start the helper pinned to `cpu` (once); returns 0, or -1 when it cannot be. */
+int linear_bf16_helper_start(int cpu) {
+    if (helper_running) return 0;
+    if (cpu < 0 || cpu >= CPU_SETSIZE) return -1;
+    pthread_t t;
+    pthread_attr_t attr;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (pthread_attr_init(&attr)) return -1;
+    int rc = pthread_attr_setaffinity_np(&attr, sizeof set, &set);
+    if (!rc) rc = pthread_create(&t, &attr, helper_main, NULL);
+    pthread_attr_destroy(&attr);
+    if (rc) return -1;
+    pthread_detach(t);
+    helper_running = 1;
+    return 0;
+}
+
+/* on: the helper takes part in calls from now on (woken if asleep); off: it sleeps.
+   Returns 1 when the helper was asleep (its wake-up then shows as run-queue wait). */
+int linear_bf16_helper_spin(int on) {
+    const int asleep = atomic_load(&helper_asleep);
+    atomic_store(&spin_word, on ? 1u : 0u);
+    if (on && asleep) {
+        atomic_fetch_add(&wake_seq, 1);
+        syscall(SYS_futex, &wake_seq, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+    }
+    return asleep;
+}
+
+/* Weight groups the helper has written so far (tests: that it took part). */
+int64_t linear_bf16_helper_groups(void) { return atomic_load(&helper_groups); }
+
+/* The helper's thread id (for its /proc schedstat), 0 before it runs. */
+int linear_bf16_helper_tid(void) { return atomic_load(&helper_tid); }
+
+/* Returns 0, or -1 for an odd K. */
+int linear_bf16(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M,
+                int64_t ldx, const float* bias, uint16_t* y, int64_t ldy) {
+    if (K % 2) return -1;
+    const int64_t groups = ((N + 15) / 16 + NT - 1) / NT;
+    if (!helper_running || !atomic_load_explicit(&spin_word, memory_order_relaxed) || groups < 4) {
+        run_groups(w, N, K, x, M, ldx, bias, y, ldy, 0, groups);
+        finish();
+        return 0;
+    }
+    const uint32_t gen = ++generation;
+    jobs[gen & 1] = (struct job){w, N, K, x, M, ldx, bias, y, ldy, groups};
+    atomic_store_explicit(&finished, 0, memory_order_relaxed);
+    atomic_store_explicit(&claim, (uint64_t)gen << 32, memory_order_release);
+    take_groups(&jobs[gen & 1], gen, 0);
+    while (atomic_load_explicit(&finished, memory_order_acquire) < groups) _mm_pause();
+    finish();
     return 0;
 }
