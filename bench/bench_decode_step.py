@@ -259,8 +259,12 @@ def compare_kernels(args) -> list[dict]:
     use), alternating two steps each, 8 times, as --compare-compile does: torch's attention
     and oneDNN's matmuls; the attention kernel; the attention and matmul kernels (a second
     copy of the model, its dense layers in the matmul kernel's layout); and those with the
-    glue kernel (norms, RoPE with the KV write, activation)."""
+    glue kernel (norms, RoPE with the KV write, activation). With --helper-core N, a
+    fifth: all of them with the matmul kernel's helper thread on core N, gated as a decode
+    worker gates it (`cpu_kernels.helper_gate`), timed in wall time (the process's CPU time
+    would count the helper's polling too)."""
     from appliance.engines import cpu_kernels
+    from appliance.engines.cpu_kernels.helper_gate import HelperGate
     from appliance.engines.torch_engine import dense_linears
     torch.set_num_threads(args.threads)
     cpu_heap.keep_freed_memory()
@@ -280,6 +284,11 @@ def compare_kernels(args) -> list[dict]:
                    "attention": build(plain, B, args.prompt, 60, "off"),
                    "attention+matmuls": build(fast, B, args.prompt, 60, "off"),
                    "attention+matmuls+glue": build(fast, B, args.prompt, 60, "off")}
+        if args.helper_core >= 0:   # the matmuls' helper thread on an idle core
+            if not linear.start_helper(args.helper_core):
+                raise SystemExit(f"no helper thread on core {args.helper_core}")
+            eng = engines["+helper core"] = build(fast, B, args.prompt, 60, "off")
+            eng.helper_gate = HelperGate(linear, args.helper_core)
         res: dict[str, list[float]] = {name: [] for name in engines}
         for eng in engines.values():
             for _ in range(3):
@@ -287,12 +296,16 @@ def compare_kernels(args) -> list[dict]:
         for _ in range(8):
             for name, eng in engines.items():
                 plain.attn.set_decode_kernel(attention if name == "attention" else None)
-                fast.set_glue_kernel(glue if name == "attention+matmuls+glue" else None)
+                fast.set_glue_kernel(glue if name in ("attention+matmuls+glue", "+helper core")
+                                     else None)
                 eng.step()
-                c0 = time.process_time()
+                c0, w0 = time.process_time(), time.perf_counter()
                 eng.step()
                 eng.step()
-                res[name].append((time.process_time() - c0) / 2 * 1e3)
+                # CPU time of the process would count the helper's too: wall time for it
+                res[name].append(((time.perf_counter() - w0) if name == "+helper core"
+                                  else (time.process_time() - c0)) / 2 * 1e3)
+                linear.helper_spin(False)
         row = dict(model=d.name, batch=B, context=args.prompt,
                    **{f"{k}_cpu_ms": statistics.median(v) for k, v in res.items()})
         rows.append(row)
@@ -322,6 +335,9 @@ def main() -> None:
                     help="eager vs engine.compile=decode, alternating on one engine")
     ap.add_argument("--compare-kernels", action="store_true",
                     help="torch's decode step vs the C kernels (attention; attention and matmuls)")
+    ap.add_argument("--helper-core", type=int, default=-1,
+                    help="with --compare-kernels: a fifth engine whose matmuls borrow this "
+                         "core (pin the process elsewhere: taskset -c 1 ... --helper-core 0)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
     args.floor_gflops = floor_gflops

@@ -342,9 +342,10 @@ def lend_prefill_cores(specs: list[WorkerSpec]) -> None:
     lenders = [s for s in lone("prefill") if s.cpu_cores]
     for i, spec in enumerate(lone("decode")):
         if lenders:
-            core = lenders[i % len(lenders)].cpu_cores[0]
-            if core not in spec.cpu_cores:
-                spec.cpu_helper_core = core
+            lender = lenders[i % len(lenders)]
+            if lender.cpu_cores[0] not in spec.cpu_cores:
+                spec.cpu_helper_core = lender.cpu_cores[0]
+                spec.cpu_helper_lender = lender.worker
 
 
 

@@ -628,7 +628,9 @@ def _use_cpu_kernels(model: LlamaModel, spec):
         say(f"decode matmuls on this worker's core only (no helper thread on core "
             f"{spec.cpu_helper_core})")
         return None
-    return HelperGate(linear, spec.cpu_helper_core)
+    say(f"decode matmuls may borrow core {spec.cpu_helper_core} while "
+        f"{spec.cpu_helper_lender or 'its owner'} idles (engine.cpu_decode_helper)")
+    return HelperGate(linear, spec.cpu_helper_core, spec.cpu_helper_lender)
 
 
 def dense_linears(model: LlamaModel) -> list:

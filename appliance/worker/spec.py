@@ -36,6 +36,7 @@ class WorkerSpec:
     kernel_dir: str = ""            # where built CPU kernels are cached ("" = ~/.cache/applianced)
     cpu_helper_core: int = -1       # a decode worker's matmuls may borrow this core while it
                                     # idles (the prefill worker's, on a small box); -1: none
+    cpu_helper_lender: str = ""     # the worker whose core that is (busy: not borrowed)
     fair_queuing: bool = True       # tenants' prompts share prefill steps by weight
     fair_chunk_tokens: int = 0      # prompt chunk while tenants share; 0 = the engine's choice
     cluster_peers: list[str] = field(default_factory=list)  # [cluster] peers: KV crosses boxes

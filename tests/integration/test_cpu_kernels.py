@@ -376,6 +376,33 @@ def test_the_gate_keeps_the_helper_asleep_while_its_core_is_busy(tmp_path):
     assert gate.stats.steps_with < 3 * helper_gate.PROBE_STEPS
 
 
+def test_the_gate_sees_whether_the_lending_worker_runs(tmp_path):
+    """`HelperGate.lender_running` finds the lending worker among its sibling processes by
+    the spec on their command lines, and tells running from sleeping (/proc/PID/stat): a
+    lender spinning is running, one blocked in sleep is not, a worker that is not there
+    is not (and is looked for again later)."""
+    import subprocess
+    import sys
+    spec = '--spec {{"worker":"{}","role":"prefill"}}'
+    lenders = [subprocess.Popen([sys.executable, "-c", code, *spec.format(name).split(" ", 1)])
+               for name, code in (("prefill8", "import time; time.sleep(60)"),
+                                  ("prefill9", "while True: pass"))]
+    probe = (
+        "import time\n"
+        "from appliance.engines.cpu_kernels.helper_gate import HelperGate\n"
+        "time.sleep(0.5)\n"
+        "print([HelperGate(None, 0, name).lender_running() "
+        "for name in ('prefill8', 'prefill9', 'prefill7')])\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+    finally:
+        for p in lenders:
+            p.kill()
+            p.wait()
+    assert out.strip() == "[False, True, False]"
+
+
 def _rope_tables(positions: int, hd: int):
     ang = torch.rand(positions, hd // 2, generator=torch.Generator().manual_seed(hd)) * 6
     cos, sin = ang.cos(), ang.sin()

@@ -82,5 +82,7 @@ def test_a_one_core_decode_worker_may_borrow_the_prefill_core(mode, threads, cor
     plan = plan_partition(inv, mode=mode, cpu_threads=threads)
     specs = worker_specs(cfg, inv, plan, engine, Path("/m"), cores)
     assert {s.worker: s.cpu_helper_core for s in specs} == want
+    assert {s.worker: s.cpu_helper_lender for s in specs} == {
+        w: "prefill0" if core >= 0 else "" for w, core in want.items()}
     # through the process boundary as it goes (JSON on the worker's command line)
     assert [WorkerSpec.from_json(s.to_json()).cpu_helper_core for s in specs] == list(want.values())
