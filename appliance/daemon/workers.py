@@ -262,6 +262,8 @@ class WorkerLink:
             "preemptions": s.preemptions if s else None,
             "prefix_hit_tokens": s.prefix_hit_tokens if s else None,
             "kv_recomputes": s.kv_recomputes if s else None,
+            "borrowed_core": s.borrowed_core if s and s.borrowed_core >= 0 else None,
+            "borrowed_core_steps": s.borrowed_core_steps if s else None,
         }
 
 

@@ -311,3 +311,7 @@ class WorkerStats:
     # Handed-off requests recomputed here instead of imported (deadline passed, or the
     # source died or restarted): a sign of decode workers too full for the handoff timeout.
     kv_recomputes: int = 0
+    # A CPU decode worker that borrows the prefill worker's core while that one idles
+    # (`engine.cpu_decode_helper`): the core (-1: none), and the steps that had it.
+    borrowed_core: int = -1
+    borrowed_core_steps: int = 0

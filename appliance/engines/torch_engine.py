@@ -30,7 +30,7 @@ import torch
 from appliance.engines import cpu_heap, dtypes
 from appliance.engines.base import BatchEngine, KvLayoutError
 from appliance.engines.grammar import GrammarBook
-from appliance.engines.messages import Decode, Prefill, RequestFailed, SamplingParams
+from appliance.engines.messages import Decode, Prefill, RequestFailed, SamplingParams, WorkerStats
 from appliance.engines.sampling import SamplingState, sample, top_logprobs
 from appliance.engines.scheduler import Batch
 from appliance.engines.sequence import Sequence
@@ -275,6 +275,13 @@ class TorchEngine(BatchEngine):
             return (f"pattern-copy check failed: {bad} of {want.numel()} values of the canary "
                     "block differ after the copy (P2P through a PCIe switch with ACS?)")
         return None
+
+    def stats(self) -> WorkerStats:
+        stats = super().stats()
+        if self.helper_gate is not None:
+            stats.borrowed_core = self.helper_gate.cpu
+            stats.borrowed_core_steps = self.helper_gate.stats.steps_with
+        return stats
 
     # ---- execution --------------------------------------------------------
     def run_batch(self, batch: Batch) -> list[int | None]:

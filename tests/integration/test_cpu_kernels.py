@@ -724,6 +724,8 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
     with torch.inference_mode():
         want = [tok.decode(ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
                                         pad_token_id=1)[0, len(ids):].tolist()) for ids in prompts]
+    import os
+    two_cores = len(os.sched_getaffinity(0)) >= 2
     for kernels in ("auto", "off"):
         d = start_daemon(tmp_path / kernels, tiny_model, "--engine", "torch",
                          config=f'[engine]\ndtype = "bfloat16"\ncpu_kernels = "{kernels}"\n')
@@ -732,9 +734,18 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
             got = [client.completions.create(model=client.models.list().data[0].id, prompt=ids,
                                              max_tokens=24, temperature=0).choices[0].text
                    for ids in prompts]
+            time.sleep(0.2)                             # the workers' stats after the steps
+            workers = {w["worker"]: w for w in d.status()["workers"]}
         finally:
             d.stop()
         assert got == want, kernels
+        decode, prefill = workers["decode0"], workers["prefill0"]
+        if kernels == "auto" and two_cores:
+            # the decode worker borrowed the prefill core while prompts were not running
+            assert decode["borrowed_core"] == prefill["cpu_cores"][0]
+            assert decode["borrowed_core_steps"] > 0, decode
+        else:
+            assert decode["borrowed_core"] is None and decode["borrowed_core_steps"] == 0
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
     assert built == ["causal_prefill", "layer_glue", "linear_bf16", "paged_decode"]
     assert not (tmp_path / "off" / "state" / "kernels").exists()

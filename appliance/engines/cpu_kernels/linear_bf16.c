@@ -1,4 +1,6 @@
-/* y = x @ W^T (+ bias) in bf16 for the few rows of a decode step (AVX512-BF16).
+/* y = x @ W^T (+ bias) in bf16 for the few rows of a decode step (AVX512-BF16; on a CPU
+   with AMX, its tiles; optionally shared with a helper thread on an idle core: both
+   further down).
 
    Why a kernel: at 1-8 rows a decode step's matmuls stream every weight once and do
    little arithmetic per byte, and oneDNN's packed bf16 linear reads the 82m model's
