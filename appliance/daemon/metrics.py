@@ -115,6 +115,10 @@ class WorkerCollector:
         running = GaugeMetricFamily("applianced_worker_running_sequences",
                                     "Sequences in the running batch",
                                     labels=["worker", "role", "simulated"])
+        borrowed = CounterMetricFamily(
+            "applianced_worker_borrowed_core_steps", "CPU decode steps whose matmuls shared "
+            "the prefill worker's idle core (engine.cpu_decode_helper)",
+            labels=["worker", "role", "core", "simulated"])
         for w in self.pool.workers.values():
             labels = [w.id, w.role, self.sim]
             up.add_metric(labels, 1.0 if w.ready else 0.0)
@@ -126,7 +130,10 @@ class WorkerCollector:
                 kv.add_metric([w.id, w.role, "handed_off", self.sim], s.kv_blocks_handed_off)
                 queued.add_metric(labels, s.queued_prefill_tokens)
                 running.add_metric(labels, s.running)
-        return [up, restarts, kv, queued, running]
+                if s.borrowed_core >= 0:
+                    borrowed.add_metric([w.id, w.role, str(s.borrowed_core), self.sim],
+                                        float(s.borrowed_core_steps))
+        return [up, restarts, kv, queued, running, borrowed]
 
 
 class Metrics:

@@ -712,7 +712,7 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
     tokens transformers generates in bf16 from the same prompts."""
     from appliance.daemon.tokenizer import ServedTokenizer
     from appliance.engines import dtypes
-    from helpers.daemons import start_daemon
+    from helpers.daemons import http, start_daemon
     transformers = pytest.importorskip("transformers")
     if not dtypes.cpu_supports(torch.bfloat16, dtypes.cpu_flags()):
         pytest.skip("this CPU has no bf16")
@@ -736,6 +736,7 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
                    for ids in prompts]
             time.sleep(0.2)                             # the workers' stats after the steps
             workers = {w["worker"]: w for w in d.status()["workers"]}
+            metrics = http("GET", f"{d.url}/metrics")[2].decode()
         finally:
             d.stop()
         assert got == want, kernels
@@ -744,8 +745,13 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
             # the decode worker borrowed the prefill core while prompts were not running
             assert decode["borrowed_core"] == prefill["cpu_cores"][0]
             assert decode["borrowed_core_steps"] > 0, decode
+            series = [line for line in metrics.splitlines()
+                      if line.startswith("applianced_worker_borrowed_core_steps_total{")]
+            assert len(series) == 1 and 'worker="decode0"' in series[0]
+            assert float(series[0].rsplit(" ", 1)[1]) >= decode["borrowed_core_steps"] > 0
         else:
             assert decode["borrowed_core"] is None and decode["borrowed_core_steps"] == 0
+            assert "applianced_worker_borrowed_core_steps_total{" not in metrics
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
     assert built == ["causal_prefill", "layer_glue", "linear_bf16", "paged_decode"]
     assert not (tmp_path / "off" / "state" / "kernels").exists()
