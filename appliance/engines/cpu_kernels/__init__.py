@@ -146,6 +146,10 @@ class LinearBf16:
         self._tid.restype = _I
         self._groups = lib.linear_bf16_helper_groups
         self._groups.restype = _L
+        self._asleep = lib.linear_bf16_helper_asleep
+        self._asleep.restype = _I
+        self._naps = lib.linear_bf16_helper_naps
+        self._naps.restype = _L
 
     def start_helper(self, cpu: int) -> bool:
         """A helper thread pinned to `cpu` that shares each call's weight groups while
@@ -160,6 +164,14 @@ class LinearBf16:
     def helper_tid(self) -> int:
         """The helper's thread id (0 before it runs)."""
         return self._tid()
+
+    def helper_asleep(self) -> bool:
+        """Whether the helper is sleeping now (rather than polling for calls)."""
+        return bool(self._asleep())
+
+    def helper_naps(self) -> int:
+        """How many times the helper has gone to sleep."""
+        return self._naps()
 
     def helper_groups(self) -> int:
         """Weight groups (32 output rows of a call) the helper has written so far."""

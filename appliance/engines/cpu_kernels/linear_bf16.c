@@ -248,12 +248,13 @@ static void finish(void) {
 
    A decode step's matmuls are bound by one core's memory reads (~15 GB/s on the AMX
    machine this was written on, where two cores read 30); on a 2-core box the prefill
-   worker's core idles between prompts. While the caller says so (`linear_bf16_helper_spin`,
-   for the length of a decode step) a thread pinned to that core takes weight groups of
-   each call from a shared counter, so both cores stream one weight. The caller never
-   returns before every group is written; a helper held up mid-group (the core's owner
-   woke) delays the call by that group's time slice, which is why the caller measures the
-   helper's run-queue wait and turns it off while its core is busy.
+   worker's core idles between prompts. While the caller says so (`linear_bf16_helper_spin`)
+   a thread pinned to that core takes weight groups of each call from a shared counter, so
+   both cores stream one weight; between calls it polls, and after HELPER_SPIN_NS without
+   one it sleeps. The caller never returns before every group is written; a helper held
+   up mid-group (the core's owner woke) delays the call by that group's time slice, which
+   is why the caller (cpu_kernels/helper_gate.py) lends it a step only while the core's
+   owner sleeps, and watches its run-queue wait.
 
    Claims carry the call's generation in their top 32 bits, so a helper that is late
    cannot take a group of the next call; the call's arguments sit in one of two slots by
@@ -269,6 +270,7 @@ static _Atomic int64_t finished;       /* groups written in the current call */
 static _Atomic uint32_t spin_word;     /* 1: the helper takes part in calls */
 static _Atomic uint32_t wake_seq;      /* futex word the helper sleeps on */
 static _Atomic int helper_asleep;
+static _Atomic int64_t helper_naps;    /* times the helper went to sleep */
 static _Atomic int helper_tid;
 static _Atomic int64_t helper_groups;  /* groups the helper wrote, all calls */
 static uint32_t generation;            /* the caller's only */
@@ -326,6 +328,7 @@ static void* helper_main(void* arg) {
             _mm_pause();
         } else {
             const uint32_t seq = atomic_load(&wake_seq);
+            atomic_fetch_add(&helper_naps, 1);
             atomic_store(&helper_asleep, 1);
             if ((uint32_t)(atomic_load(&claim) >> 32) == seen)
                 syscall(SYS_futex, &wake_seq, FUTEX_WAIT_PRIVATE, seq, NULL, NULL, 0);
@@ -366,6 +369,11 @@ int linear_bf16_helper_spin(int on) {
     }
     return asleep;
 }
+
+/* 1 while the helper sleeps; the times it went to sleep (tests: that it sleeps when
+   told, and by itself once calls stop). */
+int linear_bf16_helper_asleep(void) { return atomic_load(&helper_asleep); }
+int64_t linear_bf16_helper_naps(void) { return atomic_load(&helper_naps); }
 
 /* Weight groups the helper has written so far (tests: that it took part). */
 int64_t linear_bf16_helper_groups(void) { return atomic_load(&helper_groups); }
