@@ -339,13 +339,12 @@ def lend_prefill_cores(specs: list[WorkerSpec]) -> None:
     def lone(role: str) -> list[WorkerSpec]:
         return [s for s in specs if s.role == role and s.device_kind == "cpu"
                 and len(s.cpu_cores) == 1 and s.cpu_threads == 1]
-    lenders = [s for s in lone("prefill") if s.cpu_cores]
-    for i, spec in enumerate(lone("decode")):
-        if lenders:
-            lender = lenders[i % len(lenders)]
-            if lender.cpu_cores[0] not in spec.cpu_cores:
-                spec.cpu_helper_core = lender.cpu_cores[0]
-                spec.cpu_helper_lender = lender.worker
+    lenders = lone("prefill")
+    for i, spec in enumerate(lone("decode") if lenders else []):
+        lender = lenders[i % len(lenders)]
+        if lender.cpu_cores != spec.cpu_cores:
+            spec.cpu_helper_core = lender.cpu_cores[0]
+            spec.cpu_helper_lender = lender.worker
 
 
 
