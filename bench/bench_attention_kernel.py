@@ -1,0 +1,94 @@
+"""The decode-attention C kernel alone (`cpu_kernels.PagedDecode`), from memory.
+
+Why alone: in a decode step the kernel's time mixes with the matmuls' and the glue's,
+and a change to how it reads the pool (prefetching, layout) moves the step by less than
+the machine's noise. Here B sequences of `--context` positions sit in scattered 16-token
+blocks of 12 separate layer pools (the 82m shape: 12 query heads, 4 KV heads, head_dim
+64), so every call reads K and V from memory as a step's would, not from cache.
+
+With `--against OLD.c`, the kernel is built from that source too and the two run
+alternately, 15 rounds each; the output says whether both wrote the same bytes.
+
+    .venv/bin/python bench/bench_attention_kernel.py                 # B = 8, 32
+    git show REV:appliance/engines/cpu_kernels/paged_decode.c > /tmp/old.c
+    taskset -c 1 .venv/bin/python bench/bench_attention_kernel.py --against /tmp/old.c
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from appliance.engines import cpu_kernels  # noqa: E402
+from appliance.engines.cpu_kernels import builder  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 12, 4, 64, 16, 12
+
+
+def kernel_from(source: Path, directory: Path) -> cpu_kernels.PagedDecode:
+    """The kernel built from another copy of paged_decode.c, with this tree's headers and
+    the flags the engine builds with."""
+    out = directory / "paged_decode-against.so"
+    subprocess.run([builder.compiler() or "cc", *builder.FLAGS, f"-I{builder.SOURCE_DIR}",
+                    "-o", str(out), str(source)], check=True)
+    return cpu_kernels.PagedDecode(out)
+
+
+def run(kernels: dict[str, cpu_kernels.PagedDecode], batch: int, context: int,
+        rounds: int) -> None:
+    torch.manual_seed(0)
+    per_seq = -(-context // BLOCK)
+    blocks = batch * per_seq + 8
+    pools = [(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16(),
+              torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()) for _ in range(LAYERS)]
+    tables = torch.randperm(blocks)[:batch * per_seq].view(batch, per_seq).contiguous()
+    q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+    ctx = torch.full((batch,), context, dtype=torch.int32)
+    starts = torch.zeros(batch, dtype=torch.int32)
+    scratch = torch.empty(HEADS * context, dtype=torch.float32)
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    outs: dict[str, torch.Tensor] = {}
+    for _ in range(rounds):
+        for name, kernel in kernels.items():
+            out = torch.empty_like(q)
+            t0 = time.perf_counter()
+            for k, v in pools:
+                kernel(q, k, v, tables, ctx, starts, HEAD_DIM ** -0.5, scratch, out)
+            times[name].append(time.perf_counter() - t0)
+            outs[name] = out
+    nbytes = LAYERS * 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+    first = next(iter(outs.values()))
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        same = "" if len(outs) == 1 else f", output equal to the first: {torch.equal(outs[name], first)}"
+        print(f"B={batch:3d} context {context}: {name:8s} {med * 1e3:6.2f} ms per step "
+              f"({LAYERS} layers), {nbytes / med / 1e9:5.1f} GB/s{same}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="8,32")
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--against", type=Path, help="another paged_decode.c to compare with")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = {"here": cpu_kernels.load_paged_decode(tmp)}
+        if args.against:
+            kernels["against"] = kernel_from(args.against, Path(tmp))
+        for b in args.batches.split(","):
+            run(kernels, int(b), args.context, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
