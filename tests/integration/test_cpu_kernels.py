@@ -180,6 +180,22 @@ def prefill(tmp_path_factory):
     return _built(cpu_kernels.load_causal_prefill, tmp_path_factory)
 
 
+@pytest.fixture(scope="module", params=["native", "no-amx"])
+def prefill_paths(request, tmp_path_factory, prefill):
+    """The prompt-attention kernel as this host builds it (on an AMX CPU: its tile path
+    for head_dim a multiple of 32), and built without AMX (VDPBF16PS only)."""
+    from appliance.engines.dtypes import cpu_flags
+    if request.param == "native":
+        assert prefill.amx(64) is ("amx_bf16" in cpu_flags())
+        assert not prefill.amx(16)                      # not whole tiles: VDPBF16PS
+        return prefill
+    path = kernel_build.build("causal_prefill", tmp_path_factory.mktemp("no-amx"),
+                              flags=(*kernel_build.FLAGS, "-mno-amx-tile", "-mno-amx-bf16"))
+    kernel = cpu_kernels.CausalPrefill(path)
+    assert not kernel.amx(64)
+    return kernel
+
+
 @pytest.fixture(scope="module")
 def glue(tmp_path_factory):
     return _built(cpu_kernels.load_layer_glue, tmp_path_factory)
@@ -204,12 +220,15 @@ def _sdpa_causal(q, k, v):
 
 @needs_kernel
 @pytest.mark.parametrize("n,heads,kv_heads,hd", [(256, 12, 4, 64), (1, 4, 2, 16), (37, 8, 8, 64),
-                                                 (100, 16, 2, 128), (17, 6, 1, 32)])
-def test_prefill_kernel_matches_sdpa(prefill, n, heads, kv_heads, hd):
-    """A prompt's causal attention through the kernel, from slices of one fused qkv row as
-    the model makes them, against SDPA in bf16 (what it replaces): rounded the same way,
-    so most outputs are equal and none is over a bf16 step apart, and it is exactly as
-    close to an fp32 reference."""
+                                                 (100, 16, 2, 128), (17, 6, 1, 32),
+                                                 (300, 12, 4, 64), (50, 4, 2, 96)])
+def test_prefill_kernel_matches_sdpa(prefill_paths, n, heads, kv_heads, hd):
+    """A prompt's causal attention through the kernel (both paths on an AMX CPU; rows
+    and keys that end mid-tile included), from slices of one fused qkv row as the model
+    makes them, against SDPA in bf16 (what it replaces): rounded the same way, so most
+    outputs are equal and none is over a bf16 step apart, and it is exactly as close to
+    an fp32 reference."""
+    prefill = prefill_paths
     g = torch.Generator().manual_seed(n + heads + hd)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * hd, generator=g).to(torch.bfloat16)
     q = qkv[:, :heads * hd].view(n, heads, hd)

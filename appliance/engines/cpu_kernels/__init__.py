@@ -246,7 +246,14 @@ class CausalPrefill:
         self._scratch_bytes = lib.causal_prefill_scratch
         self._scratch_bytes.restype = _L
         self._scratch_bytes.argtypes = [_L, _I]
+        self._amx = lib.causal_prefill_amx
+        self._amx.restype = _I
+        self._amx.argtypes = [_I]
         self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def amx(self, head_dim: int) -> bool:
+        """Whether prompts of this head_dim run on AMX's tiles here (causal_prefill.c)."""
+        return bool(self._amx(head_dim))
 
     def supports(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return (head_dim <= self.MAX_HEAD_DIM and head_dim % 16 == 0 and num_kv_heads >= 1
