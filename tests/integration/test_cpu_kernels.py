@@ -245,6 +245,29 @@ def test_prefill_kernel_matches_sdpa(prefill_paths, n, heads, kv_heads, hd):
 
 
 @needs_kernel
+def test_onednn_matmuls_are_unchanged_by_the_kernels_use_of_the_tiles(prefill, linear):
+    """A prefill worker runs oneDNN's matmuls (on AMX's tiles where the CPU has them)
+    between calls of the prompt kernel, and a decode worker the matmul kernel next to
+    oneDNN: each kernel loads its own tile configuration and releases the tiles when it
+    returns, and oneDNN's results stay the same bit for bit across them."""
+    from appliance.engines.layers.linear import Linear
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 128, generator=g).to(torch.bfloat16)
+    x = torch.randn(40, 128, generator=g).to(torch.bfloat16)
+    onednn = Linear(w.clone(), None)
+    first = onednn(x)
+    torch.testing.assert_close(first.float(), x.float() @ w.float().T, rtol=2 ** -6, atol=0.1)
+    q = torch.randn(48, 4, 64, generator=g).to(torch.bfloat16)
+    kv = torch.randn(48, 2, 64, generator=g).to(torch.bfloat16)
+    packed = linear.pack(w)
+    for _ in range(3):
+        prefill(q, kv, kv, 0.125)
+        assert torch.equal(onednn(x), first)
+        linear(packed, 96, x, None)
+        assert torch.equal(onednn(x), first)
+
+
+@needs_kernel
 def test_prompts_go_through_the_prefill_kernel_only_where_it_applies(prefill):
     """Through `PagedAttention`: a fresh prompt is the kernel's; one with a cached prefix,
     or one a sliding window cuts, stays with SDPA (the same output as with no kernel)."""
