@@ -585,7 +585,8 @@ def _use_cpu_kernels(model: LlamaModel, spec):
     """The C kernels of `engines.cpu_kernels` where this host builds them: a prompt's
     attention and every step's elementwise work (every worker), decode attention (decode
     and agg workers; a prefill worker never decodes), and the dense layers' matmuls on
-    decode workers (an agg worker's prompt-sized matmuls are oneDNN's best case). What
+    decode workers (an agg worker's prompt-sized matmuls are oneDNN's best case), whose
+    decode-only steps then run all layers in one call of these kernels. What
     cannot be used is said in one line on stderr, and torch's path serves it. The kernels
     run on one thread, so a worker with more keeps torch's path, which uses them all.
     Returns the `HelperGate` of a decode worker whose matmuls may borrow
@@ -628,6 +629,14 @@ def _use_cpu_kernels(model: LlamaModel, spec):
         return
     for layer in dense_linears(model):
         layer.use_kernel(linear)
+    if model.attn.decode_kernel is not None and model.glue_kernel is not None:
+        try:    # a decode step's layers in one call of the kernels above
+            layers = cpu_kernels.load_decode_layers(spec.kernel_dir)
+        except cpu_kernels.KernelUnavailable as exc:
+            say(f"decode layers called one by one from Python ({exc})")
+        else:
+            layers.bind(linear, model.attn.decode_kernel, model.glue_kernel)
+            model.set_decode_layers(layers)     # False for layers it does not fit: one by one
     if spec.cpu_helper_core < 0:
         return None
     from appliance.engines.cpu_kernels.helper_gate import HelperGate

@@ -614,6 +614,76 @@ def test_decode_steps_through_the_glue_kernel_keep_torchs_logits(glue, tiny_mode
     assert model.set_glue_kernel(None) and model.glue_kernel is None
 
 
+def _tiny_qwen2(path):
+    """A random tiny Qwen2 (biases on q, k and v) saved by transformers."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(vocab_size=bf16_parity.VOCAB, hidden_size=64,
+                                   intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=128, use_sliding_window=False)
+    torch.manual_seed(1)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.15 * torch.randn(p.shape))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+def test_decode_layers_in_one_call_match_the_kernels_called_one_by_one(
+        kernel, linear, glue, tiny_model, tmp_path, family):
+    """Decode steps of three sequences of different lengths with every layer in one C
+    call (`cpu_kernels.DecodeLayers`) and with the kernels called one by one from the
+    forward: the same logits and the same KV pool bit for bit (a Qwen3's q/k norms and a
+    Qwen2's q/k/v biases included). Prompts never take the one call, and a model it does
+    not fit is refused."""
+    where = {"llama": tiny_model, "qwen3": _tiny_qwen3, "qwen2": _tiny_qwen2}[family]
+    model = load_model(where if family == "llama" else where(tmp_path / family),
+                       dtype=torch.bfloat16)
+    assert model.set_decode_layers(None)
+    one = cpu_kernels.load_decode_layers(str(tmp_path / "kernels"))
+    one.bind(linear, kernel, glue)
+    assert model.attn.set_decode_kernel(kernel)
+    assert not model.set_decode_layers(one)             # no glue kernel yet
+    assert model.set_glue_kernel(glue)
+    assert not model.set_decode_layers(one)             # matmuls not on the kernel yet
+    for layer in dense_linears(model):
+        assert layer.use_kernel(linear)
+    assert model.set_decode_layers(one)
+    calls = []
+    fn = one._fn
+    one._fn = lambda *a: calls.append(1) or fn(*a)
+    bs = 16
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9, 10]]
+    kv = allocate_kv_pool(model.shape, 12, bs, dtype=torch.bfloat16)
+    seqs = []
+    for n, table in zip((20, 5, 33), tables):
+        prompt = [3 + (7 * i) % 50 for i in range(n)]
+        slots = torch.tensor([table[i // bs] * bs + i % bs for i in range(n)])
+        logits = model(torch.tensor(prompt), torch.arange(n),
+                       AttnBatch(True, [n], [n], [table], slots), kv)
+        seqs.append(prompt + [int(logits[0].argmax())])
+    assert calls == []                                  # prompts: one by one
+    pools = {"one by one": kv.clone(), "one call": kv.clone()}
+    for _ in range(5):
+        pos = [len(seq) - 1 for seq in seqs]
+        slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, pos)])
+        out = {}
+        for name, pool in pools.items():
+            assert model.set_decode_layers(one if name == "one call" else None)
+            batch = AttnBatch(False, [1] * 3, [len(seq) for seq in seqs], tables, slots)
+            out[name] = model(torch.tensor([seq[-1] for seq in seqs]), torch.tensor(pos),
+                              batch, pool)
+        assert torch.equal(out["one call"], out["one by one"])
+        for seq, row in zip(seqs, out["one by one"]):
+            seq.append(int(row.argmax()))
+    assert len(calls) == 5
+    assert torch.equal(pools["one call"], pools["one by one"])
+    assert model.set_decode_layers(None) and model.decode_layers is None
+
+
 def test_weights_for_the_matmul_kernel_are_advised_for_huge_pages():
     """`huge_page_empty`: 64-byte aligned slices of one mapping advised MADV_HUGEPAGE (the
     `hg` flag of /proc/self/smaps), writable, and kept apart."""
@@ -710,12 +780,14 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
         assert all(layer.pairs is not None and layer.packed is None
                    for layer in dense_linears(e.model))
         assert e.model.attn.prefill_kernel is not None and e.model.glue_kernel is not None
+        assert e.model.decode_layers is not None            # decode steps: one call
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "a").iterdir()) == [
-            "causal_prefill", "layer_glue", "linear_bf16", "paged_decode"]
+            "causal_prefill", "decode_layers", "layer_glue", "linear_bf16", "paged_decode"]
         # an agg worker: attention and glue kernels, oneDNN's matmuls (prompts are theirs)
         e = build_torch_engine(spec("agg", "auto", "a"), tiny_model)
         assert e.model.attn.decode_kernel is not None and e.model.glue_kernel is not None
         assert all(layer.pairs is None for layer in dense_linears(e.model))
+        assert e.model.decode_layers is None
         # a CPU with AMX whose tiles the kernel cannot use (built without them, or Linux
         # refused them): oneDNN, which has an AMX path, keeps the matmuls, said in one line
         monkeypatch.setattr(dtypes, "cpu_flags",
@@ -820,5 +892,5 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
             assert decode["borrowed_core"] is None and decode["borrowed_core_steps"] == 0
             assert "applianced_worker_borrowed_core_steps_total{" not in metrics
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
-    assert built == ["causal_prefill", "layer_glue", "linear_bf16", "paged_decode"]
+    assert built == ["causal_prefill", "decode_layers", "layer_glue", "linear_bf16", "paged_decode"]
     assert not (tmp_path / "off" / "state" / "kernels").exists()

@@ -6,7 +6,8 @@
   the kernel streams it (linear_bf16.c);
 - `CausalPrefill`: a prompt's causal self-attention in bf16 (causal_prefill.c);
 - `LayerGlue`: a step's residual adds with RMSNorms, RoPE with the KV write, SwiGLU's
-  activation and Qwen3's q/k norms, each one call (layer_glue.c).
+  activation and Qwen3's q/k norms, each one call (layer_glue.c);
+- `DecodeLayers`: a decode step's layers in one call of the three above (decode_layers.c).
 
 Torch's ops stay the reference and the fallback: a kernel is only used when it could be
 built and loaded here (`load_paged_decode`, `load_linear_bf16`, `load_causal_prefill`),
@@ -23,9 +24,9 @@ import torch
 
 from appliance.engines.cpu_kernels.builder import KernelUnavailable, build, cache_dir
 
-__all__ = ["CausalPrefill", "KernelUnavailable", "LayerGlue", "LinearBf16", "PagedDecode",
-           "huge_page_empty", "load_causal_prefill", "load_layer_glue", "load_linear_bf16",
-           "load_paged_decode"]
+__all__ = ["CausalPrefill", "DecodeLayers", "KernelUnavailable", "LayerGlue", "LinearBf16",
+           "PagedDecode", "huge_page_empty", "load_causal_prefill", "load_decode_layers",
+           "load_layer_glue", "load_linear_bf16", "load_paged_decode"]
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _GROUP = 2              # linear_bf16.c's NT: 16-row blocks read side by side
@@ -391,6 +392,112 @@ class LayerGlue:
         return out
 
 
+class _Layer(ctypes.Structure):
+    """decode_layers.c's layer_t: one layer's weights (addresses; 0 for none)."""
+    _fields_ = [(name, _P) for name in (
+        "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
+        "mlp_norm", "next_norm", "q_norm", "k_norm")]
+
+
+class _Step(ctypes.Structure):
+    """decode_layers.c's step_t."""
+    _fields_ = [("B", _L), ("D", _L), ("inter", _L), ("H", ctypes.c_int32),
+                ("KVH", ctypes.c_int32), ("hd", ctypes.c_int32), ("bs", ctypes.c_int32),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos_t", _P),
+                ("sin_t", _P), ("table_rows", _L), ("pos", _P), ("slots", _P), ("kv", _P),
+                ("layer_elems", _L), ("kv_elems", _L), ("cache_slots", _L), ("tables", _P),
+                ("table_stride", _L), ("ctx_lens", _P), ("starts", _P), ("scratch", _P),
+                ("scratch_elems", _L), ("h", _P), ("x", _P), ("qkv", _P), ("q", _P),
+                ("attn", _P), ("o", _P), ("gu", _P), ("act", _P)]
+
+
+class DecodeLayers:
+    """``decode_layers`` of a loaded library: a decode step's layers in one call, through
+    the kernels given to `bind` (decode_layers.c says why and what it runs)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        self._bind = lib.decode_layers_bind
+        self._bind.restype = None
+        self._bind.argtypes = [_P] * 6
+        self._fn = lib.decode_layers
+        self._fn.restype = _I
+        self._fn.argtypes = [_P, _I, _P]
+        self._kernels: tuple = ()
+        self._work = torch.empty(0, dtype=torch.bfloat16)
+
+    def bind(self, linear: LinearBf16, attention: PagedDecode, glue: LayerGlue) -> None:
+        """Call these kernels' functions (the ones the forward calls one by one)."""
+        def addr(fn) -> int:
+            return ctypes.cast(fn, ctypes.c_void_p).value
+        self._bind(addr(linear._fn), addr(attention._fn), addr(glue._norm), addr(glue._rope),
+                   addr(glue._silu), addr(glue._head_norm))
+        self._kernels = (linear, attention, glue)   # kept loaded while bound
+
+    @staticmethod
+    def layers(weights: list[dict[str, torch.Tensor | None]]) -> ctypes.Array:
+        """The layers' weights as decode_layers.c reads them; each dict holds `_Layer`'s
+        fields (packed bf16 matmul weights, fp32 biases, bf16 norms; None for none). The
+        caller keeps the tensors alive as long as the array is used."""
+        arr = (_Layer * len(weights))()
+        for layer, w in zip(arr, weights):
+            for name, t in w.items():
+                if t is not None:
+                    if not t.is_contiguous() or t.device.type != "cpu":
+                        raise ValueError(f"decode_layers: {name} must be contiguous on the CPU")
+                    setattr(layer, name, t.data_ptr())
+        return arr
+
+    def __call__(self, layers: ctypes.Array, h: torch.Tensor, x: torch.Tensor, *,
+                 heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
+                 scale: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor,
+                 ctx_lens: torch.Tensor, starts: torch.Tensor,
+                 scratch: torch.Tensor) -> None:
+        """Run every layer on the B decode rows of `h` and `x` ([B, D] bf16, updated in
+        place: h the residual stream, x layer 0's normed input); `kv` the pool
+        [2, layers, blocks, block_size, kv_heads, head_dim]; the rest as the forward hands
+        them to the kernels one by one."""
+        B, D = h.shape
+        L = len(layers)
+        if kv.dim() != 6 or kv.shape[1] != L or kv.shape[4:] != (kv_heads, head_dim) \
+                or not kv.is_contiguous() or kv.dtype != torch.bfloat16:
+            raise ValueError(f"decode_layers: pool {tuple(kv.shape)} does not fit {L} layers")
+        for name, t, dtype in (("h", h, torch.bfloat16), ("x", x, torch.bfloat16),
+                               ("positions", positions, torch.int64),
+                               ("slots", slots, torch.int64), ("tables", tables, torch.int64),
+                               ("ctx_lens", ctx_lens, torch.int32),
+                               ("starts", starts, torch.int32), ("scratch", scratch, torch.float32),
+                               ("cos", cos, torch.bfloat16), ("sin", sin, torch.bfloat16)):
+            if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"decode_layers: {name} must be a contiguous CPU {dtype} tensor")
+        if x.shape != h.shape or positions.numel() != B or slots.numel() != B \
+                or ctx_lens.numel() != B or starts.numel() != B or tables.shape[0] != B:
+            raise ValueError("decode_layers: the step's rows disagree")
+        W = (heads + 2 * kv_heads) * head_dim
+        Q = heads * head_dim
+        sizes = (W, Q, Q, D, 2 * inter, inter)       # qkv, q, attn, o, gu, act per row
+        need = B * sum(sizes) + 32 * len(sizes)
+        if self._work.numel() < need:
+            self._work = torch.empty(need + need // 2, dtype=torch.bfloat16)
+        ptrs, at = [], self._work.data_ptr()
+        for n in sizes:                               # 64-byte aligned slices
+            ptrs.append(at)
+            at += -(-B * n * 2 // 64) * 64
+        layer_elems = kv[0, 0].numel()
+        step = _Step(B, D, inter, heads, kv_heads, head_dim, kv.shape[3], eps, scale,
+                     cos.data_ptr(), sin.data_ptr(), cos.shape[0], positions.data_ptr(),
+                     slots.data_ptr(), kv.data_ptr(), layer_elems, L * layer_elems,
+                     kv.shape[2] * kv.shape[3], tables.data_ptr(), tables.shape[1],
+                     ctx_lens.data_ptr(), starts.data_ptr(), scratch.data_ptr(),
+                     scratch.numel(), h.data_ptr(), x.data_ptr(), *ptrs)
+        rc = self._fn(ctypes.addressof(layers), L, ctypes.addressof(step))
+        if rc:
+            raise ValueError(f"decode_layers: layer {rc - 1} refused the step (a position or "
+                             f"slot out of range, or attention it does not take)")
+
+
 _loaded: dict[tuple[str, str], object] = {}
 
 
@@ -426,3 +533,8 @@ def load_linear_bf16(directory: str = "") -> LinearBf16:
 def load_layer_glue(directory: str = "") -> LayerGlue:
     """A step's elementwise kernels, as `load_paged_decode` (AVX-512F)."""
     return _load("layer_glue", LayerGlue, directory)
+
+
+def load_decode_layers(directory: str = "") -> DecodeLayers:
+    """The one-call decode layers, built from decode_layers.c if needed."""
+    return _load("decode_layers", DecodeLayers, directory)

@@ -353,7 +353,7 @@ class PagedAttention:
         return (kernel is not None and self.device.type == "cpu" and not s.attention_sinks
                 and kernel.supports(s.num_heads, s.num_kv_heads, s.head_dim))
 
-    def _score_scale(self) -> float:
+    def score_scale(self) -> float:
         """The scores' factor as a number (``self.scale`` None means 1/sqrt(head_dim))."""
         return self.shape.head_dim ** -0.5 if self.scale is None else self.scale
 
@@ -432,7 +432,7 @@ class PagedAttention:
         kernel = (self.prefill_kernel if sinks is None and q.dtype == torch.bfloat16 else None)
         for start, end, ctx_slots, mask in plan.prefill:
             if kernel is not None and ctx_slots is None and mask is None:   # plain causal
-                o = kernel(q[start:end], k[start:end], v[start:end], self._score_scale())
+                o = kernel(q[start:end], k[start:end], v[start:end], self.score_scale())
                 out[start:end] = o.view(end - start, s.q_size)
                 continue
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
@@ -517,17 +517,28 @@ class PagedAttention:
         (no gather, no copies); the same numbers as `_grouped_decode` but for summation
         order (paged_decode.c)."""
         s = self.shape
-        if plan.kernel is None:
-            plan.kernel = _kernel_inputs(batch, len(plan.prefill), window)
-        args = plan.kernel
-        need = s.num_heads * args.longest
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need + need // 2, dtype=torch.float32)
+        args = self.kernel_inputs(plan, batch, window)
         q = q.contiguous()
         out = torch.empty_like(q)
         self.decode_kernel(q, kv_layer[0], kv_layer[1], args.tables, args.ctx_lens, args.starts,
-                           self._score_scale(), self._scratch, out)
+                           self.score_scale(), self._scratch, out)
         return out.reshape(q.shape[0], s.q_size)
+
+    def kernel_inputs(self, plan: _Plan, batch: AttnBatch,
+                      window: int | None = None) -> _KernelInputs:
+        """The step's decode rows as the decode kernel takes them (made once per step),
+        and `scratch` grown to what the kernel needs for them."""
+        if plan.kernel is None:
+            plan.kernel = _kernel_inputs(batch, len(plan.prefill), window)
+        need = self.shape.num_heads * plan.kernel.longest
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need + need // 2, dtype=torch.float32)
+        return plan.kernel
+
+    @property
+    def scratch(self) -> torch.Tensor:
+        """The decode kernel's fp32 scratch (sized by `kernel_inputs`)."""
+        return self._scratch
 
     def _gather_buffer(self, elems: int) -> torch.Tensor:
         """``[2, elems]`` of the kept gather buffer, for a step's largest group (see

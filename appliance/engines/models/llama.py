@@ -238,6 +238,9 @@ class LlamaModel(torch.nn.Module):
         self.decode_glue: Glue = self.glue
         # A step's elementwise work in C (`set_glue_kernel`), or None: torch's ops.
         self.glue_kernel = None
+        # A decode step's layers in one C call (`set_decode_layers`), or None.
+        self.decode_layers = None
+        self._decode_weights: Any = None
 
     def set_glue_kernel(self, kernel) -> bool:
         """Run every step's residual adds and norms (Qwen3's q/k norms too), RoPE with the
@@ -248,6 +251,51 @@ class LlamaModel(torch.nn.Module):
             return False
         self.glue_kernel = kernel
         return True
+
+    def set_decode_layers(self, kernel) -> bool:
+        """Run a decode-only step's layers through `kernel` (`cpu_kernels.DecodeLayers`:
+        the kernels the forward calls one by one, in one call, the same numbers), or one
+        by one again with None. False (nothing changed) unless every layer already runs on
+        the kernels: the glue kernel, the decode attention kernel (no sinks, no sliding
+        window), a dense MLP and all four matmuls on the matmul kernel."""
+        if kernel is None:
+            self.decode_layers, self._decode_weights = None, None
+            return True
+        s = self.shape
+        if self.glue_kernel is None or self.attn.decode_kernel is None or s.attention_sinks \
+                or any(s.window(li) is not None for li in range(s.num_layers)):
+            return False
+        weights = []
+        for li, layer in enumerate(self.layers):
+            mlp = layer.mlp
+            if not isinstance(mlp, DenseMLP):
+                return False
+            lins = (layer.qkv, layer.o, mlp.gate_up, mlp.down)
+            if any(lin.pairs is None for lin in lins) or mlp.gate_up.rows != 2 * s.intermediate_size:
+                return False
+            nxt = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else None
+            weights.append(dict(
+                qkv=layer.qkv.pairs, o=layer.o.pairs, gate_up=mlp.gate_up.pairs,
+                down=mlp.down.pairs, qkv_bias=layer.qkv.bias32, o_bias=layer.o.bias32,
+                gate_up_bias=mlp.gate_up.bias32, down_bias=mlp.down.bias32,
+                mlp_norm=layer.mlp_norm, next_norm=nxt, q_norm=layer.q_norm,
+                k_norm=layer.k_norm))
+        self._decode_weights = (kernel.layers(weights), weights)   # the tensors kept alive
+        self.decode_layers = kernel
+        return True
+
+    def _run_decode_layers(self, h: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                           slots: torch.Tensor, kv: torch.Tensor, batch: AttnBatch,
+                           plan) -> None:
+        """Every layer of a decode-only step in one call (`set_decode_layers`); h, x in place."""
+        s = self.shape
+        args = self.attn.kernel_inputs(plan, batch)
+        self.decode_layers(
+            self._decode_weights[0], h, x, heads=s.num_heads, kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim, inter=s.intermediate_size, eps=s.rms_norm_eps,
+            scale=self.attn.score_scale(), cos=self.rope_cos, sin=self.rope_sin,
+            positions=positions, slots=slots.contiguous(), kv=kv, tables=args.tables,
+            ctx_lens=args.ctx_lens, starts=args.starts, scratch=self.attn.scratch)
 
     @property
     def attention(self) -> str:
@@ -308,7 +356,11 @@ class LlamaModel(torch.nn.Module):
         # Each residual add is done with the norm after it (one compiled loop, `glue`).
         x = glue.rms_norm(h, self.layers[0].attn_norm, eps)
         last_layer = len(self.layers) - 1
-        for li, layer in enumerate(self.layers):
+        one_call = (self.decode_layers is not None and fused is not None and not plan.prefill
+                    and bool(plan.decode) and self.attn.backend == "sdpa")
+        if one_call:        # every layer in one C call: the same kernels, in the same order
+            self._run_decode_layers(h, x, positions, slot_mapping, kv, batch, plan)
+        for li, layer in enumerate(() if one_call else self.layers):
             qkv = layer.qkv(x).view(T, H + 2 * KVH, hd)
             if layer.q_norm is not None:
                 if fused is not None:
