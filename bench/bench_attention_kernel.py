@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,18 +28,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from appliance.engines import cpu_kernels  # noqa: E402
-from appliance.engines.cpu_kernels import builder  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from kernel_build import build_against  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 12, 4, 64, 16, 12
-
-
-def kernel_from(source: Path, directory: Path) -> cpu_kernels.PagedDecode:
-    """The kernel built from another copy of paged_decode.c, with this tree's headers and
-    the flags the engine builds with."""
-    out = directory / "paged_decode-against.so"
-    subprocess.run([builder.compiler() or "cc", *builder.FLAGS, f"-I{builder.SOURCE_DIR}",
-                    "-o", str(out), str(source)], check=True)
-    return cpu_kernels.PagedDecode(out)
 
 
 def run(kernels: dict[str, cpu_kernels.PagedDecode], batch: int, context: int,
@@ -85,7 +77,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         kernels = {"here": cpu_kernels.load_paged_decode(tmp)}
         if args.against:
-            kernels["against"] = kernel_from(args.against, Path(tmp))
+            kernels["against"] = build_against(args.against, Path(tmp), cpu_kernels.PagedDecode)
         for b in args.batches.split(","):
             run(kernels, int(b), args.context, args.rounds)
 

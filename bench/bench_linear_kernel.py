@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,19 +30,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from appliance.engines import cpu_kernels  # noqa: E402
-from appliance.engines.cpu_kernels import builder  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from kernel_build import build_against  # noqa: E402
 
 # (out, in) of one layer of the 82m model: fused qkv, o, fused gate/up, down
 LAYER = ((1280, 768), (768, 768), (4096, 768), (768, 2048))
 LAYERS = 12
-
-
-def kernel_from(source: Path, directory: Path) -> cpu_kernels.LinearBf16:
-    """The kernel built from another copy of linear_bf16.c, with the engine's flags."""
-    out = directory / "linear_bf16-against.so"
-    subprocess.run([builder.compiler() or "cc", *builder.FLAGS, f"-I{builder.SOURCE_DIR}",
-                    "-o", str(out), str(source)], check=True)
-    return cpu_kernels.LinearBf16(out)
 
 
 def run(kernels: dict[str, cpu_kernels.LinearBf16], rows: int, rounds: int,
@@ -89,7 +82,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         kernels = {"here": cpu_kernels.load_linear_bf16(tmp)}
         if args.against:
-            kernels["against"] = kernel_from(args.against, Path(tmp))
+            kernels["against"] = build_against(args.against, Path(tmp), cpu_kernels.LinearBf16)
         if args.helper_core >= 0:
             for kernel in kernels.values():
                 if not kernel.start_helper(args.helper_core):
