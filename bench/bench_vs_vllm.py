@@ -22,6 +22,9 @@ Per cell, the client (aiohttp, this process) keeps C requests in flight until C 
           aiperf calls inter-token latency;
   CPU s/request  CPU time of the server's process tree during the cell / requests (warm-up
           included): the cost of a request whatever share of the cores other jobs leave.
+  reference loop  ms of a fixed Python loop just before the cell (`reference_ms`): the
+          host's clock then; rows far apart in it are not comparable (a compute-bound
+          server slows with the clock more than a memory-bound one).
 NVIDIA's aiperf is the reference client (`--aiperf PATH` also runs it against each
 server once per cell and prints its req/s and p50s beside ours).
 """
@@ -204,6 +207,22 @@ async def cell(url: str, model: str, concurrency: int, total: int, prompt_tokens
             "wall_s": wall}
 
 
+def reference_ms() -> float:
+    """Milliseconds of a fixed pure-Python loop on this process's core, taken before each
+    cell: a proxy for the host's clock at that moment. On the shared development VM the
+    clock swung 1.3-2.7 GHz within a day, and a compute-bound server (vLLM's engine)
+    slows with it more than a memory-bound one, so a ratio between servers is only read
+    beside this (docs/benchmarks.md, session 20)."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(300_000):
+            x += i & 7
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
                prompt_tokens: int, output_tokens: int, out: Path) -> dict | None:
     """aiperf's own numbers for one cell (None when it fails: its CLI moves between releases)."""
@@ -301,6 +320,7 @@ def main() -> None:
             samples: dict[str, list[dict]] = {n: [] for n in servers}
             for r in range(args.rounds):
                 for name, (proc, url) in servers.items():       # A B A B
+                    ref = reference_ms()
                     before = cpu_seconds(proc)
                     s = asyncio.run(cell(url, names[name], c, c * args.requests,
                                          args.prompt_tokens, args.output_tokens, vocab,
@@ -308,14 +328,17 @@ def main() -> None:
                     # warm-up requests included: (C x requests + 2) per cell
                     s["cpu_s_per_req"] = ((cpu_seconds(proc) - before) / (s["requests"] + 2)
                                           if proc is not None else float("nan"))
+                    s["reference_ms"] = ref
                     print(f"  c={c} round {r + 1} {name}: {s['req_s']:.2f} req/s, TTFT p50 "
                           f"{s['ttft_p50_s']:.2f} s, ITL p50 {s['itl_p50_ms']:.1f} ms, "
-                          f"{s['cpu_s_per_req']:.2f} CPU s/request", flush=True)
+                          f"{s['cpu_s_per_req']:.2f} CPU s/request (reference loop "
+                          f"{ref:.1f} ms)", flush=True)
                     samples[name].append(s)
             for name, ss in samples.items():
                 row = {"concurrency": c, "server": name, "rounds": len(ss),
                        **{k: statistics.median(s[k] for s in ss)
-                          for k in ("req_s", "ttft_p50_s", "itl_p50_ms", "cpu_s_per_req")}}
+                          for k in ("req_s", "ttft_p50_s", "itl_p50_ms", "cpu_s_per_req",
+                                    "reference_ms")}}
                 if args.aiperf:
                     row["aiperf"] = run_aiperf(args.aiperf, servers[name][1], model, c,
                                                c * args.requests, args.prompt_tokens,
@@ -323,12 +346,12 @@ def main() -> None:
                 rows.append(row)
         print(f"\n{model.name}: {args.prompt_tokens}-token prompts, {args.output_tokens} output "
               f"tokens, medians of {args.rounds} alternating round(s)")
-        print("| concurrency | server | req/s | TTFT p50 | ITL p50 | CPU s/request |\n"
-              "|---|---|---:|---:|---:|---:|")
+        print("| concurrency | server | req/s | TTFT p50 | ITL p50 | CPU s/request | reference "
+              "loop |\n|---|---|---:|---:|---:|---:|---:|")
         for row in rows:
             print(f"| {row['concurrency']} | {row['server']} | {row['req_s']:.2f} | "
                   f"{row['ttft_p50_s']:.2f} s | {row['itl_p50_ms']:.1f} ms | "
-                  f"{row['cpu_s_per_req']:.2f} |")
+                  f"{row['cpu_s_per_req']:.2f} | {row['reference_ms']:.1f} ms |")
         by = {(r["concurrency"], r["server"]): r for r in rows}
         for c in levels:
             v = by.get((c, "vLLM CPU"))
