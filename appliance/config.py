@@ -74,6 +74,10 @@ class EngineConfig:
     decode_kv_gate: bool = False      # disagg: prefill a request only when the decode side has its KV room
     decode_kv_gate_wait_s: float = 10.0  # ...but hold none longer than this (then it goes on ungated)
     conditional_disagg_tokens: int = 0  # >0: prompts shorter than this skip the prefill worker
+    conditional_disagg_queue_tokens: int = -1  # >0: while this many prompt tokens wait for the
+                                      # prefill workers, a decode worker prefills one itself;
+                                      # 0 = off; -1 = auto (1024 for torch on the CPU, else off)
+    conditional_disagg_prefill_share: float = 0.5  # ...at most this share of its time (0, 1]
     tool_parser: str = ""             # "" = from the chat template; hermes | llama3_json | mistral | harmony | none
     reasoning_parser: str = ""        # "" = from the chat template; qwen3 | none
     dtype: str = "auto"               # torch weights and KV: auto | float32 | bfloat16 | float16
@@ -373,6 +377,12 @@ def validate(cfg: Config) -> Config:
     if cfg.engine.max_batch_tokens < 0:
         raise ConfigError("config: engine.max_batch_tokens must be 0 (auto: the knee of the "
                           f"prefill profile) or positive, got {cfg.engine.max_batch_tokens}")
+    if cfg.engine.conditional_disagg_queue_tokens < -1:
+        raise ConfigError("config: engine.conditional_disagg_queue_tokens must be -1 (auto), "
+                          f"0 (off) or positive, got {cfg.engine.conditional_disagg_queue_tokens}")
+    if not 0.0 < cfg.engine.conditional_disagg_prefill_share <= 1.0:
+        raise ConfigError("config: engine.conditional_disagg_prefill_share must be within "
+                          f"(0, 1], got {cfg.engine.conditional_disagg_prefill_share}")
     if cfg.engine.prefill_chunk_tokens < 0:
         raise ConfigError("config: engine.prefill_chunk_tokens must be 0 (off) or more, "
                           f"got {cfg.engine.prefill_chunk_tokens}")

@@ -107,8 +107,11 @@ class DispatchQueue:
     come). With `fair=False` every request is one tenant's: arrival order."""
 
     def __init__(self, fair: bool = True, admits: Callable[[int], bool] | None = None,
-                 admits_wait_s: float = 10.0):
+                 admits_wait_s: float = 10.0, overflow: Callable[[int], object] | None = None):
         self.fair = fair
+        # `overflow(tokens)`: a worker outside the candidates that takes the queue's head
+        # before them, or None.
+        self.overflow = overflow
         # Room beyond the first stage's (disagg: the decode side's KV) for a request of
         # so many KV blocks; while the queue's head has none, everybody waits, in fair
         # order, but the head no longer than `admits_wait_s`: then it goes on without it
@@ -124,6 +127,10 @@ class DispatchQueue:
 
     def depth(self, tenant: str) -> int:
         return self._depth.get(tenant, 0)
+
+    def tokens(self) -> int:
+        """Prompt tokens of the requests waiting."""
+        return sum(w.tokens for w in self.queue) if self.queue else 0
 
     async def wait(self, tokens: int, tenant: str, weight: float, priority: int,
                    claim: Callable, unclaim: Callable, candidates: Callable[[], list],
@@ -190,7 +197,8 @@ class DispatchQueue:
                         self._recheck.cancel()
                     self._recheck = loop.call_later(left, self.pump, candidates)
                     return
-            worker = pick_with_room(ready, waiter.tokens)
+            worker = ((self.overflow is not None and self.overflow(waiter.tokens))
+                      or pick_with_room(ready, waiter.tokens))
             if worker is None:
                 return
             queue.pop()

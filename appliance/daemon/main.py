@@ -40,7 +40,8 @@ from appliance.daemon.prepare import PreparePool
 from appliance.daemon.router import Router
 from appliance.daemon.server import build_app
 from appliance.daemon.service import Service, labelled_tenants
-from appliance.daemon.setup import Setup, StartupError, plan_setup, weight_bytes
+from appliance.daemon.setup import (Setup, StartupError, plan_setup, queue_tokens,
+                                     weight_bytes)
 from appliance.daemon.state import ServedModel, ServingState, context_limits
 from appliance.daemon.tenants import TenantPolicy
 from appliance.daemon.workers import WorkerGone, WorkerPool
@@ -102,7 +103,9 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
     router = Router(pool, setup.plan.mode, e.conditional_disagg_tokens, cfg.tenants,
                     fair_queuing=e.fair_queuing, role=c.role, peers=peers,
                     model_name=lambda: state.model.name, decode_kv_gate=e.decode_kv_gate,
-                    decode_kv_gate_wait_s=e.decode_kv_gate_wait_s)
+                    decode_kv_gate_wait_s=e.decode_kv_gate_wait_s,
+                    queue_tokens=queue_tokens(e.conditional_disagg_queue_tokens, setup.specs),
+                    prefill_share=e.conditional_disagg_prefill_share)
     t = cfg.telemetry
     telemetry = build_telemetry(
         setup.inventory, setup.plan, worker_cores={s.worker: s.cpu_cores for s in setup.specs},

@@ -15,6 +15,7 @@ waits in the router's fair queue (`daemon.dispatch`) for the next worker with ro
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -91,7 +92,8 @@ class Router:
                  tenants: dict[str, TenantConfig] | None = None, fair_queuing: bool = True,
                  role: str = "both", peers: Peers | None = None,
                  model_name: Callable[[], str] = lambda: "", decode_kv_gate: bool = False,
-                 decode_kv_gate_wait_s: float = 10.0):
+                 decode_kv_gate_wait_s: float = 10.0, queue_tokens: int = 0,
+                 prefill_share: float = 1.0):
         self.pool = pool
         self._model_name = model_name   # what the decode boxes are told the request is for
         self.role = role            # cluster.role: both | prefill (decodes go to peers) | decode
@@ -108,8 +110,20 @@ class Router:
         # `decode_kv_gate_wait_s`: it then goes on as it would ungated (the decode
         # worker's own admission decides), so long answers can delay others, never block them.
         self.gated = decode_kv_gate and mode == "disagg" and role != "prefill"
-        self.dispatch = DispatchQueue(fair_queuing, self._decode_room if self.gated else None,
-                                      decode_kv_gate_wait_s)
+        # Conditional disaggregation by queue (`engine.conditional_disagg_queue_tokens`,
+        # Dynamo's rule): while so many prompt tokens wait for the prefill workers, a
+        # decode worker with no prompt of its own under way prefills the next request
+        # itself, in its fair turn, and decodes it there (no handoff). The decode worker
+        # then pauses its decodes for that prompt's step, but spends fewer steps a token,
+        # each on more sequences; with one prompt at a time it never stops for long, and
+        # its prompts take at most `prefill_share` of its time (`_decode_for_a_while`).
+        self.queue_tokens = (queue_tokens if mode == "disagg" and role == "both"
+                             and not self.gated else 0)
+        self.prefill_share = prefill_share
+        self._decodes_until: dict[str, float] = {}    # decode worker -> no prompt before
+        self.dispatch = DispatchQueue(
+            fair_queuing, self._decode_room if self.gated else None, decode_kv_gate_wait_s,
+            (lambda tokens: self._local_prefill(tokens, True)) if self.queue_tokens else None)
         # The placed requests' decode KV, one entry each, added when a prefill worker is
         # claimed for it and popped when it ends (`_uncommit`, however it ends): the total
         # changes only with the entries, so it cannot drift from them.
@@ -157,7 +171,8 @@ class Router:
         counted, its `need` decode KV blocks committed): at once when one has room and
         nobody waits, else in fair order."""
         if not self.dispatch.queue:
-            w = pick_with_room(self._first(), tokens)
+            w = ((self.queue_tokens and self._local_prefill(tokens))
+                 or pick_with_room(self._first(), tokens))
             if w is not None and (not need or self._decode_room(need)):
                 queue = w.open(rid)
                 w.pending_prefill_tokens += tokens
@@ -238,6 +253,37 @@ class Router:
             return ready
         return self._rotation.rotate(ready, role)
 
+    def _local_prefill(self, tokens: int, waiting: bool = False) -> WorkerLink | None:
+        """A decode worker to prefill a prompt of `tokens` itself (`waiting`: one of the
+        requests queued at the router): one with no prompt of its own under way, when
+        the prompt tokens queued for the prefill workers, this one's included, reach
+        `queue_tokens`, and the prompt fits one step of a prefill worker (on a CPU,
+        `engine.cpu_prefill_step_ms`: the decodes never pause longer than that)."""
+        idle = [w for w in self.decode if w.ready and w.pending_prefill_tokens == 0]
+        if idle and self._decodes_until:
+            now = asyncio.get_running_loop().time()
+            idle = [w for w in idle if self._decodes_until.get(w.id, 0.0) <= now]
+        if not idle or not self.prefill:
+            return None
+        if tokens > min(w.spec.max_batch_tokens for w in self.prefill):
+            return None
+        queued = (0 if waiting else tokens) + sum(w.pending_prefill_tokens for w in self.prefill)
+        if queued < self.queue_tokens:
+            queued += self.dispatch.tokens()
+            if queued < self.queue_tokens:
+                return None
+        return most_free(idle, _free_blocks)
+
+    def _decode_for_a_while(self, worker: WorkerLink, sent: float) -> None:
+        """After a prompt it prefilled (sent at `sent`, its first token now), a decode
+        worker takes no other until it has decoded long enough for its prompts to take
+        at most `prefill_share` of its time; the queue is looked at again then."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        until = now + (now - sent) * (1 - self.prefill_share) / self.prefill_share
+        self._decodes_until[worker.id] = until
+        loop.call_at(until, self._pump)
+
     def _most_free(self, workers: list[WorkerLink]) -> WorkerLink:
         return most_free(self._ready(workers, "decode"), _free_blocks)
 
@@ -304,18 +350,21 @@ class Router:
                 self._uncommit(trace.request_id)
 
     async def _run_local(self, trace: Trace, worker: WorkerLink | None, prompt: list[int],
-                         params: SamplingParams, share: Share = NO_SHARE):
-        """The whole request on one worker: `worker`, or (None) an aggregated worker
-        with room, waiting for one in fair order when all are saturated."""
+                         params: SamplingParams, share: Share = NO_SHARE,
+                         queue: Channel | None = None):
+        """The whole request on one worker: `worker` (with `queue`: already claimed by
+        `_place`), or (None) an aggregated worker with room, waiting for one in fair
+        order when all are saturated."""
         rid = trace.request_id
         if worker is None:
             worker, queue = await self._place(rid, len(prompt), share)
-        else:
+        elif queue is None:
             queue = worker.open(rid)
             worker.pending_prefill_tokens += len(prompt)
         trace.prefill_worker = trace.decode_worker = worker.id
         counted = True
         done = False
+        sent = asyncio.get_running_loop().time()
         try:
             worker.send(Prefill(rid, prompt, params, False, share.tenant, share.weight,
                                 share.priority))
@@ -326,6 +375,8 @@ class Router:
                         worker.pending_prefill_tokens = max(
                             0, worker.pending_prefill_tokens - len(prompt))
                         counted = False
+                        if worker.role == "decode" and self.prefill_share < 1:
+                            self._decode_for_a_while(worker, sent)
                         self._pump()
                         trace.first_token = time.time()
                         trace.cached_tokens = ev.cached_tokens
@@ -348,6 +399,12 @@ class Router:
                           share: Share, need: int = 0):
         rid = trace.request_id
         pw, queue = await self._place(rid, len(prompt), share, need)
+        if pw.role == "decode":     # the prefill side's queue was long (`queue_tokens`)
+            async with contextlib.aclosing(
+                    self._run_local(trace, pw, prompt, params, share, queue)) as local:
+                async for step in local:
+                    yield step
+            return
         trace.prefill_worker = pw.id
         prefilled = False
         try:

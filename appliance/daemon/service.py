@@ -252,6 +252,10 @@ class Service:
             "prepared": {"inline": self.prepare_pool.inline, "pooled": self.prepare_pool.pooled,
                          "inline_bytes": self.prepare_pool.inline_bytes},
             "max_batch_tokens": s.batch_tokens,
+            # where a decode worker prefills prompts itself, as applied (0: never)
+            "conditional_disagg": {"prompt_tokens": self.router.conditional_tokens,
+                                   "queue_tokens": self.router.queue_tokens,
+                                   "prefill_share": self.router.prefill_share},
             **inv,
             "partition": split_of(self.plan),
             "workers": workers,

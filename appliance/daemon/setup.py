@@ -347,6 +347,24 @@ def lend_prefill_cores(specs: list[WorkerSpec]) -> None:
             spec.cpu_helper_lender = lender.worker
 
 
+# `engine.conditional_disagg_queue_tokens = -1` (auto) on a box whose decode workers are
+# torch on the CPU: ~4 of the benchmark's 256-token prompts waiting. Measured against
+# 512 and 2048 (docs/benchmarks.md, "Against vLLM's CPU build"): 512 gives the decode
+# core prompts so often that its ITL rises, 2048 is rarely reached at 8 clients.
+CPU_QUEUE_TOKENS = 1024
+
+
+def queue_tokens(setting: int, specs: list[WorkerSpec]) -> int:
+    """`engine.conditional_disagg_queue_tokens` as applied: auto (-1) is on only where
+    it was measured, torch decode workers on the CPU, whose prefill worker is the bound
+    and whose decode core has time to give; on GPUs (and the simulator) it stays off
+    unless set: there a decode GPU's prefill would take its own turn from its decodes."""
+    if setting >= 0:
+        return setting
+    cpu_decode = any(s.role == "decode" and s.engine == "torch" and s.device_kind == "cpu"
+                     for s in specs)
+    return CPU_QUEUE_TOKENS if cpu_decode else 0
+
 
 def cluster_worker_roles(cfg: Config) -> set[str]:
     """The worker roles this box runs under `cluster.role`: start-up and a workflow that

@@ -527,3 +527,162 @@ def test_the_decode_kv_gate_never_holds_a_request_past_its_wait():
         assert router.decode_committed == 0
 
     asyncio.run(scenario())
+
+
+# ---- conditional disaggregation by queue length ---------------------------------------
+
+def _placed(pool: WorkerPool) -> dict[str, tuple[str, bool]]:
+    """Each request the router sent a Prefill for: (worker, whether it hands its KV off)."""
+    return {m.request_id: (w.id, m.handoff) for w in pool.workers.values()
+            for m in w._outbox if isinstance(m, Prefill)}
+
+
+def _first_token(pool: WorkerPool, rid: str, worker: str) -> None:
+    pool.workers[worker].channels[rid].put(Tokens(rid, [7], None))
+
+
+def test_a_long_prefill_queue_sends_one_prompt_at_a_time_to_the_decode_worker():
+    async def scenario():
+        pool = _pool(_spec("p0", role="prefill", max_seqs=100, max_batch_tokens=100),
+                     _spec("d0", role="decode", max_seqs=100))
+        router = Router(pool, "disagg", queue_tokens=25)
+        first = [Client(router, f"r{i}", "t", tokens=10, max_tokens=4) for i in range(4)]
+        await _settle()
+        # r0, r1: 10 and 20 tokens queued, under 25. r2 makes it 30: the decode worker,
+        # with no prompt of its own, prefills it itself (no handoff). r3: the decode
+        # worker has one under way, so the prefill worker.
+        assert _placed(pool) == {"r0": ("p0", True), "r1": ("p0", True),
+                                 "r2": ("d0", False), "r3": ("p0", True)}
+        assert pool.workers["d0"].pending_prefill_tokens == 10
+        # its first token: the decode worker may take another prompt
+        _first_token(pool, "r2", "d0")
+        await _settle()
+        assert first[2].steps == [([7], None, None)]
+        assert first[2].trace.prefill_worker == first[2].trace.decode_worker == "d0"
+        assert pool.workers["d0"].pending_prefill_tokens == 0
+        r4 = Client(router, "r4", "t", tokens=10)
+        await _settle()
+        assert _placed(pool)["r4"] == ("d0", False)
+        # a prompt longer than one prefill step of the prefill worker never pauses the
+        # decodes for longer: it waits for the prefill worker
+        _first_token(pool, "r4", "d0")
+        await _settle()
+        long = Client(router, "long", "t", tokens=101)
+        await _settle()
+        assert _placed(pool)["long"] == ("p0", True)
+        for c in (*first, r4, long):
+            c.task.cancel()
+        await asyncio.gather(*(c.task for c in (*first, r4, long)), return_exceptions=True)
+        assert all(not w.channels and w.pending_prefill_tokens == 0
+                   for w in pool.workers.values())
+
+    asyncio.run(scenario())
+
+
+def test_the_decode_worker_takes_the_fair_queues_head_not_a_newcomer():
+    async def scenario():
+        pool = _pool(_spec("p0", role="prefill", max_seqs=1, max_batch_tokens=1000),
+                     _spec("d0", role="decode", max_seqs=100))
+        router = Router(pool, "disagg", queue_tokens=600)
+        flood = [Client(router, f"f{i}", "flood", tokens=500) for i in range(4)]
+        await _settle()
+        # f0 on the prefill worker; f1 makes 1000 tokens queued: the decode worker's.
+        # f2 and f3 wait at the router (the prefill worker is at its max_seqs).
+        placed = _placed(pool)
+        assert placed == {"f0": ("p0", True), "f1": ("d0", False)}
+        assert router.depth("flood") == 2
+        polite = Client(router, "p0", "polite", tokens=20)
+        await _settle()
+        assert router.depth("polite") == 1
+        # The decode worker's prompt is done: the queue's head in fair order goes there,
+        # the polite tenant's request before the flood's two.
+        _first_token(pool, "f1", "d0")
+        await _settle()
+        assert _placed(pool)["p0"] == ("d0", False)
+        assert router.depth("flood") == 2 and router.depth("polite") == 0
+        assert polite.trace.prefill_worker == "d0"
+        for c in (*flood, polite):
+            c.task.cancel()
+        await asyncio.gather(*(c.task for c in (*flood, polite)), return_exceptions=True)
+        assert len(router.dispatch) == 0
+        assert all(not w.channels and w.pending_prefill_tokens == 0
+                   for w in pool.workers.values())
+
+    asyncio.run(scenario())
+
+
+def test_queue_tokens_apply_only_where_prompts_and_decodes_share_the_router():
+    pool = _pool(_spec("p0", role="prefill"), _spec("d0", role="decode"))
+    assert Router(pool, "disagg", queue_tokens=10).queue_tokens == 10
+    # agg has no prefill side; the decode-KV gate counts every placement against the
+    # decode side's KV, which a local prefill would bypass; a front sends decodes on
+    assert Router(_pool(_spec("a0")), "agg", queue_tokens=10).queue_tokens == 0
+    assert Router(pool, "disagg", queue_tokens=10, decode_kv_gate=True).queue_tokens == 0
+    assert Router(pool, "disagg", queue_tokens=10, role="prefill").queue_tokens == 0
+
+
+def test_queue_tokens_auto_is_on_for_torch_decode_workers_on_the_cpu_only():
+    import dataclasses
+    from pathlib import Path
+
+    from appliance.config import Config, ConfigError, parse
+    from appliance.daemon.setup import CPU_QUEUE_TOKENS, queue_tokens, worker_specs
+    from appliance.partitions import discover, plan_partition
+
+    def specs(engine: str, mode: str = "disagg"):
+        cfg = Config()
+        inv = discover("cpu")
+        inv = dataclasses.replace(inv, devices=(dataclasses.replace(inv.devices[0], cores=2),))
+        plan = plan_partition(inv, mode=mode, cpu_threads=1 if mode == "agg" else 0)
+        return worker_specs(cfg, inv, plan, engine, Path("/m"), [0, 1])
+
+    assert Config().engine.conditional_disagg_queue_tokens == -1       # auto by default
+    assert queue_tokens(-1, specs("torch")) == CPU_QUEUE_TOKENS
+    assert queue_tokens(-1, specs("sim")) == 0        # a simulated GPU's decode is its own
+    assert queue_tokens(-1, specs("torch", "agg")) == 0
+    assert queue_tokens(0, specs("torch")) == 0        # off, as set
+    assert queue_tokens(300, specs("sim")) == 300      # set: wherever
+    assert Config().engine.conditional_disagg_prefill_share == 0.5
+    with pytest.raises(ConfigError) as err:
+        parse("[engine]\nconditional_disagg_prefill_share = 0\n", "t.toml")
+    assert "engine.conditional_disagg_prefill_share must be within (0, 1]" in str(err.value)
+    assert parse("[engine]\nconditional_disagg_queue_tokens = 0\n",
+                 "t.toml").engine.conditional_disagg_queue_tokens == 0
+    with pytest.raises(ConfigError) as err:
+        parse("[engine]\nconditional_disagg_queue_tokens = -2\n", "t.toml")
+    assert "engine.conditional_disagg_queue_tokens must be -1 (auto)" in str(err.value)
+
+
+def test_a_decode_worker_decodes_between_its_prompts_for_their_share():
+    """`prefill_share` 0.5: after a prompt that took it ~0.2 s, the decode worker takes
+    no other for ~0.2 s (its decodes run), then the fair queue's head goes to it."""
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        pool = _pool(_spec("p0", role="prefill", max_seqs=1, max_batch_tokens=1000),
+                     _spec("d0", role="decode", max_seqs=100))
+        router = Router(pool, "disagg", queue_tokens=1, prefill_share=0.5)
+        a = Client(router, "a", "t")
+        await _settle()
+        b = Client(router, "b", "t")
+        c = Client(router, "c", "t")
+        await _settle()
+        # a on the decode worker; b on the prefill worker (the decode worker has one);
+        # c waits at the router (the prefill worker is at its max_seqs)
+        assert _placed(pool) == {"a": ("d0", False), "b": ("p0", True)}
+        await asyncio.sleep(0.2)
+        _first_token(pool, "a", "d0")
+        await _settle()
+        t0 = loop.time()
+        assert "c" not in _placed(pool) and router.depth("t") == 1
+        await asyncio.sleep(0.05)
+        assert "c" not in _placed(pool)          # still decoding for a's share
+        while "c" not in _placed(pool):
+            assert loop.time() - t0 < 3, "the decode worker never took the queue's head"
+            await asyncio.sleep(0.01)
+        assert _placed(pool)["c"] == ("d0", False) and loop.time() - t0 >= 0.15
+        for x in (a, b, c):
+            x.task.cancel()
+        await asyncio.gather(a.task, b.task, c.task, return_exceptions=True)
+        assert all(not w.channels for w in pool.workers.values())
+
+    asyncio.run(scenario())
