@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -64,15 +65,21 @@ def test_prompts_prefilled_on_the_decode_worker_answer_as_handed_off_ones(tiny_m
             places = {r["prefill_worker"] for r in recs}
             if places == {"prefill0", "decode0"}:
                 break
-        metrics = http("GET", f"{d.url}/metrics")[2].decode()
+        # the decode worker's own prompts show as its prefill iterations (they reach the
+        # daemon with the worker's stats: waited for, not assumed)
+        deadline = time.monotonic() + 20
+        while True:
+            metrics = http("GET", f"{d.url}/metrics")[2].decode()
+            series = [line for line in metrics.splitlines()
+                      if line.startswith("applianced_engine_iterations_total{")
+                      and 'worker="decode0"' in line and 'phase="prefill"' in line]
+            if series or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     finally:
         d.stop()
     assert places == {"prefill0", "decode0"}, places
     assert all(r["decode_worker"] == "decode0" and r["status"] == "ok" for r in recs)
-    # the decode worker's own prompts show as its prefill iterations
-    series = [line for line in metrics.splitlines()
-              if line.startswith("applianced_engine_iterations_total{")
-              and 'worker="decode0"' in line and 'phase="prefill"' in line]
     assert len(series) == 1 and float(series[0].rsplit(" ", 1)[1]) >= 1, series
     for p, text in got:
         assert text == tok.decode(want[tuple(p)]), (p, text)

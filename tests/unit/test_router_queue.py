@@ -671,15 +671,20 @@ def test_a_decode_worker_decodes_between_its_prompts_for_their_share():
         assert _placed(pool) == {"a": ("d0", False), "b": ("p0", True)}
         await asyncio.sleep(0.2)
         _first_token(pool, "a", "d0")
-        await _settle()
         t0 = loop.time()
-        assert "c" not in _placed(pool) and router.depth("t") == 1
-        await asyncio.sleep(0.05)
-        assert "c" not in _placed(pool)          # still decoding for a's share
+        while "d0" not in router._decodes_until:      # the router reads the token
+            assert loop.time() - t0 < 3
+            await asyncio.sleep(0)
+        # the decode worker's prompt took >= 0.2 s: as long again of decodes only
+        until = router._decodes_until["d0"]
+        assert until - t0 >= 0.2 - 0.01
+        # c waits for exactly that: never placed before it, placed on d0 after it
         while "c" not in _placed(pool):
-            assert loop.time() - t0 < 3, "the decode worker never took the queue's head"
+            assert loop.time() < until + 3, "the decode worker never took the queue's head"
             await asyncio.sleep(0.01)
-        assert _placed(pool)["c"] == ("d0", False) and loop.time() - t0 >= 0.15
+            if loop.time() < until:
+                assert "c" not in _placed(pool) and router.depth("t") == 1
+        assert _placed(pool)["c"] == ("d0", False) and loop.time() >= until
         for x in (a, b, c):
             x.task.cancel()
         await asyncio.gather(a.task, b.task, c.task, return_exceptions=True)
