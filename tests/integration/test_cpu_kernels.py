@@ -755,8 +755,8 @@ def test_build_is_cached_per_source_and_says_why_it_cannot(tmp_path, monkeypatch
 
 def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypatch, capfd):
     """A bf16 decode worker (the daemon's spec: cpu_kernels auto) builds the kernels into
-    its kernel_dir, attends and multiplies through them (an agg worker does not multiply,
-    a prefill worker does not decode); with
+    its kernel_dir, attends and multiplies through them (a prefill worker does not decode;
+    with AMX, agg and prefill workers leave prompts' matmuls to oneDNN); with
     no compiler, or with more than one thread, it says so in one line and serves on
     torch's path; `off`, and prefill workers, never build them."""
     from appliance.engines import dtypes
@@ -783,15 +783,21 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
         assert e.model.decode_layers is not None            # decode steps: one call
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "a").iterdir()) == [
             "causal_prefill", "decode_layers", "layer_glue", "linear_bf16", "paged_decode"]
-        # an agg worker: attention and glue kernels, oneDNN's matmuls (prompts are theirs)
+        # an agg worker without AMX: every kernel, its prompts' matmuls too
         e = build_torch_engine(spec("agg", "auto", "a"), tiny_model)
         assert e.model.attn.decode_kernel is not None and e.model.glue_kernel is not None
-        assert all(layer.pairs is None for layer in dense_linears(e.model))
-        assert e.model.decode_layers is None
-        # a CPU with AMX whose tiles the kernel cannot use (built without them, or Linux
-        # refused them): oneDNN, which has an AMX path, keeps the matmuls, said in one line
+        assert all(layer.pairs is not None for layer in dense_linears(e.model))
+        assert e.model.decode_layers is not None and e.helper_gate is None
+        # with AMX, prompts are oneDNN's (its tiles): an agg or prefill worker keeps them
         monkeypatch.setattr(dtypes, "cpu_flags",
                             lambda *a: frozenset({"avx512_bf16", "amx_bf16"}))
+        for role in ("agg", "prefill"):
+            e = build_torch_engine(spec(role, "auto", "a"), tiny_model)
+            assert e.model.glue_kernel is not None and e.model.decode_layers is None
+            assert all(layer.pairs is None and layer.packed is not None
+                       for layer in dense_linears(e.model))
+        # a CPU with AMX whose tiles the kernel cannot use (built without them, or Linux
+        # refused them): oneDNN, which has an AMX path, keeps the matmuls, said in one line
         monkeypatch.setattr(cpu_kernels.load_linear_bf16(str(tmp_path / "a")), "amx", False)
         capfd.readouterr()
         e = build_torch_engine(spec("decode", "auto", "a"), tiny_model)
@@ -807,13 +813,14 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
     assert e.model.attn.decode_kernel is None and e.model.attn.prefill_kernel is None
     assert not (tmp_path / "b").exists()
     if can_build:
-        # a prefill worker: its prompts' attention only (it never decodes)
+        # a prefill worker without AMX: its prompts' attention, glue and matmuls (it never
+        # decodes, so no decode attention nor one-call layers)
         e = build_torch_engine(spec("prefill", "auto", "c"), tiny_model)
         assert e.model.attn.prefill_kernel is not None and e.model.attn.decode_kernel is None
-        assert e.model.glue_kernel is not None
-        assert all(layer.pairs is None for layer in dense_linears(e.model))
+        assert e.model.glue_kernel is not None and e.model.decode_layers is None
+        assert all(layer.pairs is not None for layer in dense_linears(e.model))
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "c").iterdir()) == [
-            "causal_prefill", "layer_glue"]
+            "causal_prefill", "layer_glue", "linear_bf16"]
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(shutil, "which", lambda name: None)
     capfd.readouterr()
@@ -844,7 +851,8 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
                                                                                 tiny_model):
     """A bf16 daemon (disagg: prefill and decode workers) builds the kernels into
     <state>/kernels/, and serves with them, as with `cpu_kernels = "off"`, the greedy
-    tokens transformers generates in bf16 from the same prompts."""
+    tokens transformers generates in bf16 from the same prompts; so does an agg daemon
+    of one-thread workers."""
     from appliance.daemon.tokenizer import ServedTokenizer
     from appliance.engines import dtypes
     from helpers.daemons import http, start_daemon
@@ -894,3 +902,20 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
     assert built == ["causal_prefill", "decode_layers", "layer_glue", "linear_bf16", "paged_decode"]
     assert not (tmp_path / "off" / "state" / "kernels").exists()
+    # agg workers of one thread each: every kernel (on a CPU without AMX the matmul
+    # kernel takes their prompts too, and decode-only steps run in one call)
+    d = start_daemon(tmp_path / "agg", tiny_model, "--engine", "torch", config=(
+        '[devices]\nmode = "agg"\n[engine]\ndtype = "bfloat16"\ncpu_threads = 1\n'))
+    try:
+        client = d.client()
+        got = [client.completions.create(model=client.models.list().data[0].id, prompt=ids,
+                                         max_tokens=24, temperature=0).choices[0].text
+               for ids in prompts]
+        roles = {w["role"] for w in d.status()["workers"]}
+    finally:
+        d.stop()
+    assert roles == {"agg"} and got == want
+    built = sorted(p.name.split("-")[0] for p in (tmp_path / "agg" / "state" / "kernels").iterdir())
+    assert built == (["causal_prefill", "layer_glue", "paged_decode"]
+                     if "amx_bf16" in dtypes.cpu_flags() else
+                     ["causal_prefill", "decode_layers", "layer_glue", "linear_bf16", "paged_decode"])
