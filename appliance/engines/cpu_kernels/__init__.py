@@ -2,8 +2,9 @@
 
 - `PagedDecode`: a decode step's attention read straight from the paged KV pool in bf16
   (paged_decode.c says why and what it computes);
-- `LinearBf16`: a bf16 linear layer for a decode step's few rows, its weight stored as
-  the kernel streams it (linear_bf16.c);
+- `LinearBf16`: a bf16 linear layer, its weight stored as the kernel streams it, made for
+  a decode step's few rows and used for prompts too where the CPU has no AMX
+  (linear_bf16.c);
 - `CausalPrefill`: a prompt's causal self-attention in bf16 (causal_prefill.c);
 - `LayerGlue`: a step's residual adds with RMSNorms, RoPE with the KV write, SwiGLU's
   activation and Qwen3's q/k norms, each one call (layer_glue.c);
