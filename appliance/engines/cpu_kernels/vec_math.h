@@ -24,7 +24,8 @@ static inline __m512 load_bf16_mask(const uint16_t* p, __mmask16 m) {
 /* fp32 -> bf16 -> fp32, round to nearest even as torch's cast (a NaN stays a NaN).
    With AVX512-BF16 one VCVTNEPS2BF16 does it (the same rounding; it flushes a denormal,
    below 1.2e-38, to zero where torch keeps it): measured on the glue kernels, whose
-   roundings were most of their work, ~1.5x faster (AMD EPYC Zen 4). */
+   roundings were most of their work, at 256 rows (AMD EPYC Zen 4): SwiGLU's activation
+   0.43 -> 0.33 ms, the residual add and norm 0.12 -> 0.07. */
 #ifdef __AVX512BF16__
 static inline __m512 round_bf16(__m512 x) {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
