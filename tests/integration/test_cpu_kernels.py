@@ -869,14 +869,17 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
                                         pad_token_id=1)[0, len(ids):].tolist()) for ids in prompts]
     import os
     two_cores = len(os.sched_getaffinity(0)) >= 2
+
+    def greedy(d) -> list[str]:
+        client = d.client()
+        return [client.completions.create(model=client.models.list().data[0].id, prompt=ids,
+                                          max_tokens=24, temperature=0).choices[0].text
+                for ids in prompts]
     for kernels in ("auto", "off"):
         d = start_daemon(tmp_path / kernels, tiny_model, "--engine", "torch",
                          config=f'[engine]\ndtype = "bfloat16"\ncpu_kernels = "{kernels}"\n')
         try:
-            client = d.client()
-            got = [client.completions.create(model=client.models.list().data[0].id, prompt=ids,
-                                             max_tokens=24, temperature=0).choices[0].text
-                   for ids in prompts]
+            got = greedy(d)
             status = d.status()
             if kernels == "auto" and two_cores:     # stats reach the daemon every 50 ms
                 status = d.wait_for(lambda st: any(
@@ -907,10 +910,7 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
     d = start_daemon(tmp_path / "agg", tiny_model, "--engine", "torch", config=(
         '[devices]\nmode = "agg"\n[engine]\ndtype = "bfloat16"\ncpu_threads = 1\n'))
     try:
-        client = d.client()
-        got = [client.completions.create(model=client.models.list().data[0].id, prompt=ids,
-                                         max_tokens=24, temperature=0).choices[0].text
-               for ids in prompts]
+        got = greedy(d)
         roles = {w["role"] for w in d.status()["workers"]}
     finally:
         d.stop()

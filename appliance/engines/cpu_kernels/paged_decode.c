@@ -295,16 +295,13 @@ INLINE int decode(const uint16_t* q, const uint16_t* kpool, const uint16_t* vpoo
                 const float* p = sc + (int64_t)(h * g + j) * n;
                 uint16_t* o = out + ((int64_t)b * H + h * g + j) * hd;
 #ifdef __AVX512BF16__
-                if (pairs) {
-#define PAIRS(R) values_pairs(vat, n, h * hd, (const uint32_t*)p, n, o, hd, NV / 2, R); break;
-                    switch (g - j < GJ ? g - j : GJ) {
-                    case 1: PAIRS(1) case 2: PAIRS(2) case 3: PAIRS(3) default: PAIRS(4)
-                    }
-#undef PAIRS
-                    continue;
-                }
-#endif
+#define VALUES(R)                                                                           \
+    if (pairs) values_pairs(vat, n, h * hd, (const uint32_t*)p, n, o, hd, NV / 2, R);      \
+    else values(vat, n, h * hd, p, n, o, hd, NV, R);                                        \
+    break;
+#else
 #define VALUES(R) values(vat, n, h * hd, p, n, o, hd, NV, R); break;
+#endif
                 switch (g - j < GJ ? g - j : GJ) {
                 case 1: VALUES(1) case 2: VALUES(2) case 3: VALUES(3) default: VALUES(4)
                 }
