@@ -15,6 +15,7 @@ import torch
 from appliance.engines import cpu_kernels
 from appliance.engines.cpu_kernels import builder as kernel_build
 from appliance.engines.kv_pool import allocate_kv_pool
+from appliance.engines.layers import attention
 from appliance.engines.layers.attention import AttnBatch, PagedAttention
 from appliance.engines.layers.linear import Linear
 from appliance.engines.loader import load_model
@@ -633,12 +634,12 @@ def _tiny_qwen2(path):
 @needs_kernel
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
 def test_decode_layers_in_one_call_match_the_kernels_called_one_by_one(
-        kernel, linear, glue, tiny_model, tmp_path, family):
+        kernel, linear, glue, tiny_model, tmp_path, family, monkeypatch):
     """Decode steps of three sequences of different lengths with every layer in one C
     call (`cpu_kernels.DecodeLayers`) and with the kernels called one by one from the
     forward: the same logits and the same KV pool bit for bit (a Qwen3's q/k norms and a
     Qwen2's q/k/v biases included). Prompts never take the one call, and a model it does
-    not fit is refused."""
+    not fit is refused. With the decode kernel, no step builds torch's decode groups."""
     where = {"llama": tiny_model, "qwen3": _tiny_qwen3, "qwen2": _tiny_qwen2}[family]
     model = load_model(where if family == "llama" else where(tmp_path / family),
                        dtype=torch.bfloat16)
@@ -655,6 +656,9 @@ def test_decode_layers_in_one_call_match_the_kernels_called_one_by_one(
     calls = []
     fn = one._fn
     one._fn = lambda *a: calls.append(1) or fn(*a)
+    grouped = []
+    groups = attention._decode_groups
+    monkeypatch.setattr(attention, "_decode_groups", lambda *a: grouped.append(1) or groups(*a))
     bs = 16
     tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9, 10]]
     kv = allocate_kv_pool(model.shape, 12, bs, dtype=torch.bfloat16)
@@ -679,7 +683,7 @@ def test_decode_layers_in_one_call_match_the_kernels_called_one_by_one(
         assert torch.equal(out["one call"], out["one by one"])
         for seq, row in zip(seqs, out["one by one"]):
             seq.append(int(row.argmax()))
-    assert len(calls) == 5
+    assert len(calls) == 5 and grouped == []
     assert torch.equal(pools["one call"], pools["one by one"])
     assert model.set_decode_layers(None) and model.decode_layers is None
 

@@ -122,8 +122,10 @@ class Pager:
         return [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
 
 
-def run_step(model, kv, pager, tables, cached, new_tokens, is_prefill, num_prefill=None):
-    """Run one step: sequence i has `cached[i]` tokens in the pool and `new_tokens[i]` new."""
+def run_step(model, kv, pager, tables, cached, new_tokens, is_prefill, num_prefill=None,
+             hidden_rows=None):
+    """Run one step: sequence i has `cached[i]` tokens in the pool and `new_tokens[i]` new
+    (`hidden_rows`: rows whose final hidden states the step keeps, as prompt logprobs ask)."""
     ids, pos, slots = [], [], []
     for i, toks in enumerate(new_tokens):
         c = cached[i]
@@ -139,7 +141,11 @@ def run_step(model, kv, pager, tables, cached, new_tokens, is_prefill, num_prefi
         slot_mapping=torch.tensor(slots),
         num_prefill=num_prefill,
     )
-    return model(torch.tensor(ids), torch.tensor(pos), batch, kv)
+    if hidden_rows is not None:
+        batch.hidden_rows = torch.tensor(hidden_rows)
+    out = model(torch.tensor(ids), torch.tensor(pos), batch, kv)
+    run_step.batch = batch
+    return out
 
 
 def ref_last_logits(ref, tokens: list[int]) -> torch.Tensor:
@@ -204,6 +210,57 @@ def test_mixed_step_of_prompt_chunks_and_decodes_matches_transformers(llama):
                       num_prefill=2)
     for i, want in enumerate((c[:25], d, a + [nxt[0]], b + [nxt[1]])):
         torch.testing.assert_close(logits[i], ref_last_logits(ref, want), rtol=RTOL, atol=ATOL)
+
+
+class _Rows:
+    """An MLP that notes how many rows each call gets (`seen`, by layer)."""
+
+    def __init__(self, mlp, li: int, seen: list):
+        self.mlp, self.li, self.seen = mlp, li, seen
+
+    def __call__(self, x, *a):
+        self.seen.append((self.li, x.shape[0]))
+        return self.mlp(x, *a)
+
+
+def test_the_last_layer_carries_only_the_rows_whose_logits_are_read(llama):
+    """Past the last layer's attention a step keeps only each prompt's last row and the
+    decoding rows (the other rows' o-projection and MLP feed nothing): a mixed step of two
+    prompt chunks (15 and 12 rows) and two decodes sends 29 rows through every MLP but the
+    last, which gets 4; the logits still equal transformers', and so do the next decode's
+    (every row's K and V was written). A step that keeps the prompt's hidden states
+    (prompt logprobs) sends every row through."""
+    path, ref = llama
+    model = load_model(path)
+    seen: list[tuple[int, int]] = []
+    for li, layer in enumerate(model.layers):
+        layer.mlp = _Rows(layer.mlp, li, seen)
+    last = len(model.layers) - 1
+    kv = allocate_kv_pool(model.shape, num_blocks=40, block_size=BLOCK)
+    pager = Pager(40, seed=5)
+    a, b, c, d = _prompts([7, 21, 30, 12], seed=9)
+    tables: list[list[int]] = [[], [], [], []]
+    logits = run_step(model, kv, pager, tables[:3], [0, 0, 0], [a, b, c[:10]], True)
+    assert seen[-1] == (last, 3) and seen[0] == (0, 7 + 21 + 10)
+    nxt = logits[:2].argmax(-1).tolist()
+    seen.clear()
+    logits = run_step(model, kv, pager, [tables[2], tables[3], tables[0], tables[1]],
+                      [10, 0, len(a), len(b)], [c[10:25], d, [nxt[0]], [nxt[1]]], False,
+                      num_prefill=2)
+    assert seen == [(li, 29) for li in range(last)] + [(last, 4)]
+    for i, want in enumerate((c[:25], d, a + [nxt[0]], b + [nxt[1]])):
+        torch.testing.assert_close(logits[i], ref_last_logits(ref, want), rtol=RTOL, atol=ATOL)
+    # the next step decodes d over the KV its prompt step wrote for all 12 rows
+    tok = int(logits[1].argmax())
+    logits = run_step(model, kv, pager, [tables[3]], [len(d)], [[tok]], False)
+    torch.testing.assert_close(logits[0], ref_last_logits(ref, d + [tok]), rtol=RTOL, atol=ATOL)
+
+    seen.clear()
+    t5: list[int] = []
+    (e,) = _prompts([9], seed=4)
+    logits = run_step(model, kv, pager, [t5], [0], [e], True, hidden_rows=list(range(8)))
+    assert seen[-1] == (last, 9) and run_step.batch.hidden.shape == (8, model.shape.hidden_size)
+    torch.testing.assert_close(logits[0], ref_last_logits(ref, e), rtol=RTOL, atol=ATOL)
 
 
 def test_decode_groups_bound_gathered_bytes(monkeypatch):

@@ -12,9 +12,19 @@
    The weight is one contiguous stream in the order the kernel reads it, and the caller
    keeps it on transparent huge pages (`cpu_kernels.huge_page_empty`): measured on the
    82m model's weights at 5 rows, one core, 32 GB/s against 19 with 16-row blocks stored
-   one after the other on 4 KB pages (~22 on huge pages). No software
+   one after the other on 4 KB pages (~22 on huge pages). Up to 5 rows, no software
    prefetch: the hardware's stream does better (one row 6.4 ms per step's layers without,
-   7.4 ms prefetching 1 KB ahead, 7.8 ms at 8 KB).
+   7.4 ms prefetching 1 KB ahead, 7.8 ms at 8 KB; 16 KB into L2 made 1-5 rows 3-46%
+   slower on an AMD EPYC Zen 4, 6 rows within 4% either way). From 7 rows on, the
+   products take about as long as the stream (8 rows of the 82m model: ~5.4 ms of
+   VDPBF16PS against ~5 ms of reads), the hardware's prefetcher falls behind while the
+   core computes, and a prefetch into L2 PF_DIST bytes ahead, made while a group's first
+   tile of rows reads it from memory, keeps the stream in flight: the 82m model's layers
+   at 7, 8, 12 and 16 rows 6.90 -> 6.16-6.29, 7.63-7.75 -> 6.71-6.73, 10.48 -> 9.70 and
+   13.63 -> 12.72 ms on that core (alternating builds pass by pass; 8-64 KB ahead alike,
+   1 KB into L1 slower than none). Prompt-sized calls (over PF_MAX_ROWS rows) never
+   prefetch: there the stream is a small share of the time (256 rows: 177.4 against
+   177.5 ms).
 
    Layout: w [Npad/16][K/2][16][2] bf16 split in groups of NT blocks (the last group may
    hold fewer), each group stored [K/2][blocks in group][16][2]: the pairs of input
@@ -36,14 +46,21 @@
 
 #define NT 2 /* 16-row weight blocks per tile */
 #define MT 8 /* input rows per tile */
+#define PF_DIST 16384  /* bytes of the weight stream prefetched ahead, into L2 */
+#define PF_MIN_ROWS 7  /* rows from which that prefetch pays (see above) */
+#define PF_MAX_ROWS 16 /* and up to which (a call's rows) */
 
 static inline __attribute__((always_inline)) void tile(const uint16_t* w, int64_t K2, int nblocks, const uint16_t* x, int64_t ldx,
-                 int rows, const float* bias, int64_t n0, int64_t N, uint16_t* y, int64_t ldy) {
+                 int rows, const float* bias, int64_t n0, int64_t N, uint16_t* y, int64_t ldy,
+                 int first /* the group's first tile of rows: it reads the weights from memory */) {
     __m512 acc[MT][NT];
     for (int m = 0; m < MT; m++)
         for (int j = 0; j < NT; j++) acc[m][j] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < K2; kp++) {
         __m512bh wv[NT];
+        if (first && rows >= PF_MIN_ROWS)
+            for (int j = 0; j < nblocks; j++)
+                _mm_prefetch((const char*)(w + (kp * nblocks + j) * 32) + PF_DIST, _MM_HINT_T1);
         for (int j = 0; j < nblocks; j++) {
             const uint16_t* at = w + (kp * nblocks + j) * 32;
             wv[j] = (__m512bh)_mm512_loadu_si512(at);
@@ -239,6 +256,7 @@ static void run_groups(const uint16_t* w, int64_t N, int64_t K, const uint16_t* 
     }
 #endif
     const int64_t K2 = K / 2, blocks = (N + 15) / 16;
+    const int pf = M <= PF_MAX_ROWS; /* decode-sized calls only (see the top) */
     for (int64_t nb = g0 * NT; nb < blocks && nb < g1 * NT; nb += NT) {
         const int nblocks = blocks - nb < NT ? (int)(blocks - nb) : NT;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
@@ -246,8 +264,12 @@ static void run_groups(const uint16_t* w, int64_t N, int64_t K, const uint16_t* 
             const uint16_t* wt = w + nb * K2 * 32;
             const uint16_t* xt = x + m0 * ldx;
             uint16_t* yt = y + m0 * ldy;
-            /* a constant row count per case, so the accumulators stay in registers */
-#define TILE(R) tile(wt, K2, nblocks, xt, ldx, R, bias, nb * 16, N, yt, ldy); break;
+            /* a constant row count per case, so the accumulators stay in registers, and a
+               constant prefetch flag, so a prompt's tiles are the loop they were without it */
+#define TILE(R)                                                                    \
+    if (pf && m0 == 0) tile(wt, K2, nblocks, xt, ldx, R, bias, nb * 16, N, yt, ldy, 1); \
+    else tile(wt, K2, nblocks, xt, ldx, R, bias, nb * 16, N, yt, ldy, 0);               \
+    break;
             switch (rows) {
             case 1: TILE(1) case 2: TILE(2) case 3: TILE(3) case 4: TILE(4)
             case 5: TILE(5) case 6: TILE(6) case 7: TILE(7) default: TILE(8)

@@ -175,6 +175,9 @@ class Gemma3Model(LlamaModel):
                 True: (self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1))}
 
         h = self.embed[input_ids] * self.embed_scale
+        # As LlamaModel.forward: past the last attention only the rows whose logits are read.
+        keep = plan.last_token_idx if plan.prefill and batch.hidden_rows is None else None
+        last_layer = len(self.layers) - 1
         for li, layer in enumerate(self.layers):
             window = s.window(li)
             x = self._norm(h, layer.attn_norm)
@@ -189,6 +192,8 @@ class Gemma3Model(LlamaModel):
             kv_layer = kv_flat[:, li]
             kv_layer.index_copy_(1, slot_mapping, torch.stack((k, v)))
             o = self.attn(li, q, k, v, kv, kv_layer[0], kv_layer[1], batch, plan, window)
+            if li == last_layer and keep is not None:
+                o, h = o.index_select(0, keep), h.index_select(0, keep)
             h = h + self._norm(layer.o(o), layer.post_attn_norm)
 
             x = self._norm(h, layer.pre_mlp_norm)
@@ -198,7 +203,8 @@ class Gemma3Model(LlamaModel):
         if batch.hidden_rows is not None:
             rows = batch.hidden_rows.to(h.device)
             batch.hidden = self._norm(h.index_select(0, rows), self.norm)
-        last = self._norm(h.index_select(0, plan.last_token_idx), self.norm)
+        last = self._norm(h if keep is not None else h.index_select(0, plan.last_token_idx),
+                          self.norm)
         return self.lm_head(last).float()
 
 
