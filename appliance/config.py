@@ -84,6 +84,7 @@ class EngineConfig:
     compile: str = "off"              # torch: off | decode (torch.compile a decode step's norms/adds)
     cpu_kernels: str = "auto"         # torch on the CPU: auto (C kernels where the host builds them) | off
     cpu_decode_helper: str = "auto"   # auto: a one-core decode worker's matmuls borrow the prefill core while it idles | off
+    daemon_cores: str = "auto"        # auto: the daemon's threads off the CPU decode workers' cores | all
 
 
 @dataclass
@@ -391,6 +392,9 @@ def validate(cfg: Config) -> Config:
                           f"got {cfg.engine.dtype!r}")
     if cfg.engine.compile not in ("off", "decode"):
         raise ConfigError(f"config: engine.compile must be off or decode, got {cfg.engine.compile!r}")
+    if cfg.engine.daemon_cores not in ("auto", "all"):
+        raise ConfigError(f"config: engine.daemon_cores must be auto or all, "
+                          f"got {cfg.engine.daemon_cores!r}")
     if cfg.engine.cpu_decode_helper not in ("auto", "off"):
         raise ConfigError(f"config: engine.cpu_decode_helper must be auto or off, "
                           f"got {cfg.engine.cpu_decode_helper!r}")

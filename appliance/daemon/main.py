@@ -29,6 +29,7 @@ from appliance.audit import AuditLog
 from appliance.config import Config
 from appliance.daemon import planner_link, systemd
 from appliance.daemon.accounting_link import record_sink, start_accounting
+from appliance.daemon.affinity import DaemonAffinity
 from appliance.daemon.auth import Auth
 from appliance.daemon.control import Control, kill_orphans
 from appliance.daemon.http_parser_errors import ApplianceRunner
@@ -98,6 +99,12 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
                       start_timeout_s=cfg.workers.start_timeout_s)
     pool.ready_listeners.append(
         lambda w: journal.worker_started(w.id, w.proc.pid, list(w.spec.devices)))
+    # Off the CPU decode workers' cores before any helper process starts (they inherit
+    # it), and again whenever a worker (re)starts: a repartition may move the decoders.
+    daemon_affinity = DaemonAffinity(e.daemon_cores)
+    daemon_affinity.update(setup.specs, set())
+    pool.ready_listeners.append(lambda w: daemon_affinity.update(
+        [x.spec for x in pool.workers.values()], {p for p in pool.pids().values() if p}))
     c = cfg.cluster
     peers = Peers(c.peers, c.key) if c.role != "both" else None
     router = Router(pool, setup.plan.mode, e.conditional_disagg_tokens, cfg.tenants,

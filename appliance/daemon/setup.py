@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from appliance.config import Config
+from appliance.daemon import affinity
 from appliance.daemon.supervisor import program_command
 from appliance.partitions import Inventory, PartitionPlan, discover, plan_partition
 from appliance.partitions.plan import check_engine
@@ -253,14 +253,6 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
 
 
-def allowed_cores() -> list[int]:
-    """The CPU ids this process may run on (its cpuset / affinity); workers inherit it."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
-
-
 def cpu_core_sets(workers: int, threads: int, cores: list[int]) -> list[list[int]]:
     """The cores each of `workers` CPU workers is pinned to: `threads` each, or with 0 the
     cores split evenly (at least one each; a remainder stays idle). Disjoint while there
@@ -275,7 +267,8 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
                  model_dir: Path, cores: list[int] | None = None,
                  budgets: dict | None = None, profiles: dict | None = None) -> list[WorkerSpec]:
     """One WorkerSpec per slot of the plan; CPU workers get their own cores
-    (`cpu_core_sets` over `cores`, by default the ones this process may use). `budgets`:
+    (`cpu_core_sets` over `cores`, by default the ones the daemon could use as it started,
+    `affinity.allowed_cores`). `budgets`:
     the prefill token budget per worker when `engine.max_batch_tokens` is 0 (auto).
     `profiles`: measured profiles per worker, whose ~50 ms prefill step is the worker's
     fair chunk (`engines.fair_queue`)."""
@@ -286,8 +279,9 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
     specs = []
     slots = plan.workers()
     cpu_slots = [s.worker for s in slots if devices[s.devices[0]].kind == "cpu"]
+    cores = cores or affinity.allowed_cores()
     core_sets = dict(zip(cpu_slots, cpu_core_sets(len(cpu_slots), e.cpu_threads,
-                                                  cores or allowed_cores()))) if cpu_slots else {}
+                                                  cores))) if cpu_slots else {}
     for slot in slots:
         first = devices[slot.devices[0]]
         pinned = core_sets.get(slot.worker, [])
@@ -348,11 +342,13 @@ def lend_prefill_cores(specs: list[WorkerSpec]) -> None:
 
 
 # `engine.conditional_disagg_queue_tokens = -1` (auto) on a box whose decode workers are
-# torch on the CPU: ~4 of the benchmark's 256-token prompts waiting. Measured against
-# 512 and 2048 (docs/benchmarks.md, "Against vLLM's CPU build"): 512 gives the decode
-# core prompts so often that its ITL rises, 2048 is rarely reached at 8 clients; 1408-1536
-# (6 prompts) trade 1-8% of the request rate at 8 clients for 18-24% lower ITL (session 23).
-CPU_QUEUE_TOKENS = 1024
+# torch on the CPU: ~6 of the benchmark's 256-token prompts waiting. 512 gives the decode
+# core prompts so often that its ITL rises, 2048 is rarely reached at 8 clients
+# (docs/benchmarks.md, "Against vLLM's CPU build"). 1024 was the default until the daemon
+# kept off the decode core (`daemon.affinity`, session 25): the prefill core then carries
+# the daemon too, and 1536 against 1024 traded 4-9% of the rate at 8 clients for 20-23%
+# lower ITL (both shapes, the rate still >2x vLLM's), at 32 clients within the noise.
+CPU_QUEUE_TOKENS = 1536
 
 
 def queue_tokens(setting: int, specs: list[WorkerSpec]) -> int:

@@ -118,6 +118,30 @@ def test_cpu_workers_run_on_their_own_cores(disagg, tiny_model, tmp_path):
         d.stop()
 
 
+def test_the_daemon_keeps_off_the_decode_workers_cores(disagg, tok, reference):
+    # engine.daemon_cores = "auto": every thread of the daemon and of its helper processes
+    # (the accounting process, the tokenizer pool) on the cores no decode worker has,
+    # while the workers keep their own; with one core there is nowhere else to go.
+    cores = sorted(os.sched_getaffinity(0))
+    workers = {w["worker"]: w for w in disagg.status()["workers"]}
+    decode = set(workers["decode0"]["cpu_cores"])
+    want = [c for c in cores if c not in decode] or cores
+    ids = tok.encode(PROMPTS[1])
+    assert complete(disagg, ids, 4).choices[0].text == tok.decode(reference(ids, 4))
+    import psutil
+    daemon = psutil.Process(disagg.proc.pid)
+    pids = {w["pid"] for w in workers.values()}
+    helpers = [p for p in daemon.children() if p.pid not in pids]
+    assert helpers, "the accounting process should run beside the daemon"
+    for proc in [daemon, *helpers]:
+        threads = [t.id for t in proc.threads()]
+        assert len(threads) >= 1
+        for tid in threads:
+            assert sorted(os.sched_getaffinity(tid)) == want, (proc.cmdline()[-3:], tid)
+    for w in workers.values():        # the workers are not bounded by the daemon's cores
+        assert sorted(os.sched_getaffinity(w["pid"])) == w["cpu_cores"]
+
+
 def test_agg_one_single_threaded_worker_per_core(tiny_model, tok, reference, tmp_path):
     """`--mode agg` with engine.cpu_threads = 1: one agg worker per core, each on its own
     core with one thread; requests sent together are spread over them, and each gives

@@ -86,3 +86,38 @@ def test_a_one_core_decode_worker_may_borrow_the_prefill_core(mode, threads, cor
         w: "prefill0" if core >= 0 else "" for w, core in want.items()}
     # through the process boundary as it goes (JSON on the worker's command line)
     assert [WorkerSpec.from_json(s.to_json()).cpu_helper_core for s in specs] == list(want.values())
+
+
+@pytest.mark.parametrize("mode, threads, cores, engine, want", [
+    ("disagg", 0, [0, 1], "torch", [0]),                  # this box: the prefill core
+    ("disagg", 0, list(range(8)), "torch", [0, 1, 2, 3]),
+    ("disagg", 3, list(range(8)), "torch", [0, 1, 2, 6, 7]),   # cores no worker has, too
+    ("disagg", 0, [4], "torch", None),                    # one core: nowhere else to go
+    ("disagg", 0, [0, 1], "sim", None),                   # the simulator sleeps its steps
+    ("agg", 1, [0, 1], "torch", None),                    # no decode worker
+])
+def test_the_daemon_keeps_off_the_torch_decode_workers_cores(mode, threads, cores, engine, want):
+    """`engine.daemon_cores = "auto"` (`daemon.affinity`): the cores the daemon's threads
+    keep to are the allowed ones no torch decode worker on the CPU is pinned to."""
+    from appliance.config import Config
+    from appliance.daemon.affinity import DaemonAffinity, daemon_cores
+    from appliance.daemon.setup import worker_specs
+    from appliance.partitions import discover, plan_partition
+
+    cfg = Config()
+    cfg.engine.cpu_threads = threads
+    inv = discover("cpu")
+    inv = dataclasses.replace(inv, devices=(dataclasses.replace(inv.devices[0], cores=len(cores)),))
+    specs = worker_specs(cfg, inv, plan_partition(inv, mode=mode, cpu_threads=threads),
+                         engine, Path("/m"), cores)
+    assert daemon_cores(specs, cores) == want
+    # GPU workers (no cores of their own) leave it anywhere; "all" never narrows it.
+    gpu = [dataclasses.replace(s, device_kind="gpu", cpu_cores=[]) for s in specs]
+    assert daemon_cores(gpu, cores) is None
+    assert DaemonAffinity("all").update(specs, set()) is None
+
+
+def test_daemon_cores_is_checked():
+    from appliance.config import ConfigError, parse
+    with pytest.raises(ConfigError, match="engine.daemon_cores must be auto or all"):
+        parse('[engine]\ndaemon_cores = "decode"\n')
