@@ -25,8 +25,13 @@ Per cell, the client (aiohttp, this process) keeps C requests in flight until C 
   reference loop  ms of a fixed Python loop just before the cell (`reference_ms`): the
           host's clock then; rows far apart in it are not comparable (a compute-bound
           server slows with the clock more than a memory-bound one).
-NVIDIA's aiperf is the reference client (`--aiperf PATH` also runs it against each
-server once per cell and prints its req/s and p50s beside ours).
+NVIDIA's aiperf is the reference client: `--aiperf PATH` also runs it against each
+server in each round, right after this client's cell (so A B A B for it too), and prints
+its req/s and p50s (medians over rounds), the server's CPU s/request under it, and the
+cores aiperf itself took. In its default concurrency mode aiperf's timing manager waits for
+a free slot by yielding to its event loop in a loop: ~0.45 of a core, out of the server's
+on a 2-core box. `--aiperf-args '--request-rate 100'` paces it instead (the concurrency
+cap unchanged, a free slot refilled within 10 ms): ~0.15 cores.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -224,24 +230,59 @@ def reference_ms() -> float:
 
 
 def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
-               prompt_tokens: int, output_tokens: int, out: Path) -> dict | None:
-    """aiperf's own numbers for one cell (None when it fails: its CLI moves between releases)."""
+               prompt_tokens: int, output_tokens: int, out: Path, extra: list[str] = (),
+               server=None) -> dict | None:
+    """aiperf's own numbers for one cell (None when it fails: its CLI moves between releases),
+    with what it cost: the server's CPU s/request over the run, and the cores aiperf's own
+    process tree took while the server was busy (sampled every 0.25 s), since on a small box
+    the client's CPU comes out of the server's."""
+    import psutil
     cmd = [aiperf, "profile", "--model", model.name, "--tokenizer", str(model), "--url", url,
            "--endpoint-type", "completions", "--streaming", "--concurrency", str(concurrency),
            "--request-count", str(total), "--synthetic-input-tokens-mean", str(prompt_tokens),
            "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(output_tokens),
            "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
-           "--extra-inputs", f"min_tokens:{output_tokens}", "--artifact-dir", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+           "--extra-inputs", f"min_tokens:{output_tokens}", "--artifact-dir", str(out), *extra]
+
+    def tree(proc) -> float:
+        try:
+            root = psutil.Process(proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total_s = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total_s += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return total_s
+
+    before = cpu_seconds(server)
+    log = open(out.parent / f"{out.name}.log", "wb")
+    run = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    samples = []                                    # (time, aiperf CPU s, server CPU s)
+    while run.poll() is None:
+        samples.append((time.monotonic(), tree(run), cpu_seconds(server)))
+        time.sleep(0.25)
+    server_cpu = cpu_seconds(server) - before
     found = list(out.rglob("profile_export_aiperf.json"))
-    if r.returncode != 0 or not found:
-        print(f"  aiperf failed ({r.returncode}): {(r.stderr or r.stdout)[-500:]}")
+    if run.returncode != 0 or not found:
+        print(f"  aiperf failed ({run.returncode}): "
+              f"{(out.parent / f'{out.name}.log').read_text(errors='replace')[-500:]}")
         return None
     data = json.loads(found[0].read_text())
     get = lambda k, f: (data.get(k) or {}).get(f)  # noqa: E731
+    # the load: the samples between which the server took more than half a core
+    busy = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(samples, samples[1:])
+            if b[0] > a[0] and (b[2] - a[2]) / (b[0] - a[0]) > 0.5]
+    wall = sum(w for w, _ in busy)
     return {"req_s": get("request_throughput", "avg"),
             "ttft_p50_s": (get("time_to_first_token", "p50") or 0) / 1e3,
-            "itl_p50_ms": get("inter_token_latency", "p50")}
+            "itl_p50_ms": get("inter_token_latency", "p50"),
+            "cpu_s_per_req": server_cpu / total if server is not None else float("nan"),
+            "client_cores": sum(c for _, c in busy) / wall if wall else float("nan")}
 
 
 def parse_variant(text: str) -> tuple[str, Path, dict[str, dict[str, str]]]:
@@ -270,7 +311,12 @@ def main() -> None:
                     help="a vLLM already serving the same checkpoint (skips starting one)")
     ap.add_argument("--vllm-pid", type=int, default=0,
                     help="with --vllm-url: its `vllm serve` process, for CPU s/request")
-    ap.add_argument("--aiperf", default="", help="aiperf's script, to run it beside the client")
+    ap.add_argument("--aiperf", default="",
+                    help="aiperf's script: each round also runs it against each server, "
+                         "after this client's cell")
+    ap.add_argument("--aiperf-args", default="",
+                    help="extra aiperf flags, e.g. '--request-rate 100' (paced: the same "
+                         "concurrency cap, without aiperf's busy wait for a free slot)")
     ap.add_argument("--concurrency", default="8,32")
     ap.add_argument("--requests", type=int, default=3, help="requests per cell = C × this")
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds per cell (median)")
@@ -318,6 +364,7 @@ def main() -> None:
         rows = []
         for c in levels:
             samples: dict[str, list[dict]] = {n: [] for n in servers}
+            by_aiperf: dict[str, list[dict]] = {n: [] for n in servers}
             for r in range(args.rounds):
                 for name, (proc, url) in servers.items():       # A B A B
                     ref = reference_ms()
@@ -334,15 +381,28 @@ def main() -> None:
                           f"{s['cpu_s_per_req']:.2f} CPU s/request (reference loop "
                           f"{ref:.1f} ms)", flush=True)
                     samples[name].append(s)
+                    if args.aiperf:
+                        a = run_aiperf(args.aiperf, url, model, c, c * args.requests,
+                                       args.prompt_tokens, args.output_tokens,
+                                       tmp / f"aiperf-{len(rows)}-{r}-{name.replace(' ', '_')}",
+                                       shlex.split(args.aiperf_args), proc)
+                        if a:
+                            print(f"  c={c} round {r + 1} {name} by aiperf: {a['req_s']:.2f} "
+                                  f"req/s, TTFT p50 {a['ttft_p50_s']:.2f} s, ITL p50 "
+                                  f"{a['itl_p50_ms']:.1f} ms, {a['cpu_s_per_req']:.2f} CPU "
+                                  f"s/request, aiperf took {a['client_cores']:.2f} cores",
+                                  flush=True)
+                            by_aiperf[name].append(a)
             for name, ss in samples.items():
                 row = {"concurrency": c, "server": name, "rounds": len(ss),
                        **{k: statistics.median(s[k] for s in ss)
                           for k in ("req_s", "ttft_p50_s", "itl_p50_ms", "cpu_s_per_req",
                                     "reference_ms")}}
-                if args.aiperf:
-                    row["aiperf"] = run_aiperf(args.aiperf, servers[name][1], model, c,
-                                               c * args.requests, args.prompt_tokens,
-                                               args.output_tokens, tmp / f"aiperf-{name}-{c}")
+                if by_aiperf[name]:
+                    row["aiperf"] = {"args": args.aiperf_args, "rounds": len(by_aiperf[name]),
+                                     **{k: statistics.median(a[k] for a in by_aiperf[name])
+                                        for k in ("req_s", "ttft_p50_s", "itl_p50_ms",
+                                                  "cpu_s_per_req", "client_cores")}}
                 rows.append(row)
         print(f"\n{model.name}: {args.prompt_tokens}-token prompts, {args.output_tokens} output "
               f"tokens, medians of {args.rounds} alternating round(s)")
@@ -352,6 +412,15 @@ def main() -> None:
             print(f"| {row['concurrency']} | {row['server']} | {row['req_s']:.2f} | "
                   f"{row['ttft_p50_s']:.2f} s | {row['itl_p50_ms']:.1f} ms | "
                   f"{row['cpu_s_per_req']:.2f} | {row['reference_ms']:.1f} ms |")
+        if any(row.get("aiperf") for row in rows):
+            print(f"\nby aiperf ({args.aiperf_args or 'its defaults'}), medians of its rounds")
+            print("| concurrency | server | req/s | TTFT p50 | ITL p50 | CPU s/request | aiperf's "
+                  "cores |\n|---|---|---:|---:|---:|---:|---:|")
+            for row in rows:
+                if a := row.get("aiperf"):
+                    print(f"| {row['concurrency']} | {row['server']} | {a['req_s']:.2f} | "
+                          f"{a['ttft_p50_s']:.2f} s | {a['itl_p50_ms']:.1f} ms | "
+                          f"{a['cpu_s_per_req']:.2f} | {a['client_cores']:.2f} |")
         by = {(r["concurrency"], r["server"]): r for r in rows}
         for c in levels:
             v = by.get((c, "vLLM CPU"))
@@ -360,6 +429,12 @@ def main() -> None:
                 if a and v and a is not v:
                     print(f"c={c} {name}: req/s ×{a['req_s'] / v['req_s']:.2f} of vLLM's, "
                           f"ITL ×{v['itl_p50_ms'] / a['itl_p50_ms']:.2f} (vLLM's / ours)")
+                    if a.get("aiperf") and v.get("aiperf"):
+                        aa, va = a["aiperf"], v["aiperf"]
+                        print(f"c={c} {name} by aiperf: req/s ×{aa['req_s'] / va['req_s']:.2f} "
+                              f"of vLLM's, ITL ×{va['itl_p50_ms'] / aa['itl_p50_ms']:.2f}; "
+                              f"aiperf took {aa['client_cores']:.2f} / {va['client_cores']:.2f} "
+                              "cores")
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
     finally:

@@ -258,16 +258,26 @@ class Router:
         requests queued at the router): one with no prompt of its own under way, when
         the prompt tokens queued for the prefill workers, this one's included, reach
         `queue_tokens`, and the prompt fits one step of a prefill worker (on a CPU,
-        `engine.cpu_prefill_step_ms`: the decodes never pause longer than that)."""
+        `engine.cpu_prefill_step_ms`: the decodes never pause longer than that).
+        A decode worker with no request at all takes it whenever the prompt would wait
+        behind another on the prefill workers: nothing of its own pauses for it, and its
+        core would otherwise idle while the prompt waits (on a 2-core CPU box that was
+        ~10% of the decode worker's time at C = 8)."""
         idle = [w for w in self.decode if w.ready and w.pending_prefill_tokens == 0]
-        if idle and self._decodes_until:
-            now = asyncio.get_running_loop().time()
-            idle = [w for w in idle if self._decodes_until.get(w.id, 0.0) <= now]
         if not idle or not self.prefill:
             return None
         if tokens > min(w.spec.max_batch_tokens for w in self.prefill):
             return None
-        queued = (0 if waiting else tokens) + sum(w.pending_prefill_tokens for w in self.prefill)
+        ahead = sum(w.pending_prefill_tokens for w in self.prefill)
+        empty = [w for w in idle if w.inflight == 0]
+        if empty and ahead:
+            return most_free(empty, _free_blocks)
+        if self._decodes_until:
+            now = asyncio.get_running_loop().time()
+            idle = [w for w in idle if self._decodes_until.get(w.id, 0.0) <= now]
+            if not idle:
+                return None
+        queued = (0 if waiting else tokens) + ahead
         if queued < self.queue_tokens:
             queued += self.dispatch.tokens()
             if queued < self.queue_tokens:
@@ -487,6 +497,8 @@ class Router:
                 if not done:
                     dw.send(Abort(rid))
                 dw.close(rid)
+                if not dw.inflight:     # an empty decode worker may take a waiting prompt
+                    self._pump()
 
     # ---- across boxes (docs/operations/cluster.md) ----------------------------------
     def decode_capacity(self) -> tuple[int, str | None]:

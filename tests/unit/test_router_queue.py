@@ -546,6 +546,7 @@ def test_a_long_prefill_queue_sends_one_prompt_at_a_time_to_the_decode_worker():
         pool = _pool(_spec("p0", role="prefill", max_seqs=100, max_batch_tokens=100),
                      _spec("d0", role="decode", max_seqs=100))
         router = Router(pool, "disagg", queue_tokens=25)
+        pool.workers["d0"].open("decoding")      # a sequence decodes there
         first = [Client(router, f"r{i}", "t", tokens=10, max_tokens=4) for i in range(4)]
         await _settle()
         # r0, r1: 10 and 20 tokens queued, under 25. r2 makes it 30: the decode worker,
@@ -573,6 +574,67 @@ def test_a_long_prefill_queue_sends_one_prompt_at_a_time_to_the_decode_worker():
         for c in (*first, r4, long):
             c.task.cancel()
         await asyncio.gather(*(c.task for c in (*first, r4, long)), return_exceptions=True)
+        pool.workers["d0"].close("decoding")
+        assert all(not w.channels and w.pending_prefill_tokens == 0
+                   for w in pool.workers.values())
+
+    asyncio.run(scenario())
+
+
+def test_an_empty_decode_worker_takes_a_prompt_that_would_wait_under_the_threshold():
+    """Below `queue_tokens`, a decode worker with no request at all prefills the next
+    prompt itself when it would wait behind another on the prefill worker; not while the
+    prefill worker is free, nor once the decode worker has anything of its own; and when
+    its last request ends, the router's queue is looked at again."""
+    async def scenario():
+        pool = _pool(_spec("p0", role="prefill", max_seqs=2, max_batch_tokens=100),
+                     _spec("d0", role="decode", max_seqs=100))
+        router = Router(pool, "disagg", queue_tokens=1000, prefill_share=0.01)
+
+        async def ends_on_d0(client: Client) -> None:
+            pool.workers["d0"].channels[client.name].put(Tokens(client.name, [8], "length"))
+            await client.task
+            await _settle()
+
+        a = Client(router, "a", "t", tokens=10, max_tokens=4)
+        await _settle()
+        assert _placed(pool) == {"a": ("p0", True)}             # the prefill worker is free
+        b = Client(router, "b", "t", tokens=10, max_tokens=4)
+        await _settle()
+        assert _placed(pool)["b"] == ("d0", False)              # it would wait behind a
+        c = Client(router, "c", "t", tokens=10, max_tokens=4)
+        await _settle()
+        assert _placed(pool)["c"] == ("p0", True)               # d0 has b under way
+        _first_token(pool, "b", "d0")                           # b decodes on d0 now
+        await _settle()
+        d = Client(router, "d", "t", tokens=10, max_tokens=4)
+        await _settle()
+        # the prefill worker is at its max_seqs and d0 is not empty: d waits at the router
+        # (1000 queued tokens are far off)
+        assert "d" not in _placed(pool) and router.depth("t") == 1
+        # b ends: d0 is empty again and takes d at once, though a and c still hold p0
+        await ends_on_d0(b)
+        assert _placed(pool)["d"] == ("d0", False) and router.depth("t") == 0
+        # the same when d0's last request is one handed off to it: a's prompt is done on
+        # p0 and a decodes on d0; d ends; e waits at the router (p0 has c and f, d0 has a);
+        # a ends and d0, empty, takes e
+        p0 = pool.workers["p0"]
+        p0.channels["a"].put(PrefillDone("a", 7, KvHandle("p0", "a", [0], 10, "l"), None))
+        await _settle()
+        assert "a" in pool.workers["d0"].channels
+        _first_token(pool, "d", "d0")
+        await ends_on_d0(d)
+        f = Client(router, "f", "t", tokens=10, max_tokens=4)
+        await _settle()
+        assert _placed(pool)["f"] == ("p0", True)
+        e = Client(router, "e", "t", tokens=10, max_tokens=4)
+        await _settle()
+        assert "e" not in _placed(pool) and router.depth("t") == 1
+        await ends_on_d0(a)
+        assert _placed(pool)["e"] == ("d0", False) and router.depth("t") == 0
+        for x in (c, e, f):
+            x.task.cancel()
+        await asyncio.gather(c.task, e.task, f.task, return_exceptions=True)
         assert all(not w.channels and w.pending_prefill_tokens == 0
                    for w in pool.workers.values())
 
