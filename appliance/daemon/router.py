@@ -259,8 +259,8 @@ class Router:
         the prompt tokens queued for the prefill workers, this one's included, reach
         `queue_tokens`, and the prompt fits one step of a prefill worker (on a CPU,
         `engine.cpu_prefill_step_ms`: the decodes never pause longer than that).
-        A decode worker with no request at all takes it whenever the prompt would wait
-        behind another on the prefill workers: nothing of its own pauses for it, and its
+        A decode worker with no request at all takes it whenever every ready prefill
+        worker has a prompt already (this one would wait behind it): nothing of its own pauses for it, and its
         core would otherwise idle while the prompt waits (on a 2-core CPU box that was
         ~10% of the decode worker's time at C = 8)."""
         idle = [w for w in self.decode if w.ready and w.pending_prefill_tokens == 0]
@@ -268,10 +268,10 @@ class Router:
             return None
         if tokens > min(w.spec.max_batch_tokens for w in self.prefill):
             return None
-        ahead = sum(w.pending_prefill_tokens for w in self.prefill)
         empty = [w for w in idle if w.inflight == 0]
-        if empty and ahead:
+        if empty and all(w.pending_prefill_tokens for w in self.prefill if w.ready):
             return most_free(empty, _free_blocks)
+        ahead = sum(w.pending_prefill_tokens for w in self.prefill)
         if self._decodes_until:
             now = asyncio.get_running_loop().time()
             idle = [w for w in idle if self._decodes_until.get(w.id, 0.0) <= now]

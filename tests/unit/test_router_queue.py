@@ -641,6 +641,28 @@ def test_an_empty_decode_worker_takes_a_prompt_that_would_wait_under_the_thresho
     asyncio.run(scenario())
 
 
+def test_an_empty_decode_worker_leaves_a_prompt_to_a_free_prefill_worker():
+    async def scenario():
+        pool = _pool(_spec("p0", role="prefill", max_seqs=2, max_batch_tokens=100),
+                     _spec("p1", role="prefill", max_seqs=2, max_batch_tokens=100),
+                     _spec("d0", role="decode", max_seqs=100))
+        router = Router(pool, "disagg", queue_tokens=1000)
+        a = Client(router, "a", "t", tokens=10, max_tokens=4)
+        await _settle()
+        b = Client(router, "b", "t", tokens=10, max_tokens=4)
+        await _settle()
+        # a holds one prefill worker, the other is free: b goes there, not to d0
+        assert {_placed(pool)[r][0] for r in "ab"} == {"p0", "p1"}
+        c = Client(router, "c", "t", tokens=10, max_tokens=4)
+        await _settle()
+        assert _placed(pool)["c"] == ("d0", False)     # now it would wait: d0, empty
+        for x in (a, b, c):
+            x.task.cancel()
+        await asyncio.gather(a.task, b.task, c.task, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
 def test_the_decode_worker_takes_the_fair_queues_head_not_a_newcomer():
     async def scenario():
         pool = _pool(_spec("p0", role="prefill", max_seqs=1, max_batch_tokens=1000),
