@@ -260,9 +260,9 @@ class Router:
         `queue_tokens`, and the prompt fits one step of a prefill worker (on a CPU,
         `engine.cpu_prefill_step_ms`: the decodes never pause longer than that).
         A decode worker with no request at all takes it whenever every ready prefill
-        worker has a prompt already (this one would wait behind it): nothing of its own pauses for it, and its
-        core would otherwise idle while the prompt waits (on a 2-core CPU box that was
-        ~10% of the decode worker's time at C = 8)."""
+        worker has a prompt already (this one would wait behind it): nothing of its own
+        pauses for it, and its core would otherwise idle while the prompt waits (on a
+        2-core CPU box that was ~10% of the decode worker's time at C = 8)."""
         idle = [w for w in self.decode if w.ready and w.pending_prefill_tokens == 0]
         if not idle or not self.prefill:
             return None
@@ -271,13 +271,12 @@ class Router:
         empty = [w for w in idle if w.inflight == 0]
         if empty and all(w.pending_prefill_tokens for w in self.prefill if w.ready):
             return most_free(empty, _free_blocks)
-        ahead = sum(w.pending_prefill_tokens for w in self.prefill)
         if self._decodes_until:
             now = asyncio.get_running_loop().time()
             idle = [w for w in idle if self._decodes_until.get(w.id, 0.0) <= now]
             if not idle:
                 return None
-        queued = (0 if waiting else tokens) + ahead
+        queued = (0 if waiting else tokens) + sum(w.pending_prefill_tokens for w in self.prefill)
         if queued < self.queue_tokens:
             queued += self.dispatch.tokens()
             if queued < self.queue_tokens:
