@@ -236,7 +236,6 @@ def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
     with what it cost: the server's CPU s/request over the run, and the cores aiperf's own
     process tree took while the server was busy (sampled every 0.25 s), since on a small box
     the client's CPU comes out of the server's."""
-    import psutil
     cmd = [aiperf, "profile", "--model", model.name, "--tokenizer", str(model), "--url", url,
            "--endpoint-type", "completions", "--streaming", "--concurrency", str(concurrency),
            "--request-count", str(total), "--synthetic-input-tokens-mean", str(prompt_tokens),
@@ -244,33 +243,18 @@ def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
            "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
            "--extra-inputs", f"min_tokens:{output_tokens}", "--artifact-dir", str(out), *extra]
 
-    def tree(proc) -> float:
-        try:
-            root = psutil.Process(proc.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return 0.0
-        total_s = 0.0
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                total_s += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        return total_s
-
     before = cpu_seconds(server)
-    log = open(out.parent / f"{out.name}.log", "wb")
-    run = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log = out.parent / f"{out.name}.log"
     samples = []                                    # (time, aiperf CPU s, server CPU s)
-    while run.poll() is None:
-        samples.append((time.monotonic(), tree(run), cpu_seconds(server)))
-        time.sleep(0.25)
+    with open(log, "wb") as sink:
+        run = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        while run.poll() is None:
+            samples.append((time.monotonic(), cpu_seconds(run), cpu_seconds(server)))
+            time.sleep(0.25)
     server_cpu = cpu_seconds(server) - before
     found = list(out.rglob("profile_export_aiperf.json"))
     if run.returncode != 0 or not found:
-        print(f"  aiperf failed ({run.returncode}): "
-              f"{(out.parent / f'{out.name}.log').read_text(errors='replace')[-500:]}")
+        print(f"  aiperf failed ({run.returncode}): {log.read_text(errors='replace')[-500:]}")
         return None
     data = json.loads(found[0].read_text())
     get = lambda k, f: (data.get(k) or {}).get(f)  # noqa: E731
