@@ -161,11 +161,14 @@ def _prompts(lengths, seed):
 # --------------------------------------------------------------------------- numerics
 
 
-@pytest.mark.parametrize("group_blocks", [None, 1, 6])
-def test_prefill_then_decode_matches_transformers(llama, group_blocks, monkeypatch):
+@pytest.mark.parametrize("group_blocks,lengths", [
+    (None, [5, 17, 33]), (1, [5, 17, 33]), (6, [5, 17, 33]), (None, [17, 150, 5])])
+def test_prefill_then_decode_matches_transformers(llama, group_blocks, lengths, monkeypatch):
     """Decode attends in groups of sequences bounded in gathered bytes: by default one
     group here; a bound of 1 block makes each sequence its own group; 6 blocks puts the
-    two shorter sequences (1 and 2 blocks, different lengths: masked) together."""
+    two shorter sequences (1 and 2 blocks, different lengths: masked) together. With a
+    150-token sequence between a 17- and a 5-token one, the padding bound leaves the long
+    one alone and groups the two short ones out of the batch's order (rows 2 and 0)."""
     path, ref = llama
     model = load_model(path)
     if group_blocks is not None:
@@ -174,8 +177,13 @@ def test_prefill_then_decode_matches_transformers(llama, group_blocks, monkeypat
         monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", group_blocks * per_layer)
     kv = allocate_kv_pool(model.shape, num_blocks=40, block_size=BLOCK)
     pager = Pager(40, seed=3)
-    seqs = _prompts([5, 17, 33], seed=7)
+    seqs = _prompts(lengths, seed=7)
     tables: list[list[int]] = [[], [], []]
+    made: list[list[tuple]] = []
+    groups = attention._decode_groups
+    monkeypatch.setattr(attention, "_decode_groups", lambda *a: made.append(
+        [list(range(g.first, g.end)) if g.rows is None else g.rows.tolist()
+         for g in groups(*a)]) or groups(*a))
 
     logits = run_step(model, kv, pager, tables, [0, 0, 0], seqs, is_prefill=True)
     assert logits.shape == (3, VOCAB) and logits.dtype == torch.float32
@@ -191,6 +199,8 @@ def test_prefill_then_decode_matches_transformers(llama, group_blocks, monkeypat
         logits = run_step(model, kv, pager, tables, cached, [[t] for t in nxt], is_prefill=False)
         for i, s in enumerate(seqs):
             torch.testing.assert_close(logits[i], ref_last_logits(ref, s), rtol=RTOL, atol=ATOL)
+    if lengths[1] == 150:
+        assert made and all(m == [[2, 0], [1]] for m in made), made
 
 
 def test_mixed_step_of_prompt_chunks_and_decodes_matches_transformers(llama):
@@ -267,12 +277,25 @@ def test_decode_groups_bound_gathered_bytes(monkeypatch):
     monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 6)
     tables = [[7], [3, 9], [1, 2, 4], [5, 6, 8, 10, 11, 12, 13], [0]]
     groups = attention._decode_groups([6, 18, 34, 100, 16], tables, 16, 1, torch.device("cpu"))
-    assert [(g.first, g.end, g.blocks, g.context) for g in groups] == [
-        (0, 2, 2, 18), (2, 3, 3, 34), (3, 4, 7, 100), (4, 5, 1, 16)]
-    # Sequence 0 is padded with its own first block and masked past its 6 tokens.
-    assert groups[0].block_ids.tolist() == [7, 7, 3, 9]
-    assert groups[0].mask[:, 0, 0].sum(1).tolist() == [6, 18]
+    # Shortest first (ties in the batch's order): rows 0, 4 and 1 (2 blocks each once
+    # padded: 6 bytes), then 2 and 3 alone.
+    assert [(g.rows.tolist() if g.rows is not None else list(range(g.first, g.end)),
+             g.blocks, g.context) for g in groups] == [
+        ([0, 4, 1], 2, 18), ([2], 3, 34), ([3], 7, 100)]
+    assert groups[0].size == 3 and groups[1].rows is None and groups[2].rows is None
+    # Sequences 0 and 4 are padded with their own first block and masked past their tokens.
+    assert groups[0].block_ids.tolist() == [7, 7, 0, 0, 3, 9]
+    assert groups[0].mask[:, 0, 0].sum(1).tolist() == [6, 16, 18]
     assert all(g.mask is None for g in groups[1:])
+    # Padding bounded: short and long contexts that fit one group's bytes are still
+    # attended apart, each with its like; one group left keeps the batch's order.
+    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 4 << 20)
+    long_tables = [list(range(100 * i, 100 * i + 80)) for i in range(4)]
+    apart = attention._decode_groups([60, 1200, 61, 1207], long_tables, 16, 1, torch.device("cpu"))
+    assert [g.rows.tolist() for g in apart] == [[0, 2], [1, 3]]
+    assert [(g.blocks, g.context) for g in apart] == [(4, 61), (76, 1207)]
+    near = attention._decode_groups([1207, 1000, 1200], long_tables, 16, 1, torch.device("cpu"))
+    assert [(g.first, g.end, g.rows) for g in near] == [(0, 3, None)]
     # On a GPU (only the device type is looked at) the batch stays one group.
     one = attention._decode_groups([6, 18, 34, 100, 16], tables, 16, 1, torch.device("meta"))
     assert [(g.first, g.end, g.blocks, g.context) for g in one] == [(0, 5, 7, 100)]
