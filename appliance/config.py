@@ -83,7 +83,7 @@ class EngineConfig:
     dtype: str = "auto"               # torch weights and KV: auto | float32 | bfloat16 | float16
     compile: str = "off"              # torch: off | decode (torch.compile a decode step's norms/adds)
     cpu_kernels: str = "auto"         # torch on the CPU: auto (C kernels where the host builds them) | off
-    cpu_decode_helper: str = "auto"   # auto: a one-core decode worker's matmuls borrow the prefill core while it idles | off
+    cpu_decode_helper: str = "auto"   # on: a one-core decode worker's matmuls borrow the prefill core while it idles | auto: on where the CPU has AMX | off
     daemon_cores: str = "auto"        # auto: the daemon's threads off the CPU decode workers' cores | all
 
 
@@ -395,8 +395,8 @@ def validate(cfg: Config) -> Config:
     if cfg.engine.daemon_cores not in ("auto", "all"):
         raise ConfigError(f"config: engine.daemon_cores must be auto or all, "
                           f"got {cfg.engine.daemon_cores!r}")
-    if cfg.engine.cpu_decode_helper not in ("auto", "off"):
-        raise ConfigError(f"config: engine.cpu_decode_helper must be auto or off, "
+    if cfg.engine.cpu_decode_helper not in ("auto", "on", "off"):
+        raise ConfigError(f"config: engine.cpu_decode_helper must be auto, on or off, "
                           f"got {cfg.engine.cpu_decode_helper!r}")
     if cfg.engine.cpu_kernels not in ("auto", "off"):
         raise ConfigError(f"config: engine.cpu_kernels must be auto or off, "

@@ -41,6 +41,7 @@ def test_a_bad_value_is_one_clear_error():
 def test_the_decode_helper_setting_is_checked():
     assert Config().engine.cpu_decode_helper == "auto"
     assert parse('[engine]\ncpu_decode_helper = "off"\n').engine.cpu_decode_helper == "off"
+    assert parse('[engine]\ncpu_decode_helper = "on"\n').engine.cpu_decode_helper == "on"
     with pytest.raises(ConfigError,
-                       match="engine.cpu_decode_helper must be auto or off, got 'yes'"):
+                       match="engine.cpu_decode_helper must be auto, on or off, got 'yes'"):
         parse('[engine]\ncpu_decode_helper = "yes"\n')

@@ -56,24 +56,31 @@ def test_cpu_workers_split_the_cores(mode, threads, cores, want):
 
 
 @pytest.mark.parametrize("mode, threads, cores, engine, setting, want", [
-    ("disagg", 0, [0, 1], "torch", "auto", {"prefill0": -1, "decode0": 0}),     # this box
-    ("disagg", 0, [2, 7], "torch", "auto", {"prefill0": -1, "decode0": 2}),     # a cpuset
+    ("disagg", 0, [0, 1], "torch", "on", {"prefill0": -1, "decode0": 0}),       # this box
+    ("disagg", 0, [2, 7], "torch", "on", {"prefill0": -1, "decode0": 2}),       # a cpuset
     ("disagg", 0, [0, 1], "torch", "off", {"prefill0": -1, "decode0": -1}),
-    ("disagg", 0, [0, 1], "sim", "auto", {"prefill0": -1, "decode0": -1}),
-    ("disagg", 0, [4], "torch", "auto", {"prefill0": -1, "decode0": -1}),       # shared core
-    ("disagg", 0, list(range(16)), "torch", "auto", {"prefill0": -1, "decode0": -1}),
-    ("agg", 1, [0, 1], "torch", "auto", {"agg0": -1, "agg1": -1}),
+    ("disagg", 0, [0, 1], "sim", "on", {"prefill0": -1, "decode0": -1}),
+    ("disagg", 0, [4], "torch", "on", {"prefill0": -1, "decode0": -1}),         # shared core
+    ("disagg", 0, list(range(16)), "torch", "on", {"prefill0": -1, "decode0": -1}),
+    ("agg", 1, [0, 1], "torch", "on", {"agg0": -1, "agg1": -1}),
+    ("disagg", 0, [0, 1], "torch", "auto+amx", {"prefill0": -1, "decode0": 0}),
+    ("disagg", 0, [0, 1], "torch", "auto", {"prefill0": -1, "decode0": -1}),    # no AMX
 ])
 def test_a_one_core_decode_worker_may_borrow_the_prefill_core(mode, threads, cores, engine,
-                                                              setting, want):
-    """`engine.cpu_decode_helper = "auto"`: a CPU decode worker of one core and one thread
-    gets the prefill worker's core to borrow while it idles; workers of more threads (torch's
-    path), agg workers, a shared core, other engines and "off" get none."""
+                                                              setting, want, monkeypatch):
+    """`engine.cpu_decode_helper = "on"` ("auto" on a CPU with AMX): a CPU decode worker of
+    one core and one thread gets the prefill worker's core to borrow while it idles;
+    workers of more threads (torch's path), agg workers, a shared core, other engines,
+    "off" and "auto" on a CPU without AMX get none."""
     from appliance.config import Config
     from appliance.daemon.setup import worker_specs
+    from appliance.engines import dtypes
     from appliance.partitions import discover, plan_partition
     from appliance.worker.spec import WorkerSpec
 
+    setting, _, amx = setting.partition("+")
+    flags = {"avx512f", "avx512_bf16", *(["amx_bf16", "amx_tile"] if amx else [])}
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset(flags))  # /proc/cpuinfo's
     cfg = Config()
     cfg.engine.cpu_threads = threads
     cfg.engine.cpu_decode_helper = setting
