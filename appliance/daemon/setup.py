@@ -329,12 +329,13 @@ def helper_wanted(setting: str, flags: frozenset[str] | None = None) -> bool:
     """`engine.cpu_decode_helper`: "on", or "auto" on a CPU with AMX, the one kind it was
     measured to pay on. There one core reads ~15 GB/s and a decode step's weight stream
     takes ~30% less time with the prefill core reading beside it. On an AMD EPYC (Zen 4,
-    no AMX), where one core already reads ~27-31 GB/s, it took 3% of the request rate at
-    8 clients and 7-13% more ITL (8 and 32), with the helper's polling on the core that
-    prefills and runs the daemon (docs/engines/torch.md, "Borrowing the prefill core")."""
+    no AMX), where one core already reads ~27-31 GB/s, it took up to 3% of the request
+    rate at 8 clients and added 2-18% to the ITL (8 and 32 clients, Llama and Qwen3
+    shapes): its polling sits on the core that prefills and runs the daemon
+    (docs/engines/torch.md, "Borrowing the prefill core")."""
     if setting != "auto":
         return setting == "on"
-    from appliance.engines.dtypes import cpu_flags
+    from appliance.partitions.devices import cpu_flags
     return "amx_bf16" in (cpu_flags() if flags is None else flags)
 
 

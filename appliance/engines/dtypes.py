@@ -11,15 +11,16 @@
   extension), fp16 only where it has AVX512-FP16 or AMX-FP16 (Arm: FP16 arithmetic);
   elsewhere the worker falls back to fp32 and says so in one line (`resolve`'s note).
 
-The flags are read from /proc/cpuinfo (Linux); where it cannot be read, no flag is
+The flags are read from /proc/cpuinfo (Linux; `partitions.devices.cpu_flags`, which the
+daemon reads without torch); where it cannot be read, no flag is
 assumed. `torch.backends.cpu.get_cpu_capability()` names only the vector ISA ("AVX512",
 "AVX2"), not bf16 support, so it cannot decide this.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
+
+from appliance.partitions.devices import cpu_flags  # torch-free: the daemon reads them too
 
 __all__ = ["DTYPES", "checkpoint_dtype", "cpu_flags", "cpu_supports", "resolve"]
 
@@ -32,19 +33,6 @@ _NATIVE = {
 
 _NEEDS = {torch.bfloat16: "AVX512-BF16/AMX-BF16 (Arm: BF16)",
           torch.float16: "AVX512-FP16/AMX-FP16 (Arm: FP16)"}
-
-
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
-    """The processor's feature flags (the first CPU's; empty when unreadable)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            return frozenset(value.split())
-    return frozenset()
 
 
 def cpu_supports(dtype: torch.dtype, flags: frozenset[str]) -> bool:

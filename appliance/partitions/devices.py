@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from appliance.partitions.catalogue import GpuSpec, lookup_gpu, match_nvml_name
@@ -111,6 +112,19 @@ def discover(spec: str = "auto", nvml: Nvml | None = None) -> Inventory:
 
 
 # ---------------------------------------------------------------------------- cpu
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The processor's feature flags (the first CPU's; empty when unreadable)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            return frozenset(value.split())
+    return frozenset()
 
 
 def _cpu_device() -> Device:

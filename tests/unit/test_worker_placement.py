@@ -74,13 +74,12 @@ def test_a_one_core_decode_worker_may_borrow_the_prefill_core(mode, threads, cor
     "off" and "auto" on a CPU without AMX get none."""
     from appliance.config import Config
     from appliance.daemon.setup import worker_specs
-    from appliance.engines import dtypes
-    from appliance.partitions import discover, plan_partition
+    from appliance.partitions import devices, discover, plan_partition
     from appliance.worker.spec import WorkerSpec
 
     setting, _, amx = setting.partition("+")
     flags = {"avx512f", "avx512_bf16", *(["amx_bf16", "amx_tile"] if amx else [])}
-    monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset(flags))  # /proc/cpuinfo's
+    monkeypatch.setattr(devices, "cpu_flags", lambda *a: frozenset(flags))  # /proc/cpuinfo's
     cfg = Config()
     cfg.engine.cpu_threads = threads
     cfg.engine.cpu_decode_helper = setting
