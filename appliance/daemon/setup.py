@@ -21,6 +21,7 @@ from appliance.config import Config
 from appliance.daemon import affinity
 from appliance.daemon.supervisor import program_command
 from appliance.partitions import Inventory, PartitionPlan, discover, plan_partition
+from appliance.partitions import devices as host_devices   # cpu_flags, torch-free
 from appliance.partitions.plan import check_engine
 from appliance.worker.spec import WorkerSpec
 
@@ -325,7 +326,7 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
     return specs
 
 
-def helper_wanted(setting: str, flags: frozenset[str] | None = None) -> bool:
+def helper_wanted(setting: str) -> bool:
     """`engine.cpu_decode_helper`: "on", or "auto" on a CPU with AMX, the one kind it was
     measured to pay on. There one core reads ~15 GB/s and a decode step's weight stream
     takes ~30% less time with the prefill core reading beside it. On an AMD EPYC (Zen 4,
@@ -335,8 +336,7 @@ def helper_wanted(setting: str, flags: frozenset[str] | None = None) -> bool:
     (docs/engines/torch.md, "Borrowing the prefill core")."""
     if setting != "auto":
         return setting == "on"
-    from appliance.partitions.devices import cpu_flags
-    return "amx_bf16" in (cpu_flags() if flags is None else flags)
+    return "amx_bf16" in host_devices.cpu_flags()
 
 
 def lend_prefill_cores(specs: list[WorkerSpec]) -> None:

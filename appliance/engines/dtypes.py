@@ -12,9 +12,9 @@
   elsewhere the worker falls back to fp32 and says so in one line (`resolve`'s note).
 
 The flags are read from /proc/cpuinfo (Linux; `partitions.devices.cpu_flags`, which the
-daemon reads without torch); where it cannot be read, no flag is
-assumed. `torch.backends.cpu.get_cpu_capability()` names only the vector ISA ("AVX512",
-"AVX2"), not bf16 support, so it cannot decide this.
+daemon reads without torch); where it cannot be read, no flag is assumed.
+`torch.backends.cpu.get_cpu_capability()` names only the vector ISA ("AVX512", "AVX2"),
+not bf16 support, so it cannot decide this.
 """
 from __future__ import annotations
 

@@ -207,7 +207,8 @@ def _decode_groups(ctx_lens: list[int], tables: list[list[int]], block_size: int
     for idx in spans:
         blocks = max(need[k] for k in idx)
         # Padding repeats the sequence's own first block: finite data, masked out.
-        ids = [b for k in idx for b in tables[k][:blocks] + [tables[k][0]] * (blocks - len(tables[k]))]
+        ids = [b for k in idx
+               for b in tables[k][:blocks] + [tables[k][0]] * (blocks - len(tables[k]))]
         lens = [ctx_lens[k] for k in idx]
         lo = [lows[k] for k in idx]
         context, mask = max(lens), None
