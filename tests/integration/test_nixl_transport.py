@@ -134,6 +134,28 @@ boxes = pytest.fixture(scope="module")(_pair)
 fresh_boxes = pytest.fixture(_pair)
 
 
+def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGSTOP ``proc`` and wait until every thread of it is stopped. kill() only queues
+    a group stop: one thread is woken to act on it, and until it does the others (UCX's
+    progress thread among them) keep running, so on a loaded box the peer could still
+    serve part of a read posted right after the signal."""
+    proc.send_signal(signal.SIGSTOP)
+    end = time.monotonic() + timeout
+    tasks = Path(f"/proc/{proc.pid}/task")
+    while time.monotonic() < end:
+        states = []
+        for task in tasks.iterdir():
+            try:
+                # The state follows the parenthesised name, which may itself hold spaces.
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue                        # a thread that has just exited
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {proc.pid} not stopped within {timeout} s: {states}")
+
+
 def pull(pre: Box, dec: Box, src: list[int], dst: list[int], ttl: float = 30.0,
          timeout: float = 60.0) -> list[str]:
     handle = pre.ask(f"handle {ttl} {','.join(map(str, src))}")
@@ -188,7 +210,7 @@ def test_an_unresponsive_peer_is_given_up_on_at_the_deadline_plus_margin():
         assert pull(pre, dec, [7], [7])[0] == "OK"
         t0 = time.time()                    # before the handle's deadline is set
         handle = pre.ask("handle 1 10,11,12")
-        pre.proc.send_signal(signal.SIGSTOP)
+        stop(pre.proc)                      # every thread, before the read is posted
         out = dec.ask(f"{handle}\t20,21,22", timeout=60).split(" ", 3)
         elapsed = time.time() - t0
         assert out[:3] == ["ERR", "KvTransferError", "kept"], out
