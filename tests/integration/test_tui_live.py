@@ -115,12 +115,19 @@ class DaemonLive:
             t.start()
         for t in threads:
             t.join()
-        deadline = time.monotonic() + 30
+        # A request's GPU-seconds are final once the windows it ran in have closed: wait
+        # for every row, and nothing pending, else the TUI reads more than this test did.
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            tenants = {r.get("tenant") for r in self.usage().get("rows", [])}
-            if {"batch-etl", "chat-bot"} <= tenants:
+            usage = self.usage()
+            done = sum(r.get("requests") or 0 for r in usage.get("rows", [])
+                       if r.get("tenant") in ("batch-etl", "chat-bot"))
+            if done >= 2 * 5 + 6 * 25 and usage.get("accounting", {}).get("pending") == 0:
+                time.sleep(1.0)                 # the final rows' batch
                 break
             time.sleep(0.5)
+        else:
+            raise AssertionError(f"usage never settled: {done} of 160 requests final")
         return "batch-etl", "chat-bot"
 
     def status(self) -> dict:
