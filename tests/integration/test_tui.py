@@ -234,8 +234,11 @@ def test_peers_panel_shows_the_kv_rate_the_stream_grows():
                 first = await wait_screen(app, pilot, lambda t: "PEERS" in t, what="the panel")
                 grow = asyncio.create_task(_grow(srv, status))
                 try:
-                    moving = await wait_screen(app, pilot, lambda t: _rate(t) > 0.1,
-                                               what="a rate")
+                    # The window averages in the flat stretch before the feed began,
+                    # so the first rate shown can be low on a loaded box; it climbs
+                    # towards the ~10 GB/s fed as the window fills with growth.
+                    moving = await wait_screen(app, pilot, lambda t: _rate(t) > 1,
+                                               what="a rate above 1 GB/s")
                 finally:
                     grow.cancel()
                 peer = app.current.overview.cluster.peers[0]
@@ -246,7 +249,7 @@ def test_peers_panel_shows_the_kv_rate_the_stream_grows():
         first, moving, peer, gone = run(scenario)
     assert "1 of 2 up" in first and "last error: connection refused" in first
     # ~10 GB/s fed; the clocks of a loaded machine stretch it, never to another order
-    assert 1 < _rate(moving) < 100 and peer.kv_gb_per_s is not None, (moving, peer)
+    assert _rate(moving) < 100 and peer.kv_gb_per_s is not None, (moving, peer)
     assert "decode-1" not in gone
 
 
