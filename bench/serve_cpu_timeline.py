@@ -1,6 +1,8 @@
 """Where a served CPU layout's time goes, per process: one `bench_vs_vllm.py` cell against
 one applianced, with each process's CPU time sampled every 50 ms. Not a test: prints each
-process's CPU seconds per request and busy share, and a timeline (one line per --bin).
+process's CPU seconds per request and busy share, how many decode steps shared the
+prefill core (`engine.cpu_decode_helper`) and why the others did not, and a timeline
+(one line per --bin).
 
     .venv/bin/python bench/serve_cpu_timeline.py --concurrency 32 --requests 1 \
         --set 'engine.dtype="bfloat16"'
@@ -82,6 +84,9 @@ def main() -> None:
                                    seed=args.concurrency))
         done.set()
         sampler.join()
+        import urllib.request
+        with urllib.request.urlopen(f"{url}/admin/v1/status", timeout=10) as r:
+            workers = json.loads(r.read())["workers"]
     finally:
         vs.stop(proc)
     (t0, first), (t1, last) = samples[0], samples[-1]
@@ -93,6 +98,14 @@ def main() -> None:
     for name in sorted(last):
         used = last[name] - first.get(name, 0.0)
         print(f"| {name} | {used:.2f} | {used / requests:.3f} | {used / wall:.0%} |")
+    for w in workers:       # a decode worker that may borrow the prefill core
+        if w.get("borrowed_core") is not None:
+            n = w["borrowed_core_steps"] + w["borrowed_core_lender_busy_steps"] + \
+                w["borrowed_core_taken_steps"]
+            print(f"{w['worker']} steps on core {w['borrowed_core']} too: "
+                  f"{w['borrowed_core_steps']} of {n}; sat out while a prompt ran there "
+                  f"{w['borrowed_core_lender_busy_steps']}, after waiting for it "
+                  f"{w['borrowed_core_taken_steps']}")
     step = max(1, round(args.bin / 0.05))
     for i in range(0, len(samples) - step, step):
         (a, ra), (b, rb) = samples[i], samples[i + step]

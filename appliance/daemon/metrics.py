@@ -119,6 +119,11 @@ class WorkerCollector:
             "applianced_worker_borrowed_core_steps", "CPU decode steps whose matmuls shared "
             "the prefill worker's idle core (engine.cpu_decode_helper)",
             labels=["worker", "role", "core", "simulated"])
+        unborrowed = CounterMetricFamily(
+            "applianced_worker_unborrowed_core_steps", "CPU decode steps that could have "
+            "shared the prefill worker's core but did not: reason lender_busy (a prompt ran "
+            "there) or core_taken (the helper had waited for that core)",
+            labels=["worker", "role", "core", "reason", "simulated"])
         for w in self.pool.workers.values():
             labels = [w.id, w.role, self.sim]
             up.add_metric(labels, 1.0 if w.ready else 0.0)
@@ -133,7 +138,11 @@ class WorkerCollector:
                 if s.borrowed_core >= 0:
                     borrowed.add_metric([w.id, w.role, str(s.borrowed_core), self.sim],
                                         float(s.borrowed_core_steps))
-        return [up, restarts, kv, queued, running, borrowed]
+                    for reason, n in (("lender_busy", s.borrowed_core_lender_busy_steps),
+                                      ("core_taken", s.borrowed_core_taken_steps)):
+                        unborrowed.add_metric(
+                            [w.id, w.role, str(s.borrowed_core), reason, self.sim], float(n))
+        return [up, restarts, kv, queued, running, borrowed, unborrowed]
 
 
 class Metrics:

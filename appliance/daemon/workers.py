@@ -264,6 +264,8 @@ class WorkerLink:
             "kv_recomputes": s.kv_recomputes if s else None,
             "borrowed_core": s.borrowed_core if s and s.borrowed_core >= 0 else None,
             "borrowed_core_steps": s.borrowed_core_steps if s else None,
+            "borrowed_core_lender_busy_steps": s.borrowed_core_lender_busy_steps if s else None,
+            "borrowed_core_taken_steps": s.borrowed_core_taken_steps if s else None,
         }
 
 

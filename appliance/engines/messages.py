@@ -312,6 +312,9 @@ class WorkerStats:
     # source died or restarted): a sign of decode workers too full for the handoff timeout.
     kv_recomputes: int = 0
     # A CPU decode worker that borrows the prefill worker's core while that one idles
-    # (`engine.cpu_decode_helper`): the core (-1: none), and the steps that had it.
+    # (`engine.cpu_decode_helper`): the core (-1: none), the steps that had it, and those
+    # that did not because the lender was running or something else held the core.
     borrowed_core: int = -1
     borrowed_core_steps: int = 0
+    borrowed_core_lender_busy_steps: int = 0
+    borrowed_core_taken_steps: int = 0

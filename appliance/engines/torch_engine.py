@@ -281,6 +281,8 @@ class TorchEngine(BatchEngine):
         if self.helper_gate is not None:
             stats.borrowed_core = self.helper_gate.cpu
             stats.borrowed_core_steps = self.helper_gate.stats.steps_with
+            stats.borrowed_core_lender_busy_steps = self.helper_gate.stats.owner_busy
+            stats.borrowed_core_taken_steps = self.helper_gate.stats.steps_without
         return stats
 
     # ---- execution --------------------------------------------------------

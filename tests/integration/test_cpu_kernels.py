@@ -914,9 +914,22 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
                       if line.startswith("applianced_worker_borrowed_core_steps_total{")]
             assert len(series) == 1 and 'worker="decode0"' in series[0]
             assert float(series[0].rsplit(" ", 1)[1]) >= decode["borrowed_core_steps"] > 0
+            # the steps it sat out, by reason, in the status and as one series each
+            sat_out = {line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                       for line in metrics.splitlines()
+                       if line.startswith("applianced_worker_unborrowed_core_steps_total{")}
+            assert set(sat_out) == {"lender_busy", "core_taken"}, metrics
+            assert sat_out["lender_busy"] >= decode["borrowed_core_lender_busy_steps"] >= 0
+            assert sat_out["core_taken"] >= decode["borrowed_core_taken_steps"] >= 0
+            # every decode-worker step went one of the three ways
+            assert decode["borrowed_core_steps"] + decode["borrowed_core_lender_busy_steps"] \
+                + decode["borrowed_core_taken_steps"] <= decode["iterations"]
         else:
             assert decode["borrowed_core"] is None and decode["borrowed_core_steps"] == 0
+            assert decode["borrowed_core_lender_busy_steps"] == 0
+            assert decode["borrowed_core_taken_steps"] == 0
             assert "applianced_worker_borrowed_core_steps_total{" not in metrics
+            assert "applianced_worker_unborrowed_core_steps_total{" not in metrics
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
     assert built == ["causal_prefill", "decode_layers", "layer_glue", "linear_bf16", "paged_decode"]
     assert not (tmp_path / "off" / "state" / "kernels").exists()
