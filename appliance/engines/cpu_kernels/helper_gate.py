@@ -9,29 +9,18 @@ prompts for their core slows them, and a helper held up mid-group delays the ste
 before each step the gate looks at the core's owner (the lending worker, a sibling
 process: running or not, from /proc/PID/stat) and lends the step to the helper only while
 the owner sleeps; and after each step it reads the helper's own time spent waiting for
-its core (/proc/self/task/TID/schedstat): a step in which it waited for more than
-`BUSY_SHARE` of the step (and at least `BUSY_WAIT_NS`) while the lender sleeps (something
-else took the core) sends it to sleep for `PROBE_STEPS` steps, doubling up to
-`MAX_PROBE_STEPS` while that goes on.
-
-The wait is judged as a share of the step, not in milliseconds alone: served, the core
-also carries the daemon, which wakes to stream every step's tokens, and the helper of a
-lent step waited 8-29% of it (p10-p90, AMX host, 8 clients). A fixed 2 ms turned the
-helper off for most of the steps the lender left free (34-70% of all steps sat out,
-12-27% lent); at 30% of the step 4-12% sat out and 36-46% were lent, for 5% more requests a
-second and 4% less ITL (docs/benchmarks.md, "Session 32"). A process spinning on the
-core takes half of it, well over the share.
+its core (/proc/self/task/TID/schedstat): a step in which it waited more than
+`BUSY_WAIT_NS` while the lender sleeps (something else took the core) sends it to sleep
+for `PROBE_STEPS` steps, doubling up to `MAX_PROBE_STEPS` while that goes on.
 """
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 
-__all__ = ["HelperGate", "core_taken", "sibling_pid"]
+__all__ = ["HelperGate", "sibling_pid"]
 
-BUSY_WAIT_NS = 2_000_000    # run-queue wait in one step that says the core is taken...
-BUSY_SHARE = 0.3            # ...when it is also more than this share of the step
+BUSY_WAIT_NS = 2_000_000    # run-queue wait in one step that says the core is taken
 PROBE_STEPS = 8             # steps without the helper before trying it again
 MAX_PROBE_STEPS = 128
 FIND_EVERY = 256            # steps between looks for a lender not found (not started yet)
@@ -43,12 +32,6 @@ class HelperStats:
     owner_busy: int = 0     # steps it sat out because the lender was running
     steps_without: int = 0  # steps it sat out after waiting for its core
     turned_off: int = 0     # times a step found it waiting for its core
-
-
-def core_taken(waited_ns: int, step_ns: int) -> bool:
-    """Whether the helper's run-queue wait during a step says something else holds its
-    core: more than `BUSY_SHARE` of the step and more than `BUSY_WAIT_NS`."""
-    return waited_ns > max(BUSY_WAIT_NS, BUSY_SHARE * step_ns)
 
 
 def sibling_pid(worker: str) -> int | None:
@@ -91,7 +74,6 @@ class HelperGate:
         self._judge = False             # this step's wait says whether the core is busy
         self._in_step = False
         self._wait_before = 0
-        self._began_ns = 0
         self._skip = 0                  # steps left to sit out
         self._backoff = PROBE_STEPS
         self._path = ""
@@ -145,7 +127,6 @@ class HelperGate:
         self._in_step = True
         self._judge = not woke and before is not None
         self._wait_before = before or 0
-        self._began_ns = time.perf_counter_ns()
         self.stats.steps_with += 1
 
     def end(self) -> None:
@@ -155,8 +136,7 @@ class HelperGate:
         if not self._judge:
             return
         waited = self._waited_ns()
-        if waited is None or core_taken(waited - self._wait_before,
-                                        time.perf_counter_ns() - self._began_ns):
+        if waited is None or waited - self._wait_before > BUSY_WAIT_NS:
             self.kernel.helper_spin(False)
             self.stats.turned_off += 1
             if self._lender_stat and self.lender_running():
