@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,7 +85,6 @@ def main() -> None:
                                    seed=args.concurrency))
         done.set()
         sampler.join()
-        import urllib.request
         with urllib.request.urlopen(f"{url}/admin/v1/status", timeout=10) as r:
             workers = json.loads(r.read())["workers"]
     finally:
