@@ -29,7 +29,11 @@ pytestmark = pytest.mark.skipif(not HAVE_NIXL, reason="NIXL is not installed: pi
 
 KEY = "cluster-key-for-the-tests"
 ENGINE = ["--devices", "cpu", "--engine", "torch", "--mode", "disagg"]
-POOL = "[engine]\nkv_cache_bytes = 33554432\n"
+# 1-s accounting windows: a request's ledger row is written once the window its finish
+# falls in closes (window + grace + a flush, ~13 s at the default 10-s window), and a
+# loaded CI box stretched that past the tests' wait.
+POOL = ("[engine]\nkv_cache_bytes = 33554432\n"
+        "[accounting]\nwindow_s = 1.0\nflush_interval_s = 0.2\n")
 PROMPTS = ["The quick brown fox", "Once upon a time", "In the beginning", "Hello, world",
            "A long time ago in a galaxy", "To be or not to be", "It was a dark and stormy",
            "All happy families are alike"]
@@ -136,7 +140,7 @@ def test_the_cluster_routes_need_the_cluster_key(pair, single):
     assert code == 404      # a single box has no cluster routes
 
 
-def ledger_row(daemon, request_id, timeout=15.0):
+def ledger_row(daemon, request_id, timeout=30.0):
     db = daemon.log.parent / "state" / "ledger.db"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
