@@ -226,6 +226,7 @@ class Host:
         self.inbox = inbox
         self.deferred: deque = deque()      # messages that came while waiting for readings
         self.eof = False
+        self.normal_nice = os.getpriority(os.PRIO_PROCESS, 0)   # the daemon's, inherited
         self._lock = take_lock(lock_path(spec.ledger_path))
         self.ledger = Ledger(Path(spec.ledger_path), spec.flush_interval_s, spec.retention_days,
                              spec.rollup_retention_days, spec.retention_mb)
@@ -342,20 +343,52 @@ class Host:
                     next_gc = time.monotonic() + GC_EVERY_S
         # Stop, or the daemon is gone: the last partial window, every finished request's
         # final row, one commit (its energy read from the daemon while it still answers).
+        if self.eof:
+            back_to_normal_priority(self.normal_nice)
         self.acc.stop()
         if not self.eof:
             self._send(self.report())
         return 0
 
 
-def lower_priority() -> None:
-    """Serving first: this process (and the threads it starts after this) runs at nice
-    19, on what the daemon and the workers leave. Under CPU saturation its input waits
-    in the socket and it catches up when load eases; on a GPU box CPU is rarely short."""
+def set_priority(nice: int) -> bool:
+    """Every thread of this process at `nice` (on Linux a nice value is a thread's own:
+    a process-wide call would leave the reader and the ledger writer where they were).
+    False when the system refuses (a lower value than now needs CAP_SYS_NICE or
+    RLIMIT_NICE, which the systemd unit grants down to 0: LimitNICE=+0)."""
     try:
-        os.nice(NICE - os.nice(0))
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
-        pass
+        tids = [0]
+    ok = True
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:
+            pass                        # a thread that ended meanwhile
+        except OSError:
+            ok = False
+    return ok
+
+
+def lower_priority() -> None:
+    """Serving first: once started, this process runs at nice 19, on what the daemon
+    and the workers leave. Under CPU saturation its input waits in the socket and it
+    catches up when load eases; on a GPU box CPU is rarely short. Not before it has
+    started: a daemon starting up waits for it (the ledger's lock, then `Started`), and
+    at nice 19 beside busy processes that wait measured up to a minute (two nice-0 busy
+    loops on 2 cores, kill -9 to the restarted daemon's ready: 7-62 s, 6-10 s now)."""
+    set_priority(NICE)
+
+
+def back_to_normal_priority(normal: int) -> None:
+    """The daemon is gone: nothing is served to yield to, and a restarted daemon waits
+    (the ledger's lock) for this process's last commit. It finishes at the daemon's
+    priority where the system lets it (root, or the unit's LimitNICE=+0)."""
+    if not set_priority(normal):
+        log.warning("accounting: the daemon is gone; finishing the last commit at nice %d "
+                    "(not allowed back to %d: see LimitNICE= in the systemd unit)",
+                    os.getpriority(os.PRIO_PROCESS, 0), normal)
 
 
 def tune_gc() -> None:
@@ -385,7 +418,6 @@ def run(fd: int) -> int:
     """`applianced accountant --fd N`: started by the daemon, ends on Stop or when the
     daemon's end of the socket closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the daemon decides when we stop
-    lower_priority()
     logging.basicConfig(level=os.environ.get("APPLIANCED_LOG", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.set_inheritable(fd, False)
@@ -408,4 +440,5 @@ def run(fd: int) -> int:
     tune_gc()
     if not host._send(Started(host.report())):
         host.eof = True
+    lower_priority()
     return host.serve()

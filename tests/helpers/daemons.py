@@ -103,6 +103,10 @@ def start_daemon(tmp_path: Path, model: Path | None, *args: str, config: str | N
         cmd += ["--config", str(cfg)]
     cmd += list(args)
     log = tmp_path / f"daemon-{port}.log"
+    n = 1
+    while log.exists():     # a restart on the same port: the last run's log (and what its
+        n += 1              # accounting process wrote after it died) is kept
+        log = tmp_path / f"daemon-{port}-{n}.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

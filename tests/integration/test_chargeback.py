@@ -47,6 +47,18 @@ calibration_min_iterations = 5
 """
 
 
+def threads_nice(pid: int) -> dict[str, int]:
+    """Each thread's nice value (field 19 of /proc/PID/task/TID/stat)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+        except OSError:
+            continue
+        out[tid] = int(stat[stat.rindex(")") + 2:].split()[16])
+    return out
+
+
 def get(d, path: str, key: str | None = None, **params):
     q = urllib.parse.urlencode(params)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -271,6 +283,12 @@ def test_kill_9_loses_at_most_the_last_batch(daemon_factory, tmp_path, victims):
     code, _, body = get(d, "/admin/v1/usage", since="1h")
     accounting_pid = body["accounting"]["link"]["pid"]
     assert accounting_pid and pid_alive(accounting_pid)
+    # started, it serves at nice 19, every thread of it (the reader, the ledger writer)
+    deadline = time.monotonic() + 10
+    while set(threads_nice(accounting_pid).values()) != {19} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(threads_nice(accounting_pid).values()) == {19}, threads_nice(accounting_pid)
+    assert len(threads_nice(accounting_pid)) >= 3
     done: list[tuple[str, float]] = []
     stop = threading.Event()
 
@@ -416,3 +434,39 @@ def test_a_killed_accounting_process_is_restarted_and_no_record_is_lost(daemon_f
     got = [r[0] for r in db.execute("SELECT request_id FROM requests WHERE tenant = 'a'")]
     db.close()
     assert sorted(got) == sorted(ids)
+
+
+PRIORITY_PROBE = """
+import json, os, sys, threading
+from appliance.accounting.process import set_priority
+stop = threading.Event()
+t = threading.Thread(target=stop.wait)
+t.start()
+def nices():
+    return sorted({os.getpriority(os.PRIO_PROCESS, int(x)) for x in os.listdir("/proc/self/task")})
+out = {"lowered": set_priority(7), "after_lower": nices(), "n": len(os.listdir("/proc/self/task"))}
+out["raised"] = set_priority(0)
+out["after_raise"] = nices()
+stop.set()
+print(json.dumps(out))
+"""
+
+
+def test_the_accounting_priority_applies_to_every_thread_and_goes_back_when_allowed():
+    """`set_priority` (the accounting process: nice 19 once started, its daemon's value
+    again when the daemon is gone) reaches every thread, not only the caller: a nice
+    value is a thread's own on Linux. Going back down needs the privilege (root here, or
+    the unit's LimitNICE=+0); without it the call says so and changes nothing."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", PRIORITY_PROBE], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["n"] >= 2 and r["lowered"] is True and r["after_lower"] == [7], r
+    if os.geteuid() == 0:
+        assert r["raised"] is True and r["after_raise"] == [0], r
+    else:
+        assert r["raised"] is False and r["after_raise"] == [7], r

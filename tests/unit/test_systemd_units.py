@@ -45,6 +45,8 @@ def test_service_settings():
     assert svc["User"] == "applianced" and "DynamicUser" not in svc
     assert svc["StateDirectory"] == "applianced" and svc["ConfigurationDirectory"] == "applianced"
     assert int(svc["WatchdogSec"]) > 0
+    # the accounting process may go back from nice 19 to 0 (appliance.accounting.process)
+    assert svc["LimitNICE"] == "+0"
     # Stopping drains requests, then stops workers (WorkerPool.stop waits up to 10 s).
     assert int(svc["TimeoutStopSec"]) > ServerConfig().drain_timeout_s + 10
     sock = unit_settings(SYSTEMD_DIR / "applianced.socket")["Socket"]
