@@ -343,8 +343,7 @@ class Host:
                     next_gc = time.monotonic() + GC_EVERY_S
         # Stop, or the daemon is gone: the last partial window, every finished request's
         # final row, one commit (its energy read from the daemon while it still answers).
-        if self.eof:
-            back_to_normal_priority(self.normal_nice)
+        back_to_normal_priority(self.normal_nice)
         self.acc.stop()
         if not self.eof:
             self._send(self.report())
@@ -382,12 +381,13 @@ def lower_priority() -> None:
 
 
 def back_to_normal_priority(normal: int) -> None:
-    """The daemon is gone: nothing is served to yield to, and a restarted daemon waits
-    (the ledger's lock) for this process's last commit. It finishes at the daemon's
-    priority where the system lets it (root, or the unit's LimitNICE=+0)."""
+    """Serving is over (the daemon stops, or it is gone): nothing is served to yield to,
+    and someone waits for this process's last commit, the stopping daemon (then it is
+    killed, its last batch lost) or a restarted one (the ledger's lock). It finishes at
+    the daemon's priority where the system lets it (root, or the unit's LimitNICE=+0)."""
     if not set_priority(normal):
-        log.warning("accounting: the daemon is gone; finishing the last commit at nice %d "
-                    "(not allowed back to %d: see LimitNICE= in the systemd unit)",
+        log.warning("accounting: finishing the last commit at nice %d (not allowed back to "
+                    "%d: see LimitNICE= in the systemd unit)",
                     os.getpriority(os.PRIO_PROCESS, 0), normal)
 
 
