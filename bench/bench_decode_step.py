@@ -259,10 +259,11 @@ def compare_kernels(args) -> list[dict]:
     use), alternating two steps each, 8 times, as --compare-compile does: torch's attention
     and oneDNN's matmuls; the attention kernel; the attention and matmul kernels (a second
     copy of the model, its dense layers in the matmul kernel's layout); and those with the
-    glue kernel (norms, RoPE with the KV write, activation). With --helper-core N, a
-    fifth: all of them with the matmul kernel's helper thread on core N, gated as a decode
-    worker gates it (`cpu_kernels.helper_gate`), timed in wall time (the process's CPU time
-    would count the helper's polling too)."""
+    glue kernel (norms, RoPE with the KV write, activation); those in one C call a step
+    (`decode_layers`, as a worker runs them). With --helper-core N, a sixth: the one call
+    with the matmul kernel's helper thread on core N sharing the matmuls and the attention,
+    gated as a decode worker gates it (`cpu_kernels.helper_gate`), timed in wall time (the
+    process's CPU time would count the helper's polling too)."""
     from appliance.engines import cpu_kernels
     from appliance.engines.cpu_kernels.helper_gate import HelperGate
     from appliance.engines.torch_engine import dense_linears
@@ -275,15 +276,19 @@ def compare_kernels(args) -> list[dict]:
     attention = cpu_kernels.load_paged_decode()
     linear = cpu_kernels.load_linear_bf16()
     glue = cpu_kernels.load_layer_glue()
+    layers = cpu_kernels.load_decode_layers()
+    layers.bind(linear, attention, glue)
     if not fast.attn.set_decode_kernel(attention) or \
             not all(layer.use_kernel(linear) for layer in dense_linears(fast)):
         raise SystemExit(f"the kernels do not take {d.name}")
+    one_call = ("one call", "+helper core")
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
         engines = {"torch": build(plain, B, args.prompt, 60, "off"),
                    "attention": build(plain, B, args.prompt, 60, "off"),
                    "attention+matmuls": build(fast, B, args.prompt, 60, "off"),
-                   "attention+matmuls+glue": build(fast, B, args.prompt, 60, "off")}
+                   "attention+matmuls+glue": build(fast, B, args.prompt, 60, "off"),
+                   "one call": build(fast, B, args.prompt, 60, "off")}
         if args.helper_core >= 0:   # the matmuls' helper thread on an idle core
             if not linear.start_helper(args.helper_core):
                 raise SystemExit(f"no helper thread on core {args.helper_core}")
@@ -296,8 +301,13 @@ def compare_kernels(args) -> list[dict]:
         for _ in range(8):
             for name, eng in engines.items():
                 plain.attn.set_decode_kernel(attention if name == "attention" else None)
-                fast.set_glue_kernel(glue if name in ("attention+matmuls+glue", "+helper core")
+                fast.set_glue_kernel(glue if name in ("attention+matmuls+glue", *one_call)
                                      else None)
+                if name in one_call:
+                    if not fast.set_decode_layers(layers):
+                        raise SystemExit(f"decode_layers does not take {d.name}")
+                else:
+                    fast.set_decode_layers(None)
                 eng.step()
                 c0, w0 = time.process_time(), time.perf_counter()
                 eng.step()

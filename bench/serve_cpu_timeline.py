@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config key, VALUE a TOML literal (repeatable)")
     ap.add_argument("--bin", type=float, default=1.0, help="timeline resolution, seconds")
+    ap.add_argument("--output-tokens", type=int, default=64)
     args = ap.parse_args()
     import psutil
     model = args.model or vs.make_model(Path.home() / ".cache" / "applianced-bench")
@@ -81,7 +82,7 @@ def main() -> None:
         sampler = threading.Thread(target=sample)
         sampler.start()
         cell = asyncio.run(vs.cell(url, model.name, args.concurrency,
-                                   args.concurrency * args.requests, 256, 64, vocab,
+                                   args.concurrency * args.requests, 256, args.output_tokens, vocab,
                                    seed=args.concurrency))
         done.set()
         sampler.join()

@@ -696,6 +696,73 @@ def test_decode_layers_in_one_call_match_the_kernels_called_one_by_one(
     assert model.set_decode_layers(None) and model.decode_layers is None
 
 
+@needs_kernel
+def test_decode_layers_share_the_attention_with_the_helper_and_keep_every_bit(
+        kernel, glue, tiny_model, tmp_path):
+    """With the matmul kernel's helper thread lent the step, the one-call decode layers
+    split each layer's attention by sequences between the two threads
+    (`linear_bf16_parallel`): logits and KV pool equal the one-thread step's bit for bit,
+    at batches of 2, 5, 17 and 40 sequences (runs of one, two and three sequences an item,
+    a short last one), contexts from 1 to 300; the helper did take part."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the helper needs a second core")
+    linear = _own_linear(tmp_path / "linear")
+    core = sorted(os.sched_getaffinity(0))[-1]
+    assert linear.start_helper(core)
+    _wait_for_helper(linear)
+    model = load_model(tiny_model, dtype=torch.bfloat16)
+    one = cpu_kernels.DecodeLayers(kernel_build.build("decode_layers", tmp_path / "layers"))
+    one.bind(linear, kernel, glue)
+    assert model.attn.set_decode_kernel(kernel) and model.set_glue_kernel(glue)
+    for layer in dense_linears(model):
+        assert layer.use_kernel(linear)
+    assert model.set_decode_layers(one)
+    bs, rng = 16, random.Random(3)
+    for B in (2, 5, 17, 40):
+        lens = [rng.choice((1, 7, 16, 33, 120, 300)) for _ in range(B)]
+        blocks = [-(-(n + 6) // bs) for n in lens]
+        ids = list(range(1, sum(blocks) + 1))
+        rng.shuffle(ids)
+        tables, at = [], 0
+        for k in blocks:
+            tables.append(ids[at:at + k])
+            at += k
+        kv = allocate_kv_pool(model.shape, len(ids) + 1, bs, dtype=torch.bfloat16)
+        seqs = []
+        for n, table in zip(lens, tables):
+            prompt = [rng.randrange(3, 60) for _ in range(n)]
+            slots = torch.tensor([table[i // bs] * bs + i % bs for i in range(n)])
+            logits = model(torch.tensor(prompt), torch.arange(n),
+                           AttnBatch(True, [n], [n], [table], slots), kv)
+            seqs.append(prompt + [int(logits[0].argmax())])
+        pools = {"alone": kv.clone(), "shared": kv.clone()}
+        for _ in range(4):
+            pos = [len(seq) - 1 for seq in seqs]
+            slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, pos)])
+            out = {}
+            for name, pool in pools.items():
+                linear.helper_spin(name == "shared")
+                batch = AttnBatch(False, [1] * B, [len(seq) for seq in seqs], tables, slots)
+                out[name] = model(torch.tensor([seq[-1] for seq in seqs]), torch.tensor(pos),
+                                  batch, pool)
+                linear.helper_spin(False)
+            assert torch.equal(out["shared"], out["alone"]), B
+            for seq, row in zip(seqs, out["alone"]):
+                seq.append(int(row.argmax()))
+        assert torch.equal(pools["shared"], pools["alone"]), B
+
+    # Whether the helper takes an item depends on its core being free: on a loaded box
+    # keep stepping until it has.
+    def took_attention() -> bool:
+        linear.helper_spin(True)
+        batch = AttnBatch(False, [1] * B, [len(seq) for seq in seqs], tables, slots)
+        model(torch.tensor([seq[-1] for seq in seqs]), torch.tensor(pos), batch,
+              pools["shared"])
+        linear.helper_spin(False)
+        return linear.helper_items() > 0
+    assert _eventually(took_attention), "the helper thread never took a sequence"
+
+
 def test_weights_for_the_matmul_kernel_are_advised_for_huge_pages():
     """`huge_page_empty`: 64-byte aligned slices of one mapping advised MADV_HUGEPAGE (the
     `hg` flag of /proc/self/smaps), writable, and kept apart."""

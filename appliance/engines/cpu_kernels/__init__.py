@@ -152,6 +152,9 @@ class LinearBf16:
         self._asleep.restype = _I
         self._naps = lib.linear_bf16_helper_naps
         self._naps.restype = _L
+        self._parallel = lib.linear_bf16_parallel     # for decode_layers.c's attention
+        self._items = lib.linear_bf16_helper_items
+        self._items.restype = _L
 
     def start_helper(self, cpu: int) -> bool:
         """A helper thread pinned to `cpu` that shares each call's weight groups while
@@ -174,6 +177,10 @@ class LinearBf16:
     def helper_naps(self) -> int:
         """How many times the helper has gone to sleep."""
         return self._naps()
+
+    def helper_items(self) -> int:
+        """Items of other work (decode_layers.c's attention) the helper has run so far."""
+        return self._items()
 
     def helper_groups(self) -> int:
         """Weight groups (32 output rows of a call) the helper has written so far."""
@@ -421,7 +428,7 @@ class DecodeLayers:
         lib = ctypes.CDLL(str(path))
         self._bind = lib.decode_layers_bind
         self._bind.restype = None
-        self._bind.argtypes = [_P] * 6
+        self._bind.argtypes = [_P] * 7
         self._fn = lib.decode_layers
         self._fn.restype = _I
         self._fn.argtypes = [_P, _I, _P]
@@ -433,7 +440,7 @@ class DecodeLayers:
         def addr(fn) -> int:
             return ctypes.cast(fn, ctypes.c_void_p).value
         self._bind(addr(linear._fn), addr(attention._fn), addr(glue._norm), addr(glue._rope),
-                   addr(glue._silu), addr(glue._head_norm))
+                   addr(glue._silu), addr(glue._head_norm), addr(linear._parallel))
         self._kernels = (linear, attention, glue)   # kept loaded while bound
 
     @staticmethod

@@ -299,10 +299,17 @@ static void finish(void) {
 
    Claims carry the call's generation in their top 32 bits, so a helper that is late
    cannot take a group of the next call; the call's arguments sit in one of two slots by
-   generation, and a helper re-checks the generation after copying them. */
+   generation, and a helper re-checks the generation after copying them.
+
+   The same helper runs other work of the step split into items (`linear_bf16_parallel`:
+   decode_layers.c hands it the attention's sequences), so a lent step shares its KV
+   reads as well as its weight reads. */
+typedef void (*item_fn)(void* ctx, int64_t item, int worker);
+
 struct job {
     const uint16_t* w; int64_t N, K; const uint16_t* x; int64_t M, ldx;
     const float* bias; uint16_t* y; int64_t ldy, groups;
+    item_fn fn; void* ctx;              /* set: items of a `linear_bf16_parallel` call */
 };
 
 static struct job jobs[2];
@@ -314,6 +321,7 @@ static _Atomic int helper_asleep;
 static _Atomic int64_t helper_naps;    /* times the helper went to sleep */
 static _Atomic int helper_tid;
 static _Atomic int64_t helper_groups;  /* groups the helper wrote, all calls */
+static _Atomic int64_t helper_items;   /* items of `linear_bf16_parallel` calls it ran */
 static uint32_t generation;            /* the caller's only */
 static int helper_running;
 
@@ -343,8 +351,13 @@ static int claim_group(uint32_t gen, int64_t groups, int64_t* g) {
 static void take_groups(const struct job* j, uint32_t gen, int helper) {
     int64_t g;
     while (claim_group(gen, j->groups, &g)) {
-        run_groups(j->w, j->N, j->K, j->x, j->M, j->ldx, j->bias, j->y, j->ldy, g, g + 1);
-        if (helper) atomic_fetch_add_explicit(&helper_groups, 1, memory_order_relaxed);
+        if (j->fn)
+            j->fn(j->ctx, g, helper);
+        else
+            run_groups(j->w, j->N, j->K, j->x, j->M, j->ldx, j->bias, j->y, j->ldy, g, g + 1);
+        if (helper)
+            atomic_fetch_add_explicit(j->fn ? &helper_items : &helper_groups, 1,
+                                      memory_order_relaxed);
         atomic_fetch_add_explicit(&finished, 1, memory_order_release);
     }
 }
@@ -416,11 +429,23 @@ int linear_bf16_helper_spin(int on) {
 int linear_bf16_helper_asleep(void) { return atomic_load(&helper_asleep); }
 int64_t linear_bf16_helper_naps(void) { return atomic_load(&helper_naps); }
 
-/* Weight groups the helper has written so far (tests: that it took part). */
+/* Weight groups the helper has written, items it has run (tests: that it took part). */
 int64_t linear_bf16_helper_groups(void) { return atomic_load(&helper_groups); }
+int64_t linear_bf16_helper_items(void) { return atomic_load(&helper_items); }
 
 /* The helper's thread id (for its /proc schedstat), 0 before it runs. */
 int linear_bf16_helper_tid(void) { return atomic_load(&helper_tid); }
+
+/* One call's groups (or items) between the caller and the helper. */
+static void share(struct job j) {
+    const uint32_t gen = ++generation;
+    jobs[gen & 1] = j;
+    atomic_store_explicit(&finished, 0, memory_order_relaxed);
+    atomic_store_explicit(&claim, (uint64_t)gen << 32, memory_order_release);
+    take_groups(&jobs[gen & 1], gen, 0);
+    while (atomic_load_explicit(&finished, memory_order_acquire) < j.groups) _mm_pause();
+    finish();
+}
 
 /* Returns 0, or -1 for an odd K. */
 int linear_bf16(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M,
@@ -432,12 +457,19 @@ int linear_bf16(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int6
         finish();
         return 0;
     }
-    const uint32_t gen = ++generation;
-    jobs[gen & 1] = (struct job){w, N, K, x, M, ldx, bias, y, ldy, groups};
-    atomic_store_explicit(&finished, 0, memory_order_relaxed);
-    atomic_store_explicit(&claim, (uint64_t)gen << 32, memory_order_release);
-    take_groups(&jobs[gen & 1], gen, 0);
-    while (atomic_load_explicit(&finished, memory_order_acquire) < groups) _mm_pause();
-    finish();
+    share((struct job){w, N, K, x, M, ldx, bias, y, ldy, groups, NULL, NULL});
     return 0;
+}
+
+/* Run fn(ctx, item, worker) for every item in [0, items): worker 0 is the caller, 1 the
+   helper when it takes part (as for the matmuls: while the caller lets it spin), so fn
+   keeps per-worker state apart by `worker`. Returns once every item has run. Returns 1
+   when the helper could take part, 0 when the caller ran them all. */
+int linear_bf16_parallel(item_fn fn, void* ctx, int64_t items) {
+    if (!helper_running || !atomic_load_explicit(&spin_word, memory_order_relaxed) || items < 2) {
+        for (int64_t i = 0; i < items; i++) fn(ctx, i, 0);
+        return 0;
+    }
+    share((struct job){NULL, 0, 0, NULL, 0, 0, NULL, NULL, 0, items, fn, ctx});
+    return 1;
 }

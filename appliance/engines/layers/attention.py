@@ -577,7 +577,9 @@ class PagedAttention:
         and `scratch` grown to what the kernel needs for them."""
         if plan.kernel is None:
             plan.kernel = _kernel_inputs(batch, len(plan.prefill), window)
-        need = self.shape.num_heads * plan.kernel.longest
+        # room for two workers: decode_layers.c splits the sequences with the matmul
+        # kernel's helper thread, each with half
+        need = 2 * self.shape.num_heads * plan.kernel.longest
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need + need // 2, dtype=torch.float32)
         return plan.kernel
