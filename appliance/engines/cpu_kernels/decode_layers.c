@@ -109,11 +109,18 @@ static void attention_item(void* ctx, int64_t item, int worker) {
     if (rc) j->rc = rc;
 }
 
-static int layer_attention(const step_t* s, const uint16_t* k_cache, const uint16_t* v_cache) {
+/* Whether this step's attention may be split: a helper to split with, two sequences or
+   more, and scratch for two (the same for every layer, so asked once a step). */
+static int can_split(const step_t* s) {
     int64_t longest = 0;
     for (int64_t b = 0; b < s->B; b++)
         if (s->ctx_lens[b] - s->starts[b] > longest) longest = s->ctx_lens[b] - s->starts[b];
-    if (parallel && s->B >= 2 && s->scratch_elems / 2 >= (int64_t)s->H * longest) {
+    return parallel && s->B >= 2 && s->scratch_elems / 2 >= (int64_t)s->H * longest;
+}
+
+static int layer_attention(const step_t* s, const uint16_t* k_cache, const uint16_t* v_cache,
+                           int split) {
+    if (split) {
         att_job_t j = {s, k_cache, v_cache, (s->B + 15) / 16, s->scratch_elems / 2, 0};
         parallel(attention_item, &j, (s->B + j.per - 1) / j.per);
         return j.rc;
@@ -128,6 +135,7 @@ static int layer_attention(const step_t* s, const uint16_t* k_cache, const uint1
 int decode_layers(const layer_t* layers, int L, const step_t* s) {
     const int64_t B = s->B, D = s->D, W = (int64_t)(s->H + 2 * s->KVH) * s->hd;
     const int64_t Q = (int64_t)s->H * s->hd;
+    const int split = can_split(s);
     for (int li = 0; li < L; li++) {
         const layer_t* l = layers + li;
         uint16_t* k_cache = s->kv + li * s->layer_elems;
@@ -142,7 +150,7 @@ int decode_layers(const layer_t* layers, int L, const step_t* s) {
             return 1 + li;
         for (int64_t b = 0; b < B; b++)  /* the decode kernel takes q rows contiguous */
             memcpy(s->q + b * Q, s->qkv + b * W, (size_t)Q * 2);
-        if (layer_attention(s, k_cache, v_cache)) return 1 + li;
+        if (layer_attention(s, k_cache, v_cache, split)) return 1 + li;
         linear(l->o, D, Q, s->attn, B, Q, l->o_bias, s->o, D);
         add_rms_norm(s->h, s->o, l->mlp_norm, B, D, s->eps, s->h, s->x);
         linear(l->gate_up, 2 * s->inter, D, s->x, B, D, l->gate_up_bias, s->gu, 2 * s->inter);
