@@ -105,8 +105,13 @@ def main() -> None:
                 w["borrowed_core_taken_steps"]
             print(f"{w['worker']} steps on core {w['borrowed_core']} too: "
                   f"{w['borrowed_core_steps']} of {n}; sat out while a prompt ran there "
-                  f"{w['borrowed_core_lender_busy_steps']}, after waiting for it "
+                  f"{w['borrowed_core_lender_busy_steps']}, after it held a step up "
                   f"{w['borrowed_core_taken_steps']}")
+        if w.get("lent_core_steps"):    # the prefill worker taking that core back
+            print(f"{w['worker']} took its core back for {w['lent_core_steps']} steps; "
+                  f"{w['lent_core_waits']} waited for a helper to leave its group "
+                  f"({1e3 * w['lent_core_wait_s']:.1f} ms in all), "
+                  f"{w['lent_core_gave_up']} gave up waiting")
     step = max(1, round(args.bin / 0.05))
     for i in range(0, len(samples) - step, step):
         (a, ra), (b, rb) = samples[i], samples[i + step]

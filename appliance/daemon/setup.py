@@ -348,11 +348,15 @@ def lend_prefill_cores(specs: list[WorkerSpec]) -> None:
         return [s for s in specs if s.role == role and s.device_kind == "cpu"
                 and len(s.cpu_cores) == 1 and s.cpu_threads == 1]
     lenders = lone("prefill")
+    slots: dict[str, int] = {}
     for i, spec in enumerate(lone("decode") if lenders else []):
         lender = lenders[i % len(lenders)]
         if lender.cpu_cores != spec.cpu_cores:
             spec.cpu_helper_core = lender.cpu_cores[0]
             spec.cpu_helper_lender = lender.worker
+            spec.cpu_helper_slot = slots.get(lender.worker, 0)
+            slots[lender.worker] = spec.cpu_helper_slot + 1
+            lender.cpu_core_lent = True
 
 
 # `engine.conditional_disagg_queue_tokens = -1` (auto) on a box whose decode workers are

@@ -26,15 +26,17 @@ def program_command() -> list[str]:
     return [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "appliance"]
 
 
-async def spawn(command: Callable[[int], list[str]], env: dict | None = None
+async def spawn(command: Callable[[int], list[str]], env: dict | None = None,
+                keep_fds: tuple[int, ...] = ()
                 ) -> tuple[asyncio.subprocess.Process, asyncio.StreamReader, asyncio.StreamWriter]:
-    """Start `command(fd)` with `fd`, one end of a socketpair, passed to it; returns the
-    process and the daemon's end as a stream. The child's end is closed here once the
-    child holds it: when the child dies the daemon's reader sees the end of the stream."""
+    """Start `command(fd)` with `fd`, one end of a socketpair, passed to it (and
+    `keep_fds`, the daemon's, under the same numbers); returns the process and the
+    daemon's end as a stream. The child's end is closed here once the child holds it:
+    when the child dies the daemon's reader sees the end of the stream."""
     parent, child = socket.socketpair()
     try:
         proc = await asyncio.create_subprocess_exec(
-            *command(child.fileno()), pass_fds=(child.fileno(),), env=env,
+            *command(child.fileno()), pass_fds=(child.fileno(), *keep_fds), env=env,
             stdin=asyncio.subprocess.DEVNULL)
     except BaseException:
         parent.close()

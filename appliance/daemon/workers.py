@@ -8,6 +8,7 @@ get a clear error, never a hang) and is restarted with exponential backoff.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import pickle
@@ -27,6 +28,8 @@ from appliance.worker.cuda_env import gpu_worker_env
 from appliance.worker.spec import WorkerSpec
 
 log = logging.getLogger("applianced.workers")
+# The page a lent core's owner and borrowers share (linear_bf16.c's struct lend_page).
+LEND_PAGE_BYTES = 4096
 
 # A worker that stayed up this long is healthy again: its next crash backs off from the start.
 HEALTHY_AFTER_S = 60.0
@@ -109,8 +112,12 @@ class WorkerLink:
     async def start(self) -> None:
         self.state = "starting"
         env = worker_env(self.spec, os.environ)
+        spec, keep = self.spec, ()
+        page = self.pool.lend_page_fd(spec)
+        if page is not None:        # this worker lends its core, or borrows another's
+            spec, keep = dataclasses.replace(spec, cpu_lend_fd=page), (page,)
         self.proc, reader, self.writer = await supervisor.spawn(
-            lambda fd: worker_command(self.spec, fd), env)
+            lambda fd: worker_command(spec, fd), env, keep)
         first = await supervisor.first_message(reader, self.pool.start_timeout_s)
         if not first or not isinstance(first[0], Hello):
             code = await self._reap()
@@ -266,6 +273,10 @@ class WorkerLink:
             "borrowed_core_steps": s.borrowed_core_steps if s else None,
             "borrowed_core_lender_busy_steps": s.borrowed_core_lender_busy_steps if s else None,
             "borrowed_core_taken_steps": s.borrowed_core_taken_steps if s else None,
+            "lent_core_steps": s.lent_core_steps if s else None,
+            "lent_core_waits": s.lent_core_waits if s else None,
+            "lent_core_wait_s": s.lent_core_wait_s if s else None,
+            "lent_core_gave_up": s.lent_core_gave_up if s else None,
         }
 
 
@@ -287,6 +298,28 @@ class WorkerPool:
         self.frame_tap: Callable[[bytes], None] | None = None
         self.death_listeners: list[Callable[[WorkerLink], None]] = []
         self.ready_listeners: list[Callable[[WorkerLink], None]] = []
+        self._lend_pages: dict[str, int] = {}     # lending worker -> its page's memfd
+
+    def lend_page_fd(self, spec: WorkerSpec) -> int | None:
+        """The page through which a prefill worker takes its core back from the decode
+        workers that borrow it (`engines.cpu_kernels.core_lending`): a memfd of the
+        daemon's, made at the first start of either side and kept across their restarts
+        (each borrower clears its own word when it starts); None for other workers or
+        where it cannot be made (the helper then runs without it)."""
+        owner = spec.worker if spec.cpu_core_lent else (
+            spec.cpu_helper_lender if spec.cpu_helper_core >= 0 else "")
+        if not owner:
+            return None
+        if owner not in self._lend_pages:
+            try:
+                fd = os.memfd_create(f"applianced-lend-{owner}", os.MFD_CLOEXEC)
+                os.ftruncate(fd, LEND_PAGE_BYTES)
+            except OSError as exc:
+                log.warning("no shared page for %s's lent core (%s): its borrowers' helper "
+                            "may hold a step up while a prompt runs there", owner, exc)
+                return None
+            self._lend_pages[owner] = fd
+        return self._lend_pages[owner]
 
     def add(self, spec: WorkerSpec) -> WorkerLink:
         """A new worker slot (not started): a workflow starts workers in new roles."""

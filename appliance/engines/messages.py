@@ -318,3 +318,10 @@ class WorkerStats:
     borrowed_core_steps: int = 0
     borrowed_core_lender_busy_steps: int = 0
     borrowed_core_taken_steps: int = 0
+    # The prefill worker whose core that is: its steps (each takes the core back first),
+    # those that waited for a helper to leave its group, that wait, and the waits that
+    # ran out (a helper held up there by something else).
+    lent_core_steps: int = 0
+    lent_core_waits: int = 0
+    lent_core_wait_s: float = 0.0
+    lent_core_gave_up: int = 0

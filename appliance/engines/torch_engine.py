@@ -99,6 +99,9 @@ class TorchEngine(BatchEngine):
         self.nixl = None        # NixlKvAgent of a box that joins another (enable_nixl)
         # A decode worker whose matmuls may borrow an idle core (cpu_kernels.helper_gate)
         self.helper_gate = None
+        # A prefill worker whose core is so borrowed takes it back for each step
+        # (cpu_kernels.core_lending)
+        self.core_lender = None
         # Every layer windowed (Mistral v0.1): blocks behind the widest window are freed
         # as a sequence decodes. With any full layer (Gemma 3) every block stays.
         if s.all_layers_slide:
@@ -283,6 +286,12 @@ class TorchEngine(BatchEngine):
             stats.borrowed_core_steps = self.helper_gate.stats.steps_with
             stats.borrowed_core_lender_busy_steps = self.helper_gate.stats.owner_busy
             stats.borrowed_core_taken_steps = self.helper_gate.stats.steps_without
+        if self.core_lender is not None:
+            lent = self.core_lender.stats
+            stats.lent_core_steps = lent.takes
+            stats.lent_core_waits = lent.waited
+            stats.lent_core_wait_s = lent.waited_ns / 1e9
+            stats.lent_core_gave_up = lent.gave_up
         return stats
 
     # ---- execution --------------------------------------------------------
@@ -324,15 +333,19 @@ class TorchEngine(BatchEngine):
             row += q
         if rows:
             attn.hidden_rows = torch.tensor(rows, dtype=torch.long)
-        gate = self.helper_gate
+        gate, lender = self.helper_gate, self.core_lender
         if gate is not None:
             gate.begin()
+        if lender is not None:
+            lender.take()
         try:
             logits = self.model(torch.tensor(ids, dtype=torch.long),
                                 torch.tensor(pos, dtype=torch.long), attn, self.kv)
         finally:
             if gate is not None:
                 gate.end()
+            if lender is not None:
+                lender.give()
         if rows:
             self._prompt_logprobs(attn.hidden, scored, len(rows))
         done = [i for i, (seq, end) in enumerate(zip(batch.seqs, ctx_lens))
@@ -571,6 +584,8 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         grammar=GrammarBook(model_dir, model.shape.vocab_size, read_eos_ids(model_dir)))
     engine.memory_plan = plan
     engine.helper_gate = gate
+    if device.type == "cpu" and spec.cpu_kernels != "off":
+        engine.core_lender = _core_lender(spec)
     if spec.compile != "off" and spec.role != "prefill":   # a prefill worker never decodes
         if model.glue_kernel is not None:
             print(f"applianced worker {spec.worker}: engine.compile = {spec.compile!r} not "
@@ -647,14 +662,44 @@ def _use_cpu_kernels(model: LlamaModel, spec):
         return None
     if spec.cpu_helper_core < 0:
         return None
+    from appliance.engines.cpu_kernels.core_lending import LendPage
     from appliance.engines.cpu_kernels.helper_gate import HelperGate
+    page = None
+    if spec.cpu_lend_fd >= 0:
+        try:
+            page = LendPage(spec.cpu_lend_fd)
+        except (OSError, ValueError) as exc:
+            say(f"the helper cannot be handed back its core's owner's steps ({exc})")
+        else:
+            if not linear.helper_lend(page.address, spec.cpu_helper_slot):
+                say(f"the helper cannot be handed back its core's owner's steps (slot "
+                    f"{spec.cpu_helper_slot} out of range)")
+                page = None
     if not linear.start_helper(spec.cpu_helper_core):
         say(f"decode matmuls on this worker's core only (no helper thread on core "
             f"{spec.cpu_helper_core})")
         return None
     say(f"decode matmuls may borrow core {spec.cpu_helper_core} while "
         f"{spec.cpu_helper_lender or 'its owner'} idles (engine.cpu_decode_helper)")
-    return HelperGate(linear, spec.cpu_helper_core, spec.cpu_helper_lender)
+    gate = HelperGate(linear, spec.cpu_helper_core, spec.cpu_helper_lender)
+    gate.page = page        # mapped as long as the helper may read it
+    return gate
+
+
+def _core_lender(spec):
+    """A prefill worker whose core decode workers' helpers borrow: the `Lender` that
+    takes it back at a group's boundary before each step (`cpu_kernels.core_lending`),
+    else None."""
+    if not spec.cpu_core_lent or spec.cpu_lend_fd < 0:
+        return None
+    from appliance.engines import cpu_kernels
+    from appliance.engines.cpu_kernels.core_lending import LendPage, Lender
+    try:
+        return Lender(cpu_kernels.load_linear_bf16(spec.kernel_dir), LendPage(spec.cpu_lend_fd))
+    except (cpu_kernels.KernelUnavailable, OSError, ValueError) as exc:
+        print(f"applianced worker {spec.worker}: steps start without taking the core back "
+              f"from the decode helper ({exc})", file=sys.stderr, flush=True)
+        return None
 
 
 def dense_linears(model: LlamaModel) -> list:

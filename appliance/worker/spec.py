@@ -37,6 +37,9 @@ class WorkerSpec:
     cpu_helper_core: int = -1       # a decode worker's matmuls may borrow this core while it
                                     # idles (the prefill worker's, on a small box); -1: none
     cpu_helper_lender: str = ""     # the worker whose core that is (busy: not borrowed)
+    cpu_helper_slot: int = -1       # this borrower's word in the lender's page (core_lending)
+    cpu_core_lent: bool = False     # a prefill worker whose core decode workers may borrow
+    cpu_lend_fd: int = -1           # the page lender and borrowers share (set at spawn)
     fair_queuing: bool = True       # tenants' prompts share prefill steps by weight
     fair_chunk_tokens: int = 0      # prompt chunk while tenants share; 0 = the engine's choice
     cluster_peers: list[str] = field(default_factory=list)  # [cluster] peers: KV crosses boxes

@@ -399,30 +399,75 @@ def test_the_helper_thread_shares_calls_and_writes_the_same_outputs(tmp_path):
     assert not _own_linear(tmp_path / "b").start_helper(1023)   # no such CPU here
 
 
-@needs_kernel
-def test_the_gate_keeps_the_helper_asleep_while_its_core_is_busy(tmp_path):
-    """A process spinning on the helper's core: within a few steps the gate finds the
-    helper waiting for its core and sends it to sleep, sitting out `PROBE_STEPS` steps
-    (then longer) before it tries again."""
+# A process on the helper's core that runs in bursts of `burst` seconds 2 ms apart, as a
+# prompt does; with a page (fd) it takes the core back before each burst, as a prefill
+# worker does (`core_lending.Lender`), and prints its stats when killed.
+_BURSTS = """
+import json, os, signal, sys, time
+from pathlib import Path
+os.sched_setaffinity(0, {{{core}}})
+lender = None
+if {fd} >= 0:
+    from appliance.engines.cpu_kernels import LinearBf16
+    from appliance.engines.cpu_kernels.core_lending import LendPage, Lender
+    lender = Lender(LinearBf16(Path({so!r})), LendPage({fd}))
+def stop(*_):
+    print(json.dumps(lender.stats.__dict__ if lender else {{}}), flush=True)
+    os._exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("bursting", flush=True)
+while True:
+    if lender:
+        lender.take()
+    t = time.perf_counter()
+    while time.perf_counter() - t < {burst}:
+        pass
+    if lender:
+        lender.give()
+    time.sleep(0.002)
+"""
+
+
+def _bursts_beside(kernel, core: int, fd: int = -1, burst: float = 0.03):
     import subprocess
     import sys
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BURSTS.format(core=core, fd=fd, so=str(kernel.path), burst=burst)],
+        stdout=subprocess.PIPE, pass_fds=(fd,) if fd >= 0 else ())
+    assert proc.stdout.readline().strip() == b"bursting"
+    return proc
+
+
+def _held_steps(kernel, layer, x, steps: int, step_s: float = 0.01) -> tuple[int, int]:
+    """(steps in which a call waited over 10 ms for the helper, groups it wrote)."""
+    g0, held = kernel.helper_groups(), 0
+    kernel.helper_held_ns()
+    for _ in range(steps):
+        kernel.helper_spin(True)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < step_s:
+            layer(x)
+        held += kernel.helper_held_ns() > 10_000_000
+    return held, kernel.helper_groups() - g0
+
+
+@needs_kernel
+def test_the_gate_keeps_the_helper_out_after_it_held_a_step_up(tmp_path):
+    """A process that takes the helper's core in 30 ms bursts, without handing it back:
+    the helper (at SCHED_IDLE) is preempted inside groups, the step waits, and the gate
+    keeps it out for `PROBE_STEPS` steps (then longer) before it tries again."""
     from appliance.engines.cpu_kernels import helper_gate
     kernel = _own_linear(tmp_path)
     core = sorted(os.sched_getaffinity(0))[-1]
-    tid = None
-    if not kernel.start_helper(core) or not (tid := _wait_for_helper(kernel)) or \
-            not os.path.exists(f"/proc/self/task/{tid}/schedstat"):
-        pytest.skip("no schedstat for threads on this kernel")
+    assert kernel.start_helper(core)
+    _wait_for_helper(kernel)
     layer = Linear((0.05 * torch.randn(4096, 768)).to(torch.bfloat16))
     assert layer.use_kernel(kernel)
     x = torch.randn(8, 768).to(torch.bfloat16)
-    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})"
-                             "\nprint('spinning', flush=True)\nwhile True: pass"],
-                            stdout=subprocess.PIPE)
+    busy = _bursts_beside(kernel, core)
     gate = helper_gate.HelperGate(kernel, core)
     try:
-        assert busy.stdout.readline().strip() == b"spinning"
-        for _ in range(3 * helper_gate.PROBE_STEPS):
+        for _ in range(4 * helper_gate.PROBE_STEPS):
             gate.begin()
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < 0.05:      # a step of 50 ms of matmuls
@@ -434,7 +479,56 @@ def test_the_gate_keeps_the_helper_asleep_while_its_core_is_busy(tmp_path):
         kernel.helper_spin(False)
     assert gate.stats.turned_off >= 1
     assert gate.stats.steps_without >= helper_gate.PROBE_STEPS
-    assert gate.stats.steps_with < 3 * helper_gate.PROBE_STEPS
+    assert gate.stats.steps_with < 4 * helper_gate.PROBE_STEPS
+
+
+@needs_kernel
+def test_a_lender_takes_its_core_back_at_a_group_boundary(tmp_path):
+    """The same 30 ms bursts on the helper's core, by a process that shares the lend page
+    (`core_lending`): without taking the core back, steps wait for a preempted helper;
+    taking it back before each burst, the helper leaves its group first (the burst waits
+    for it, and never runs out of time), the steps do not wait, and the helper still
+    shares the calls between bursts. Each borrower has its own slot; a slot out of range
+    is refused."""
+    import json
+    from appliance.engines.cpu_kernels.core_lending import PAGE_BYTES, LendPage
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs a second core for the helper")
+    kernel = _own_linear(tmp_path)
+    core = sorted(os.sched_getaffinity(0))[-1]
+    fd = os.memfd_create("lend-test")
+    os.ftruncate(fd, PAGE_BYTES)
+    page = LendPage(fd)
+    assert not kernel.helper_lend(page.address, 63)
+    assert kernel.helper_lend(page.address, 5)
+    assert kernel.start_helper(core)
+    _wait_for_helper(kernel)
+    layer = Linear((0.05 * torch.randn(4096, 768)).to(torch.bfloat16))
+    assert layer.use_kernel(kernel)
+    x = torch.randn(8, 768).to(torch.bfloat16)
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, own - {core})       # the caller off the helper's core
+    try:
+        busy = _bursts_beside(kernel, core)     # not handing it back
+        try:
+            held_without, _ = _held_steps(kernel, layer, x, 100)
+        finally:
+            busy.kill()
+            busy.wait()
+        lender = _bursts_beside(kernel, core, fd)
+        try:
+            held_with, groups = _held_steps(kernel, layer, x, 100)
+        finally:
+            lender.terminate()
+            stats = json.loads(lender.communicate(timeout=30)[0])
+    finally:
+        kernel.helper_spin(False)
+        os.sched_setaffinity(0, own)
+        os.close(fd)
+    assert held_without >= 10, held_without
+    assert held_with <= 2, (held_with, stats)
+    assert groups > 0
+    assert stats["takes"] >= 10 and stats["waited"] >= 1 and stats["gave_up"] == 0, stats
 
 
 def test_the_gate_sees_whether_the_lending_worker_runs(tmp_path):
@@ -964,9 +1058,11 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
             got = greedy(d)
             status = d.status()
             if kernels == "auto" and two_cores:     # stats reach the daemon every 50 ms
-                status = d.wait_for(lambda st: any(
-                    w["worker"] == "decode0" and (w["borrowed_core_steps"] or 0) > 0
-                    for w in st["workers"]), what="the decode worker's steps on the borrowed core")
+                status = d.wait_for(lambda st: all(
+                    (w["borrowed_core_steps"] or 0) > 0 if w["worker"] == "decode0"
+                    else (w["lent_core_steps"] or 0) >= len(prompts)
+                    for w in st["workers"]), what="the decode worker's steps on the borrowed "
+                    "core, and the prefill worker's taking it back for each prompt")
             workers = {w["worker"]: w for w in status["workers"]}
             metrics = http("GET", f"{d.url}/metrics")[2].decode()
         finally:
@@ -991,10 +1087,14 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
             # every decode-worker step went one of the three ways
             assert decode["borrowed_core_steps"] + decode["borrowed_core_lender_busy_steps"] \
                 + decode["borrowed_core_taken_steps"] <= decode["iterations"]
+            # the prefill worker took its core back before each of its steps
+            assert len(prompts) <= prefill["lent_core_steps"] <= prefill["iterations"], prefill
+            assert prefill["lent_core_waits"] <= prefill["lent_core_steps"]
         else:
             assert decode["borrowed_core"] is None and decode["borrowed_core_steps"] == 0
             assert decode["borrowed_core_lender_busy_steps"] == 0
             assert decode["borrowed_core_taken_steps"] == 0
+            assert prefill["lent_core_steps"] == 0
             assert "applianced_worker_borrowed_core_steps_total{" not in metrics
             assert "applianced_worker_unborrowed_core_steps_total{" not in metrics
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "auto" / "state" / "kernels").iterdir())

@@ -90,8 +90,50 @@ def test_a_one_core_decode_worker_may_borrow_the_prefill_core(mode, threads, cor
     assert {s.worker: s.cpu_helper_core for s in specs} == want
     assert {s.worker: s.cpu_helper_lender for s in specs} == {
         w: "prefill0" if core >= 0 else "" for w, core in want.items()}
+    # the lender knows it lends (it takes its core back before each step); each borrower
+    # has its own word in the lender's page
+    lent = any(core >= 0 for core in want.values())
+    assert {s.worker: s.cpu_core_lent for s in specs} == {
+        w: w == "prefill0" and lent for w in want}
+    assert {s.worker: s.cpu_helper_slot for s in specs} == {
+        w: 0 if core >= 0 else -1 for w, core in want.items()}
     # through the process boundary as it goes (JSON on the worker's command line)
     assert [WorkerSpec.from_json(s.to_json()).cpu_helper_core for s in specs] == list(want.values())
+
+
+def test_borrowers_of_one_core_get_their_own_slots_and_share_one_page():
+    """Two decode workers borrowing one prefill worker's core: slots 0 and 1 of its page,
+    which the daemon makes once (a memfd the size of the kernel's page) and gives to all
+    three at every start; a worker that neither lends nor borrows gets none."""
+    import os
+    from appliance.daemon.setup import lend_prefill_cores
+    from appliance.daemon.workers import LEND_PAGE_BYTES, WorkerPool
+    from appliance.engines.cpu_kernels.core_lending import PAGE_BYTES
+    from appliance.worker.spec import WorkerSpec
+
+    def spec(name, role, core):
+        return WorkerSpec(worker=name, role=role, engine="torch", model_dir="/m", devices=[],
+                          device_kind="cpu", cpu_cores=[core], cpu_threads=1)
+    specs = [spec("prefill0", "prefill", 0), spec("decode0", "decode", 1),
+             spec("decode1", "decode", 2), spec("prefill1", "prefill", 3)]
+    lend_prefill_cores(specs)
+    by = {s.worker: s for s in specs}
+    assert (by["decode0"].cpu_helper_lender, by["decode0"].cpu_helper_slot) == ("prefill0", 0)
+    assert (by["decode1"].cpu_helper_lender, by["decode1"].cpu_helper_slot) == ("prefill1", 0)
+    specs.append(spec("decode2", "decode", 4))
+    lend_prefill_cores(specs)
+    assert (by["decode0"].cpu_helper_slot, specs[-1].cpu_helper_lender,
+            specs[-1].cpu_helper_slot) == (0, "prefill0", 1)
+    pool = WorkerPool(specs)
+    fds = {s.worker: pool.lend_page_fd(s) for s in specs}
+    try:
+        assert fds["prefill0"] == fds["decode0"] == fds["decode2"] != fds["prefill1"]
+        assert fds["prefill1"] == fds["decode1"] is not None
+        assert os.fstat(fds["prefill0"]).st_size == LEND_PAGE_BYTES == PAGE_BYTES
+        assert pool.lend_page_fd(spec("agg0", "agg", 5)) is None
+    finally:
+        for fd in {fd for fd in fds.values() if fd is not None}:
+            os.close(fd)
 
 
 @pytest.mark.parametrize("mode, threads, cores, engine, want", [

@@ -155,6 +155,14 @@ class LinearBf16:
         self._parallel = lib.linear_bf16_parallel     # for decode_layers.c's attention
         self._items = lib.linear_bf16_helper_items
         self._items.restype = _L
+        self._held = lib.linear_bf16_helper_held_ns
+        self._held.restype = _L
+        self._lend = lib.linear_bf16_helper_lend
+        self._lend.restype, self._lend.argtypes = _I, [_P, _I]
+        self._take = lib.linear_bf16_lender_take
+        self._take.restype, self._take.argtypes = _L, [_P, _L]
+        self._give = lib.linear_bf16_lender_give
+        self._give.argtypes = [_P]
 
     def start_helper(self, cpu: int) -> bool:
         """A helper thread pinned to `cpu` that shares each call's weight groups while
@@ -185,6 +193,25 @@ class LinearBf16:
     def helper_groups(self) -> int:
         """Weight groups (32 output rows of a call) the helper has written so far."""
         return self._groups()
+
+    def helper_held_ns(self) -> int:
+        """The longest any call waited for the helper's groups since the last ask (ns):
+        long when the helper was preempted inside one."""
+        return self._held()
+
+    def helper_lend(self, page: int, slot: int) -> bool:
+        """Let the core's owner take it back through the shared page at address `page`
+        (`core_lending.LendPage`), as borrower `slot`."""
+        return self._lend(page, slot) == 0
+
+    def lender_take(self, page: int, max_ns: int) -> int:
+        """The core's owner (another process) wants its core: wait until no helper is
+        inside a group, at most `max_ns`; the ns waited, -1 when it gave up."""
+        return self._take(page, max_ns)
+
+    def lender_give(self, page: int) -> None:
+        """The core's owner is done with its core: helpers may claim groups again."""
+        self._give(page)
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:

@@ -3,15 +3,18 @@
 On a 2-core box the decode worker streams every weight once a step on its one core, at
 that core's memory bandwidth, while the prefill worker's core idles between prompts
 (measured on an AMX host at c = 8: prefill ~40% busy, decode 100%). `linear_bf16.c`'s
-helper thread, pinned to that core, shares each matmul's weight groups while a step runs;
-on that host both cores read ~1.8x what one does. But a helper that competes with the
-prompts for their core slows them, and a helper held up mid-group delays the step. So
-before each step the gate looks at the core's owner (the lending worker, a sibling
-process: running or not, from /proc/PID/stat) and lends the step to the helper only while
-the owner sleeps; and after each step it reads the helper's own time spent waiting for
-its core (/proc/self/task/TID/schedstat): a step in which it waited more than
-`BUSY_WAIT_NS` while the lender sleeps (something else took the core) sends it to sleep
-for `PROBE_STEPS` steps, doubling up to `MAX_PROBE_STEPS` while that goes on.
+helper thread, pinned to that core at SCHED_IDLE, shares each matmul's weight groups
+(and each layer's attention) while a step runs; on that host both cores read ~1.8x what
+one does. At SCHED_IDLE it takes nothing from what else runs there (the prompts, the
+daemon, a load generator), and the prefill worker takes its core back at a group's
+boundary (`core_lending`). So the gate only spares the helper the steps it would spend
+polling for nothing, and guards against a core it cannot get: before each step it looks
+at the core's owner (the lending worker, a sibling process: running or not, from
+/proc/PID/stat) and lends the step only while the owner sleeps; after the step it asks
+the kernel how long a call waited for the helper's groups (the helper preempted inside
+one by something that is not the owner, say a process spinning there). A wait over
+`HELD_NS` keeps the helper out for `PROBE_STEPS` steps, doubling up to
+`MAX_PROBE_STEPS` while that goes on.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 __all__ = ["HelperGate", "sibling_pid"]
 
-BUSY_WAIT_NS = 2_000_000    # run-queue wait in one step that says the core is taken
+HELD_NS = 8_000_000         # a call's wait for the helper that says the core is taken
 PROBE_STEPS = 8             # steps without the helper before trying it again
 MAX_PROBE_STEPS = 128
 FIND_EVERY = 256            # steps between looks for a lender not found (not started yet)
@@ -30,8 +33,8 @@ FIND_EVERY = 256            # steps between looks for a lender not found (not st
 class HelperStats:
     steps_with: int = 0     # steps the helper took part in
     owner_busy: int = 0     # steps it sat out because the lender was running
-    steps_without: int = 0  # steps it sat out after waiting for its core
-    turned_off: int = 0     # times a step found it waiting for its core
+    steps_without: int = 0  # steps it sat out after it held a step up
+    turned_off: int = 0     # times a step waited for it
 
 
 def sibling_pid(worker: str) -> int | None:
@@ -59,39 +62,19 @@ def sibling_pid(worker: str) -> int | None:
 
 
 class HelperGate:
-    """`begin()` before a step's forward, `end()` after it (`TorchEngine.run_batch`).
-
-    While on, the helper polls between steps (it sleeps by itself after a few idle
-    milliseconds), so its run-queue wait during a step is time something else took on
-    its core; a step in which it had to be woken first is not judged (the wake-up shows
-    as wait)."""
+    """`begin()` before a step's forward, `end()` after it (`TorchEngine.run_batch`)."""
 
     def __init__(self, kernel, cpu: int, lender: str = "") -> None:
         self.kernel = kernel
         self.cpu = cpu
         self.lender = lender
+        self.page = None                # the lender's `core_lending.LendPage`, kept mapped
         self.stats = HelperStats()
-        self._judge = False             # this step's wait says whether the core is busy
         self._in_step = False
-        self._wait_before = 0
         self._skip = 0                  # steps left to sit out
         self._backoff = PROBE_STEPS
-        self._path = ""
         self._lender_stat = ""          # /proc/PID/stat of the lender, once found
         self._find_in = 0
-
-    def _waited_ns(self) -> int | None:
-        """The helper thread's total run-queue wait (ns), None while it is unknown."""
-        if not self._path:
-            tid = self.kernel.helper_tid()
-            if not tid:
-                return None
-            self._path = f"/proc/self/task/{tid}/schedstat"
-        try:
-            with open(self._path, "rb") as f:
-                return int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
-            return None
 
     def lender_running(self) -> bool:
         """Whether the lending worker is running or runnable now (False when unknown)."""
@@ -118,29 +101,22 @@ class HelperGate:
             self._skip -= 1
             self.stats.steps_without += 1
             return
-        if self.lender_running():
+        if self.page is None and self.lender_running():
             self.kernel.helper_spin(False)
             self.stats.owner_busy += 1
             return
-        woke = self.kernel.helper_spin(True)
-        before = self._waited_ns()
+        self.kernel.helper_spin(True)
+        self.kernel.helper_held_ns()    # from this step on
         self._in_step = True
-        self._judge = not woke and before is not None
-        self._wait_before = before or 0
         self.stats.steps_with += 1
 
     def end(self) -> None:
         if not self._in_step:
             return
         self._in_step = False
-        if not self._judge:
-            return
-        waited = self._waited_ns()
-        if waited is None or waited - self._wait_before > BUSY_WAIT_NS:
+        if self.kernel.helper_held_ns() > HELD_NS:
             self.kernel.helper_spin(False)
             self.stats.turned_off += 1
-            if self._lender_stat and self.lender_running():
-                return                  # the lender woke: `begin` sees to it step by step
             self._skip = self._backoff
             self._backoff = min(2 * self._backoff, MAX_PROBE_STEPS)
         else:

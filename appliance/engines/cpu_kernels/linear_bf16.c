@@ -303,7 +303,20 @@ static void finish(void) {
 
    The same helper runs other work of the step split into items (`linear_bf16_parallel`:
    decode_layers.c hands it the attention's sequences), so a lent step shares its KV
-   reads as well as its weight reads. */
+   reads as well as its weight reads.
+
+   The helper runs at SCHED_IDLE: it takes only the time its core would idle, and every
+   other task there (the prompts, the daemon, a load generator) preempts it at once.
+   Preempted inside a group, though, it holds up the call until the core idles again,
+   and a prompt runs for tens of milliseconds. So the core's owner hands it back at a
+   group's boundary: the prefill worker sets `want` in a page both processes map
+   (`linear_bf16_lender_take`) and sleeps until no helper is inside a group (`busy`), at
+   most a few milliseconds; a helper claims no group while `want` is set. Each side
+   stores its own word before it reads the other's (both sequentially consistent), so
+   at least one of them sees the other: either the helper does not claim, or the lender
+   waits. A call that waits for a helper held up anyway (something else took the core
+   mid-group) is timed (`linear_bf16_helper_held_ns`), and the gate then keeps the
+   helper out of the next steps. */
 typedef void (*item_fn)(void* ctx, int64_t item, int worker);
 
 struct job {
@@ -324,6 +337,16 @@ static _Atomic int64_t helper_groups;  /* groups the helper wrote, all calls */
 static _Atomic int64_t helper_items;   /* items of `linear_bf16_parallel` calls it ran */
 static uint32_t generation;            /* the caller's only */
 static int helper_running;
+static _Atomic int64_t held_ns;        /* the longest a call waited for the helper's groups */
+
+/* The page the core's owner (another process) and its borrowers share: a line for
+   `want`, and one `busy` line for each decode worker that may borrow the core (its
+   slot), so a borrower that restarts clears its own word whatever it died doing. */
+#define LEND_SLOTS 63
+struct lend_line { _Atomic uint32_t word; uint32_t pad[15]; };
+struct lend_page { struct lend_line want, busy[LEND_SLOTS]; };
+static _Atomic uint32_t* _Atomic lend_busy; /* this process's slot, NULL: no owner to ask */
+static _Atomic uint32_t* lend_want;
 
 /* How long the helper polls for the next call before it sleeps: longer than the gap
    between two decode steps (the worker's bookkeeping, ~1 ms), so a busy worker never
@@ -348,9 +371,28 @@ static int claim_group(uint32_t gen, int64_t groups, int64_t* g) {
     }
 }
 
+/* A helper may claim a group: not while the core's owner wants the core back. */
+static int lend_enter(_Atomic uint32_t* busy) {
+    if (!busy) return 1;
+    atomic_store_explicit(busy, 1, memory_order_seq_cst);
+    if (!atomic_load_explicit(lend_want, memory_order_seq_cst)) return 1;
+    atomic_store_explicit(busy, 0, memory_order_release);
+    return 0;
+}
+
+static void lend_leave(_Atomic uint32_t* busy) {
+    if (busy) atomic_store_explicit(busy, 0, memory_order_release);
+}
+
 static void take_groups(const struct job* j, uint32_t gen, int helper) {
+    _Atomic uint32_t* const page = helper ? atomic_load(&lend_busy) : NULL;
     int64_t g;
-    while (claim_group(gen, j->groups, &g)) {
+    for (;;) {
+        if (!lend_enter(page)) break;
+        if (!claim_group(gen, j->groups, &g)) {
+            lend_leave(page);
+            break;
+        }
         if (j->fn)
             j->fn(j->ctx, g, helper);
         else
@@ -359,11 +401,14 @@ static void take_groups(const struct job* j, uint32_t gen, int helper) {
             atomic_fetch_add_explicit(j->fn ? &helper_items : &helper_groups, 1,
                                       memory_order_relaxed);
         atomic_fetch_add_explicit(&finished, 1, memory_order_release);
+        lend_leave(page);
     }
 }
 
 static void* helper_main(void* arg) {
     (void)arg;
+    const struct sched_param idle = {0};
+    pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle); /* the core's spare time only */
     atomic_store(&helper_tid, (int)syscall(SYS_gettid));
     uint32_t seen = 0;
     int64_t idle_since = now_ns();
@@ -436,6 +481,50 @@ int64_t linear_bf16_helper_items(void) { return atomic_load(&helper_items); }
 /* The helper's thread id (for its /proc schedstat), 0 before it runs. */
 int linear_bf16_helper_tid(void) { return atomic_load(&helper_tid); }
 
+/* The longest a call waited for the helper to finish its groups since the last ask
+   (ns); asking resets it. */
+int64_t linear_bf16_helper_held_ns(void) { return atomic_exchange(&held_ns, 0); }
+
+/* Share `page` (4 KB, mapped by the core's owner too) with the owner, as borrower
+   `slot`: from now on the helper claims no group while the core is wanted. Returns -1
+   for a slot out of range. */
+int linear_bf16_helper_lend(void* page, int slot) {
+    if (slot < 0 || slot >= LEND_SLOTS) return -1;
+    struct lend_page* p = page;
+    atomic_store(&p->busy[slot].word, 0);
+    lend_want = &p->want.word;
+    atomic_store(&lend_busy, &p->busy[slot].word);
+    return 0;
+}
+
+static int lend_any_busy(struct lend_page* p, memory_order order) {
+    for (int i = 0; i < LEND_SLOTS; i++)
+        if (atomic_load_explicit(&p->busy[i].word, order)) return 1;
+    return 0;
+}
+
+/* The core's owner takes it back: `want` set, then sleep in steps of 50 us until no
+   helper is inside a group, at most `max_ns`. Returns the ns waited, -1 when it gave up
+   (a helper still inside a group: it was preempted there by something else). */
+int64_t linear_bf16_lender_take(void* page, int64_t max_ns) {
+    struct lend_page* p = page;
+    atomic_store_explicit(&p->want.word, 1, memory_order_seq_cst);
+    if (!lend_any_busy(p, memory_order_seq_cst)) return 0;
+    const int64_t t0 = now_ns();
+    const struct timespec nap = {0, 50000};
+    for (;;) {
+        const int64_t waited = now_ns() - t0;
+        if (!lend_any_busy(p, memory_order_acquire)) return waited;
+        if (waited >= max_ns) return -1;
+        nanosleep(&nap, NULL);
+    }
+}
+
+/* The core's owner lends it again (it is about to idle). */
+void linear_bf16_lender_give(void* page) {
+    atomic_store_explicit(&((struct lend_page*)page)->want.word, 0, memory_order_release);
+}
+
 /* One call's groups (or items) between the caller and the helper. */
 static void share(struct job j) {
     const uint32_t gen = ++generation;
@@ -443,7 +532,13 @@ static void share(struct job j) {
     atomic_store_explicit(&finished, 0, memory_order_relaxed);
     atomic_store_explicit(&claim, (uint64_t)gen << 32, memory_order_release);
     take_groups(&jobs[gen & 1], gen, 0);
-    while (atomic_load_explicit(&finished, memory_order_acquire) < j.groups) _mm_pause();
+    if (atomic_load_explicit(&finished, memory_order_acquire) < j.groups) {
+        const int64_t t0 = now_ns();
+        while (atomic_load_explicit(&finished, memory_order_acquire) < j.groups) _mm_pause();
+        const int64_t waited = now_ns() - t0;
+        if (waited > atomic_load_explicit(&held_ns, memory_order_relaxed))
+            atomic_store_explicit(&held_ns, waited, memory_order_relaxed);
+    }
     finish();
 }
 
