@@ -122,7 +122,7 @@ class WorkerCollector:
         unborrowed = CounterMetricFamily(
             "applianced_worker_unborrowed_core_steps", "CPU decode steps that could have "
             "shared the prefill worker's core but did not: reason lender_busy (a prompt ran "
-            "there) or core_taken (the helper had waited for that core)",
+            "there, only without the shared page) or core_taken (the helper held a step up)",
             labels=["worker", "role", "core", "reason", "simulated"])
         for w in self.pool.workers.values():
             labels = [w.id, w.role, self.sim]

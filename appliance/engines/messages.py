@@ -313,7 +313,8 @@ class WorkerStats:
     kv_recomputes: int = 0
     # A CPU decode worker that borrows the prefill worker's core while that one idles
     # (`engine.cpu_decode_helper`): the core (-1: none), the steps that had it, and those
-    # that did not because the lender was running or something else held the core.
+    # that did not because the lender was running (a worker without the shared page) or
+    # the helper had held a step up (preempted inside a group by something else).
     borrowed_core: int = -1
     borrowed_core_steps: int = 0
     borrowed_core_lender_busy_steps: int = 0

@@ -359,7 +359,10 @@ def test_the_helper_thread_shares_calls_and_writes_the_same_outputs(tmp_path):
     kernel = _own_linear(tmp_path / "a")
     core = sorted(os.sched_getaffinity(0))[-1]
     assert kernel.start_helper(core)
-    _wait_for_helper(kernel)
+    tid = _wait_for_helper(kernel)
+    # it takes only the core's spare time, on that core alone
+    assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+    assert os.sched_getaffinity(tid) == {core}
     g = torch.Generator().manual_seed(7)
     layers = []
     for rows, cols in ((4096, 768), (1280, 768), (37, 64), (40, 48), (768, 2048)):
@@ -488,10 +491,11 @@ def test_a_lender_takes_its_core_back_at_a_group_boundary(tmp_path):
     (`core_lending`): without taking the core back, steps wait for a preempted helper;
     taking it back before each burst, the helper leaves its group first (the burst waits
     for it, and never runs out of time), the steps do not wait, and the helper still
-    shares the calls between bursts. Each borrower has its own slot; a slot out of range
-    is refused."""
+    shares the calls between bursts. A lender that died holding the core keeps the
+    helper out until the next one starts. Each borrower has its own slot; a slot out of
+    range is refused."""
     import json
-    from appliance.engines.cpu_kernels.core_lending import PAGE_BYTES, LendPage
+    from appliance.engines.cpu_kernels.core_lending import PAGE_BYTES, Lender, LendPage
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs a second core for the helper")
     kernel = _own_linear(tmp_path)
@@ -509,6 +513,12 @@ def test_a_lender_takes_its_core_back_at_a_group_boundary(tmp_path):
     own = os.sched_getaffinity(0)
     os.sched_setaffinity(0, own - {core})       # the caller off the helper's core
     try:
+        # a lender that died holding the core: no helper claims a group; the next one
+        # to start lends it again
+        Lender(kernel, page).take()
+        assert _held_steps(kernel, layer, x, 20)[1] == 0
+        Lender(kernel, page)
+        assert _eventually(lambda: _held_steps(kernel, layer, x, 5)[1] > 0)
         busy = _bursts_beside(kernel, core)     # not handing it back
         try:
             held_without, _ = _held_steps(kernel, layer, x, 100)

@@ -165,8 +165,9 @@ class LinearBf16:
         self._give.argtypes = [_P]
 
     def start_helper(self, cpu: int) -> bool:
-        """A helper thread pinned to `cpu` that shares each call's weight groups while
-        `helper_spin(True)` holds (linear_bf16.c); False when it cannot be started."""
+        """A helper thread pinned to `cpu` at SCHED_IDLE that shares each call's weight
+        groups while `helper_spin(True)` holds (linear_bf16.c); False when it cannot be
+        started."""
         return self._start(cpu) == 0
 
     def helper_spin(self, on: bool) -> bool:

@@ -50,6 +50,7 @@ class Lender:
         self.page = page
         self.max_ns = max_ns
         self.stats = LenderStats()
+        self.give()     # a worker before us may have died holding the core
 
     def take(self) -> None:
         waited = self.kernel.lender_take(self.page.address, self.max_ns)

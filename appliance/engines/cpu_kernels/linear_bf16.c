@@ -333,6 +333,7 @@ static _Atomic uint32_t wake_seq;      /* futex word the helper sleeps on */
 static _Atomic int helper_asleep;
 static _Atomic int64_t helper_naps;    /* times the helper went to sleep */
 static _Atomic int helper_tid;
+static _Atomic int helper_state;       /* 0 starting, 1 running at SCHED_IDLE, -1 could not */
 static _Atomic int64_t helper_groups;  /* groups the helper wrote, all calls */
 static _Atomic int64_t helper_items;   /* items of `linear_bf16_parallel` calls it ran */
 static uint32_t generation;            /* the caller's only */
@@ -407,9 +408,14 @@ static void take_groups(const struct job* j, uint32_t gen, int helper) {
 
 static void* helper_main(void* arg) {
     (void)arg;
+    /* glibc's thread attributes take no SCHED_IDLE: the thread sets it itself, first */
     const struct sched_param idle = {0};
-    pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle); /* the core's spare time only */
+    if (pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle)) {
+        atomic_store(&helper_state, -1);
+        return NULL;
+    }
     atomic_store(&helper_tid, (int)syscall(SYS_gettid));
+    atomic_store(&helper_state, 1);
     uint32_t seen = 0;
     int64_t idle_since = now_ns();
     for (;;) {
@@ -438,7 +444,8 @@ static void* helper_main(void* arg) {
     return NULL;
 }
 
-/* Start the helper pinned to `cpu` (once); returns 0, or -1 when it cannot be. */
+/* Start the helper pinned to `cpu` at SCHED_IDLE (once); returns 0, or -1 when it cannot
+   be (a helper at the normal priority would take its time from the prompts). */
 int linear_bf16_helper_start(int cpu) {
     if (helper_running) return 0;
     if (cpu < 0 || cpu >= CPU_SETSIZE) return -1;
@@ -448,11 +455,15 @@ int linear_bf16_helper_start(int cpu) {
     CPU_ZERO(&set);
     CPU_SET(cpu, &set);
     if (pthread_attr_init(&attr)) return -1;
+    atomic_store(&helper_state, 0);
     int rc = pthread_attr_setaffinity_np(&attr, sizeof set, &set);
     if (!rc) rc = pthread_create(&t, &attr, helper_main, NULL);
     pthread_attr_destroy(&attr);
     if (rc) return -1;
     pthread_detach(t);
+    const struct timespec nap = {0, 100000};
+    while (!atomic_load(&helper_state)) nanosleep(&nap, NULL);   /* it says at once */
+    if (atomic_load(&helper_state) < 0) return -1;
     helper_running = 1;
     return 0;
 }
