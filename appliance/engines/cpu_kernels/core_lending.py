@@ -39,7 +39,8 @@ class LenderStats:
     takes: int = 0          # steps that took the core back
     waited: int = 0         # of which had to wait for a helper to leave its group
     waited_ns: int = 0      # total wait
-    gave_up: int = 0        # waits that ran out (a helper held up by something else)
+    gave_up: int = 0        # waits that ran out (a helper held up by something else; the
+                            # words of borrowers that died inside a group are cleared)
 
 
 class Lender:

@@ -34,9 +34,11 @@
    Built by appliance/engines/cpu_kernels/builder.py with the host's compiler. */
 #define _GNU_SOURCE /* pthread_attr_setaffinity_np */
 #include <immintrin.h>
+#include <errno.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -342,9 +344,10 @@ static _Atomic int64_t held_ns;        /* the longest a call waited for the help
 
 /* The page the core's owner (another process) and its borrowers share: a line for
    `want`, and one `busy` line for each decode worker that may borrow the core (its
-   slot), so a borrower that restarts clears its own word whatever it died doing. */
+   slot, with its pid), so a borrower that restarts clears its own word whatever it died
+   doing, and the owner clears the word of one that died and did not come back. */
 #define LEND_SLOTS 63
-struct lend_line { _Atomic uint32_t word; uint32_t pad[15]; };
+struct lend_line { _Atomic uint32_t word; _Atomic int32_t pid; uint32_t pad[14]; };
 struct lend_page { struct lend_line want, busy[LEND_SLOTS]; };
 static _Atomic uint32_t* _Atomic lend_busy; /* this process's slot, NULL: no owner to ask */
 static _Atomic uint32_t* lend_want;
@@ -503,6 +506,7 @@ int linear_bf16_helper_lend(void* page, int slot) {
     if (slot < 0 || slot >= LEND_SLOTS) return -1;
     struct lend_page* p = page;
     atomic_store(&p->busy[slot].word, 0);
+    atomic_store(&p->busy[slot].pid, (int32_t)getpid());
     lend_want = &p->want.word;
     atomic_store(&lend_busy, &p->busy[slot].word);
     return 0;
@@ -512,6 +516,21 @@ static int lend_any_busy(struct lend_page* p, memory_order order) {
     for (int i = 0; i < LEND_SLOTS; i++)
         if (atomic_load_explicit(&p->busy[i].word, order)) return 1;
     return 0;
+}
+
+/* Clear the words of borrowers that died inside a group (else every later step of the
+   owner would wait `max_ns` for them); 1 when any left is busy. */
+static int lend_reap(struct lend_page* p) {
+    int busy = 0;
+    for (int i = 0; i < LEND_SLOTS; i++) {
+        if (!atomic_load(&p->busy[i].word)) continue;
+        const int32_t pid = atomic_load(&p->busy[i].pid);
+        if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH)
+            atomic_store(&p->busy[i].word, 0);
+        else
+            busy = 1;
+    }
+    return busy;
 }
 
 /* The core's owner takes it back: `want` set, then sleep in steps of 50 us until no
@@ -526,7 +545,7 @@ int64_t linear_bf16_lender_take(void* page, int64_t max_ns) {
     for (;;) {
         const int64_t waited = now_ns() - t0;
         if (!lend_any_busy(p, memory_order_acquire)) return waited;
-        if (waited >= max_ns) return -1;
+        if (waited >= max_ns) return lend_reap(p) ? -1 : waited;
         nanosleep(&nap, NULL);
     }
 }
