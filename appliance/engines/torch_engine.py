@@ -669,11 +669,13 @@ def _use_cpu_kernels(model: LlamaModel, spec):
         try:
             page = LendPage(spec.cpu_lend_fd)
         except (OSError, ValueError) as exc:
-            say(f"the helper cannot be handed back its core's owner's steps ({exc})")
+            say(f"no page through which {spec.cpu_helper_lender} takes its core back from "
+                f"the helper ({exc}): the helper sits out the steps while it runs")
         else:
             if not linear.helper_lend(page.address, spec.cpu_helper_slot):
-                say(f"the helper cannot be handed back its core's owner's steps (slot "
-                    f"{spec.cpu_helper_slot} out of range)")
+                say(f"no page through which {spec.cpu_helper_lender} takes its core back "
+                    f"from the helper (slot {spec.cpu_helper_slot} out of range): the "
+                    "helper sits out the steps while it runs")
                 page = None
     if not linear.start_helper(spec.cpu_helper_core):
         say(f"decode matmuls on this worker's core only (no helper thread on core "
