@@ -469,20 +469,26 @@ def test_the_gate_keeps_the_helper_out_after_it_held_a_step_up(tmp_path):
     x = torch.randn(8, 768).to(torch.bfloat16)
     busy = _bursts_beside(kernel, core)
     gate = helper_gate.HelperGate(kernel, core)
+    steps = 0
+
+    def kept_out() -> bool:
+        # on a loaded box the helper may not run (nor be held) for a while: step until
+        # it has been kept out, as asserted below
+        nonlocal steps
+        gate.begin()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.05:      # a step of 50 ms of matmuls
+            layer(x)
+        gate.end()
+        steps += 1
+        return gate.stats.turned_off >= 1 and gate.stats.steps_without >= helper_gate.PROBE_STEPS
     try:
-        for _ in range(4 * helper_gate.PROBE_STEPS):
-            gate.begin()
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < 0.05:      # a step of 50 ms of matmuls
-                layer(x)
-            gate.end()
+        assert _eventually(kept_out, timeout=60), gate.stats
     finally:
         busy.kill()
         busy.wait()
         kernel.helper_spin(False)
-    assert gate.stats.turned_off >= 1
-    assert gate.stats.steps_without >= helper_gate.PROBE_STEPS
-    assert gate.stats.steps_with < 4 * helper_gate.PROBE_STEPS
+    assert gate.stats.steps_with < steps
 
 
 @needs_kernel
@@ -520,14 +526,27 @@ def test_a_lender_takes_its_core_back_at_a_group_boundary(tmp_path):
         Lender(kernel, page)
         assert _eventually(lambda: _held_steps(kernel, layer, x, 5)[1] > 0)
         busy = _bursts_beside(kernel, core)     # not handing it back
+        held_without = 0
+
+        def held_often() -> bool:   # on a loaded box the helper may run (and be held) late
+            nonlocal held_without
+            held_without += _held_steps(kernel, layer, x, 20)[0]
+            return held_without >= 10
         try:
-            held_without, _ = _held_steps(kernel, layer, x, 100)
+            assert _eventually(held_often, timeout=60), held_without
         finally:
             busy.kill()
             busy.wait()
         lender = _bursts_beside(kernel, core, fd)
         try:
             held_with, groups = _held_steps(kernel, layer, x, 100)
+
+            def shared() -> bool:   # and until the helper has shared calls, as asserted
+                nonlocal held_with, groups
+                held, more = _held_steps(kernel, layer, x, 10)
+                held_with, groups = held_with + held, groups + more
+                return groups > 0
+            assert groups > 0 or _eventually(shared, timeout=60)
         finally:
             lender.terminate()
             stats = json.loads(lender.communicate(timeout=30)[0])
@@ -535,9 +554,7 @@ def test_a_lender_takes_its_core_back_at_a_group_boundary(tmp_path):
         kernel.helper_spin(False)
         os.sched_setaffinity(0, own)
         os.close(fd)
-    assert held_without >= 10, held_without
     assert held_with <= 2, (held_with, stats)
-    assert groups > 0
     # waits ran out only where something else preempted the helper inside a group
     assert stats["takes"] >= 10 and stats["waited"] >= 1 and stats["gave_up"] <= 2, stats
 
