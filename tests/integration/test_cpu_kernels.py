@@ -323,6 +323,32 @@ def test_linear_kernel_matches_onednn(linear, rows, cols):
     assert not odd.use_kernel(linear) and odd.packed is not None    # odd width: oneDNN keeps it
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows,cols", [(1280, 768), (48, 64), (40, 96), (768, 2048)])
+def test_prompt_sized_matmuls_equal_the_same_rows_called_in_small_pieces(linear, rows, cols):
+    """From 256 rows the AMX path takes another order (linear_bf16.c, `amx_big`: rows in
+    the middle loop, each block's accumulators stored while the next block's products
+    start, their bf16 rounding between those products). Each output is still the same
+    sum in the same order as in a call of a few rows, so a prompt-sized call equals the
+    same rows called 32, 17 or 1 at a time bit for bit: whole 32-row chunks and the rows
+    past them (1, 16 and 31 left over), groups of two blocks and a last one of one (48
+    and 40 outputs: three blocks, the last padded), with and without a bias."""
+    g = torch.Generator().manual_seed(rows * 7 + cols)
+    weight = (0.05 * torch.randn(rows, cols, generator=g)).to(torch.bfloat16)
+    bias = torch.randn(rows, generator=g).float()
+    packed = linear.pack(weight)
+    for b in (None, bias):
+        for m in (256, 257, 272, 319, 600):
+            x = torch.randn(m, cols, generator=g).to(torch.bfloat16)
+            whole = linear(packed, rows, x, b)
+            for piece in (32, 17, 1):
+                parts = torch.cat([linear(packed, rows, x[i:i + piece], b)
+                                   for i in range(0, m, piece)])
+                assert torch.equal(whole, parts), (m, piece)
+            want = x.float() @ weight.float().T + (0 if b is None else b)
+            torch.testing.assert_close(whole.float(), want, rtol=2 ** -7, atol=2 ** -6)
+
+
 def _own_linear(directory) -> cpu_kernels.LinearBf16:
     """The matmul kernel loaded from a build of its own, so its helper thread (one per
     loaded library) is this test's alone."""
@@ -353,7 +379,7 @@ def test_the_helper_thread_shares_calls_and_writes_the_same_outputs(tmp_path):
     """With the helper thread on another core taking part (`helper_spin(True)`), every
     output equals the one-thread call's bit for bit (each weight group is computed the
     same way, whoever takes it), on the AMX and the VDPBF16PS paths (K a multiple of 32
-    or not), 1 to 69 rows, with a bias, an odd number of blocks; the helper did take
+    or not), 1 to 300 rows, with a bias, an odd number of blocks; the helper did take
     groups; it sleeps when told, and by itself once calls stop; a core that does not
     exist is refused."""
     kernel = _own_linear(tmp_path / "a")
@@ -372,7 +398,7 @@ def test_the_helper_thread_shares_calls_and_writes_the_same_outputs(tmp_path):
         assert layer.use_kernel(kernel)
         layers.append(layer)
     try:
-        for m in (1, 8, 33, 69):
+        for m in (1, 8, 33, 69, 300):
             xs = [torch.randn(m, layer.pairs.shape[1] // 16, generator=g).to(torch.bfloat16)
                   for layer in layers]
             kernel.helper_spin(False)

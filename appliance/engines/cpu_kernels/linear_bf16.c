@@ -216,6 +216,134 @@ static void release_tiles(void) {
     }
 }
 
+/* Prompt-sized calls (BIG_ROWS rows and more: a decode worker's own prompts, see
+   engine.conditional_disagg_queue_tokens) take another order. On the AMX host's core
+   one stream of TDPBF16PS from L1 runs at 3.2 TFLOP/s, but the order above reached
+   0.8-1.1 on the 82m model's weights, for two reasons:
+   - A tile load that misses L1 stalls the tile products behind it, and there both a
+     32-row chunk of x (32 x K: 48 KB at K = 768) and the group's weights (48 KB) come
+     from L2 for every block. Here the rows go in the middle loop: a chunk of x is read
+     for BIG_GROUPS groups in turn, whose weights (384 KB) stay in L2 across the chunks,
+     and the next BIG_GROUPS groups' weights are asked into L2 a few lines a k-step.
+   - Storing a block's accumulators waits for its last products, and the next block's
+     first products wait for the stores (a synthetic loop with its operands in L1: 1.9
+     -> 1.3 TFLOP/s once it stores every 24 k-steps). Here each accumulator is stored
+     just before its tile's first product of the next block, while the other tiles' last
+     products run, and the stored block is rounded to bf16 a few rows at a time between
+     the next block's products (vector work beside the tile unit's): 1.7 in that loop.
+   Measured (bench/bench_linear_kernel.py --against OLD.c, the 12 layers streamed from
+   memory, one core): 256 rows 53.6-54.6 -> 48.9-50.0 ms, 512 rows 103.7 -> 82.7, 1,024
+   rows 224 -> 160; a decode worker's prompt step of one 256-token prompt 63-65 -> 56-59
+   ms, of four 279-296 -> 210-217, where a prefill worker's oneDNN step is 56-60 and
+   209-232 (so prefill workers keep oneDNN). At 128 rows it was slower (30.2 -> 33.9 ms),
+   hence BIG_ROWS. Each output is the same sum in the same order as in the order above,
+   so the outputs are the same bit for bit (tested). Only whole 32-row chunks of whole
+   groups (two blocks) go this way; the rows past them and a group of one block take
+   amx_group. */
+#define BIG_ROWS 256
+#define BIG_GROUPS 8
+
+struct pending { /* a stored block waiting for its bf16 rounding */
+    float acc[4 * 256];
+    uint16_t* y;
+    int64_t n;
+    int done; /* rows of the 64 (four tiles of 16) written */
+};
+
+static inline void convert(struct pending* p, int upto, const float* bias, int64_t N,
+                           int64_t ldy) {
+    for (; p->done < upto; p->done++) {
+        const int t = p->done >> 4, r = p->done & 15; /* tile t: rows (t / 2) * 16 + r */
+        const int64_t n = p->n + (t & 1) * 16;
+        const __mmask16 keep = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
+        const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(p->acc + t * 256 + r * 16), b));
+        _mm256_mask_storeu_epi16(p->y + ((t >> 1) * 16 + r) * ldy + n, keep, (__m256i)out);
+    }
+}
+
+/* Groups g0 .. g1-1, all of two blocks, times rows 0 .. chunks * 32 - 1. */
+static void amx_big(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t chunks,
+                    int64_t ldx, const float* bias, uint16_t* y, int64_t ldy, int64_t g0,
+                    int64_t g1) {
+    struct pending p[2];
+    int cur = 0, have = 0;
+    p[0].done = p[1].done = 64;
+    const int64_t K2 = K / 2, steps = K / 32;
+    const int per = (int)((64 + steps - 1) / steps); /* rows rounded per k-step */
+    configure_once(16, 16);
+    const int64_t group_bytes = K2 * NT * 64;
+    for (int64_t gs = g0; gs < g1; gs += BIG_GROUPS) {
+        /* the next set's weights into L2, spread over this set's k-steps */
+        const int64_t next = gs + BIG_GROUPS < g1 ? gs + BIG_GROUPS : g1;
+        const int64_t after = next + BIG_GROUPS < g1 ? next + BIG_GROUPS : g1;
+        const char* ahead = (const char*)(w + next * NT * K2 * 32);
+        const char* const ahead_end = ahead + (after - next) * group_bytes;
+        const int64_t lines = ((after - next) * group_bytes / 64 + chunks * (next - gs) * steps - 1) /
+                              (chunks * (next - gs) * steps);
+        for (int64_t c = 0; c < chunks; c++) {
+            const uint16_t* x0 = x + c * 32 * ldx;
+            const uint16_t* x1 = x0 + 16 * ldx;
+            for (int64_t g = gs; g < gs + BIG_GROUPS && g < g1; g++) {
+                const uint16_t* wt = w + g * NT * K2 * 32;
+                struct pending* prev = &p[cur ^ 1];
+                float* acc = p[cur].acc;
+                for (int64_t ks = 0; ks < steps; ks++) {
+                    const uint16_t* wk = wt + ks * 16 * NT * 32;
+                    const int first = ks == 0;
+                    for (int64_t l = 0; l < lines && ahead < ahead_end; l++, ahead += 64)
+                        _mm_prefetch(ahead, _MM_HINT_T1);
+                    _tile_loadd(4, x0 + ks * 32, ldx * 2);
+                    _tile_loadd(6, wk, NT * 64);
+                    if (first) {
+                        if (have) _tile_stored(0, acc, 64);
+                        _tile_zero(0);
+                    }
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(7, wk + 32, NT * 64);
+                    if (first) {
+                        if (have) _tile_stored(1, acc + 256, 64);
+                        _tile_zero(1);
+                    }
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_loadd(5, x1 + ks * 32, ldx * 2);
+                    if (first) {
+                        if (have) _tile_stored(2, acc + 512, 64);
+                        _tile_zero(2);
+                    }
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (first) {
+                        if (have) {
+                            _tile_stored(3, acc + 768, 64);
+                            p[cur].done = 0; /* the last block is stored: round it from here */
+                            cur ^= 1;
+                            prev = &p[cur ^ 1];
+                        }
+                        _tile_zero(3);
+                    }
+                    _tile_dpbf16ps(3, 5, 7);
+                    const int upto = (int)((ks + 1) * per);
+                    convert(prev, upto < 64 ? upto : 64, bias, N, ldy);
+                }
+                /* this block is stored into p[cur] when the next one starts */
+                p[cur].y = y + c * 32 * ldy;
+                p[cur].n = g * NT * 16;
+                have = 1;
+            }
+        }
+    }
+    if (have) {
+        convert(&p[cur ^ 1], 64, bias, N, ldy);
+        float* acc = p[cur].acc;
+        _tile_stored(0, acc, 64);
+        _tile_stored(1, acc + 256, 64);
+        _tile_stored(2, acc + 512, 64);
+        _tile_stored(3, acc + 768, 64);
+        p[cur].done = 0;
+        convert(&p[cur], 64, bias, N, ldy);
+    }
+}
+
 /* Weight groups g0 .. g1-1 (NT blocks each) times all M rows: the rows in chunks of 32
    (two A tiles) under each group, so the weight is read from memory once whatever M is
    (the group, 32 x K, stays in L2 across the chunks). */
@@ -226,6 +354,19 @@ static void amx_groups(const uint16_t* w, int64_t N, int64_t K, const uint16_t* 
     const int64_t full = M / 32 * 32;          /* rows in whole chunks of 32 */
     const int last = (int)(M - full);
     const int last0 = last < 16 ? last : 16, last1 = last - last0;
+    if (M >= BIG_ROWS) {
+        const int64_t whole = blocks / NT < g1 ? blocks / NT : g1; /* groups of two blocks */
+        if (whole > g0) {
+            amx_big(w, N, K, x, full / 32, ldx, bias, y, ldy, g0, whole);
+            if (last) { /* the rows past the whole chunks, in those groups */
+                configure_once(last0, last1);
+                for (int64_t nb = g0 * NT; nb < whole * NT; nb += NT)
+                    amx_group(w + nb * K2 * 32, NT, K, x + full * ldx, ldx, last0, last1,
+                              bias, nb * 16, N, y + full * ldy, ldy);
+            }
+            g0 = whole;
+        }
+    }
     for (int64_t nb = g0 * NT; nb < blocks && nb < g1 * NT; nb += NT) {
         const int nblocks = blocks - nb < NT ? (int)(blocks - nb) : NT;
         const uint16_t* wt = w + nb * K2 * 32;
