@@ -28,7 +28,8 @@ from appliance.worker.cuda_env import gpu_worker_env
 from appliance.worker.spec import WorkerSpec
 
 log = logging.getLogger("applianced.workers")
-# The page a lent core's owner and borrowers share (linear_bf16.c's struct lend_page).
+# The page a lent core's owner and borrowers share (linear_bf16.c's struct lend_page;
+# core_lending.PAGE_BYTES, not imported here: its package loads torch into the daemon).
 LEND_PAGE_BYTES = 4096
 
 # A worker that stayed up this long is healthy again: its next crash backs off from the start.

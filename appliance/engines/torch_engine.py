@@ -668,15 +668,14 @@ def _use_cpu_kernels(model: LlamaModel, spec):
     if spec.cpu_lend_fd >= 0:
         try:
             page = LendPage(spec.cpu_lend_fd)
+            why = ("" if linear.helper_lend(page.address, spec.cpu_helper_slot)
+                   else f"slot {spec.cpu_helper_slot} out of range")
         except (OSError, ValueError) as exc:
+            why = str(exc)
+        if why:
             say(f"no page through which {spec.cpu_helper_lender} takes its core back from "
-                f"the helper ({exc}): the helper sits out the steps while it runs")
-        else:
-            if not linear.helper_lend(page.address, spec.cpu_helper_slot):
-                say(f"no page through which {spec.cpu_helper_lender} takes its core back "
-                    f"from the helper (slot {spec.cpu_helper_slot} out of range): the "
-                    "helper sits out the steps while it runs")
-                page = None
+                f"the helper ({why}): the helper sits out the steps while it runs")
+            page = None
     if not linear.start_helper(spec.cpu_helper_core):
         say(f"decode matmuls on this worker's core only (no helper thread on core "
             f"{spec.cpu_helper_core})")
