@@ -326,13 +326,12 @@ def test_linear_kernel_matches_onednn(linear, rows, cols):
 @needs_kernel
 @pytest.mark.parametrize("rows,cols", [(1280, 768), (48, 64), (40, 96), (768, 2048)])
 def test_prompt_sized_matmuls_equal_the_same_rows_called_in_small_pieces(linear, rows, cols):
-    """From 256 rows the AMX path takes another order (linear_bf16.c, `amx_big`: rows in
-    the middle loop, each block's accumulators stored while the next block's products
-    start, their bf16 rounding between those products). Each output is still the same
-    sum in the same order as in a call of a few rows, so a prompt-sized call equals the
-    same rows called 32, 17 or 1 at a time bit for bit: whole 32-row chunks and the rows
-    past them (1, 16 and 31 left over), groups of two blocks and a last one of one (48
-    and 40 outputs: three blocks, the last padded), with and without a bias."""
+    """A prompt-sized call (a decode worker's own prompts) computes each output as the
+    same sum in the same order as a call of a few rows, so it equals the same rows called
+    32, 17 or 1 at a time bit for bit: whole 32-row chunks and the rows past them (1, 16
+    and 31 left over), groups of two blocks and a last one of one (48 and 40 outputs:
+    three blocks, the last padded), with and without a bias. (It guards any reordering
+    of the loops for speed, as session 36 tried.)"""
     g = torch.Generator().manual_seed(rows * 7 + cols)
     weight = (0.05 * torch.randn(rows, cols, generator=g)).to(torch.bfloat16)
     bias = torch.randn(rows, generator=g).float()
