@@ -12,6 +12,8 @@ alternately, 15 rounds each; the output says whether both wrote the same bytes.
     .venv/bin/python bench/bench_attention_kernel.py                 # B = 8, 32
     git show REV:appliance/engines/cpu_kernels/paged_decode.c > /tmp/old.c
     taskset -c 1 .venv/bin/python bench/bench_attention_kernel.py --against /tmp/old.c
+    taskset -c 1 .venv/bin/python bench/bench_attention_kernel.py --layers 1 --batches 4   # in cache
+    taskset -c 1 .venv/bin/python bench/bench_attention_kernel.py --contiguous    # blocks in order
 """
 from __future__ import annotations
 
@@ -32,17 +34,18 @@ from appliance.engines import cpu_kernels  # noqa: E402
 sys.path.insert(0, str(ROOT / "bench"))
 from kernel_build import build_against  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 12, 4, 64, 16, 12
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16
 
 
 def run(kernels: dict[str, cpu_kernels.PagedDecode], batch: int, context: int,
-        rounds: int) -> None:
+        rounds: int, layers: int = 12, contiguous: bool = False) -> None:
     torch.manual_seed(0)
     per_seq = -(-context // BLOCK)
     blocks = batch * per_seq + 8
     pools = [(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16(),
-              torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()) for _ in range(LAYERS)]
-    tables = torch.randperm(blocks)[:batch * per_seq].view(batch, per_seq).contiguous()
+              torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()) for _ in range(layers)]
+    ids = torch.arange(batch * per_seq) if contiguous else torch.randperm(blocks)[:batch * per_seq]
+    tables = ids.view(batch, per_seq).contiguous()
     q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
     ctx = torch.full((batch,), context, dtype=torch.int32)
     starts = torch.zeros(batch, dtype=torch.int32)
@@ -57,13 +60,13 @@ def run(kernels: dict[str, cpu_kernels.PagedDecode], batch: int, context: int,
                 kernel(q, k, v, tables, ctx, starts, HEAD_DIM ** -0.5, scratch, out)
             times[name].append(time.perf_counter() - t0)
             outs[name] = out
-    nbytes = LAYERS * 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+    nbytes = layers * 2 * batch * context * KV_HEADS * HEAD_DIM * 2
     first = next(iter(outs.values()))
     for name, ts in times.items():
         med = statistics.median(ts)
         same = "" if len(outs) == 1 else f", output equal to the first: {torch.equal(outs[name], first)}"
         print(f"B={batch:3d} context {context}: {name:8s} {med * 1e3:6.2f} ms per step "
-              f"({LAYERS} layers), {nbytes / med / 1e9:5.1f} GB/s{same}", flush=True)
+              f"({layers} layers), {nbytes / med / 1e9:5.1f} GB/s{same}", flush=True)
 
 
 def main() -> None:
@@ -72,14 +75,21 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--against", type=Path, help="another paged_decode.c to compare with")
+    ap.add_argument("--layers", type=int, default=12,
+                    help="layer pools (1 with a small batch: the pools stay in cache, so the "
+                         "kernel's own rate without memory's)")
+    ap.add_argument("--contiguous", action="store_true",
+                    help="each sequence's blocks consecutive in the pool (default: scattered)")
     args = ap.parse_args()
+    if args.layers < 1:
+        ap.error("--layers must be at least 1")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         kernels = {"here": cpu_kernels.load_paged_decode(tmp)}
         if args.against:
             kernels["against"] = build_against(args.against, Path(tmp), cpu_kernels.PagedDecode)
         for b in args.batches.split(","):
-            run(kernels, int(b), args.context, args.rounds)
+            run(kernels, int(b), args.context, args.rounds, args.layers, args.contiguous)
 
 
 if __name__ == "__main__":
