@@ -14,6 +14,7 @@ alternately, 15 rounds each; the output says whether both wrote the same bytes.
     taskset -c 1 .venv/bin/python bench/bench_attention_kernel.py --against /tmp/old.c
     taskset -c 1 .venv/bin/python bench/bench_attention_kernel.py --layers 1 --batches 4   # in cache
     taskset -c 1 .venv/bin/python bench/bench_attention_kernel.py --contiguous    # blocks in order
+    taskset -c 1 .venv/bin/python bench/bench_attention_kernel.py --small-pages   # 4 KB pages
 """
 from __future__ import annotations
 
@@ -37,13 +38,25 @@ from kernel_build import build_against  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16
 
 
+def pool(blocks: int, small_pages: bool) -> torch.Tensor:
+    """One layer's K or V pool of random values: on memory advised for huge pages, as a
+    decode worker's pool is (`cpu_kernels.huge_page_zeros`), or with `small_pages` where
+    torch's allocator puts it (4 KB pages unless THP is `always`; /dev/shm's pages, where
+    every worker's pool lay before session 38)."""
+    values = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()
+    if small_pages:
+        return values
+    out = cpu_kernels.huge_page_zeros(values.numel(), torch.bfloat16).view(values.shape)
+    return out.copy_(values)
+
+
 def run(kernels: dict[str, cpu_kernels.PagedDecode], batch: int, context: int,
-        rounds: int, layers: int = 12, contiguous: bool = False) -> None:
+        rounds: int, layers: int = 12, contiguous: bool = False,
+        small_pages: bool = False) -> None:
     torch.manual_seed(0)
     per_seq = -(-context // BLOCK)
     blocks = batch * per_seq + 8
-    pools = [(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16(),
-              torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()) for _ in range(layers)]
+    pools = [(pool(blocks, small_pages), pool(blocks, small_pages)) for _ in range(layers)]
     ids = torch.arange(batch * per_seq) if contiguous else torch.randperm(blocks)[:batch * per_seq]
     tables = ids.view(batch, per_seq).contiguous()
     q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
@@ -80,6 +93,9 @@ def main() -> None:
                          "kernel's own rate without memory's)")
     ap.add_argument("--contiguous", action="store_true",
                     help="each sequence's blocks consecutive in the pool (default: scattered)")
+    ap.add_argument("--small-pages", action="store_true",
+                    help="pools where torch allocates them (default: on memory advised for "
+                         "huge pages, as a decode worker's pool)")
     args = ap.parse_args()
     if args.layers < 1:
         ap.error("--layers must be at least 1")
@@ -89,7 +105,8 @@ def main() -> None:
         if args.against:
             kernels["against"] = build_against(args.against, Path(tmp), cpu_kernels.PagedDecode)
         for b in args.batches.split(","):
-            run(kernels, int(b), args.context, args.rounds, args.layers, args.contiguous)
+            run(kernels, int(b), args.context, args.rounds, args.layers, args.contiguous,
+                args.small_pages)
 
 
 if __name__ == "__main__":

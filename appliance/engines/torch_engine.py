@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -80,9 +81,16 @@ class TorchEngine(BatchEngine):
         bs = self.blocks.block_size
         # One block past the block manager's ids holds a known pattern (the canary): a peer
         # copies it once when it attaches this pool, to check the copy path end to end.
-        self.kv = handoff.allocate_pool(
-            (2, s.num_layers, self.blocks.num_blocks + 1, bs, s.num_kv_heads, s.head_dim),
-            model.dtype, model.device)
+        shape = (2, s.num_layers, self.blocks.num_blocks + 1, bs, s.num_kv_heads, s.head_dim)
+        if share_pool or model.device.type != "cpu":
+            self.kv = handoff.allocate_pool(shape, model.dtype, model.device)
+        else:
+            # A pool no peer maps (a decode or agg worker's: KV flows prefill -> decode)
+            # stays in this process, where it can sit on transparent huge pages; /dev/shm
+            # is often on 4 KB pages only (shmem_enabled = never is the kernel's default),
+            # and the decode attention's scattered block reads were ~25% slower there.
+            from appliance.engines import cpu_kernels
+            self.kv = cpu_kernels.huge_page_zeros(math.prod(shape), model.dtype).view(shape)
         self.kv[:, :, -1] = canary_pattern(self.kv[:, :, -1].shape, model.dtype, model.device)
         self._layout = layout_tag(s, bs, model.dtype)
         self._handle = handoff.export_pool(self.kv) if share_pool else None
@@ -575,6 +583,9 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         plan = dataclasses.replace(plan, kv_blocks=num_blocks)
         print(plan.describe(spec.worker), file=sys.stderr, flush=True)
     engine = TorchEngine(
+        # only a prefill worker's pool is mapped by peers (`handoff`); on a GPU every pool
+        # is cudaMalloc'd either way
+        share_pool=spec.role == "prefill" or spec.device_kind == "gpu",
         model=model, worker=spec.worker, devices=tuple(spec.devices), num_blocks=num_blocks,
         block_size=spec.block_size, max_batch_tokens=spec.max_batch_tokens,
         max_seqs=spec.max_seqs, max_context=model.shape.max_context,

@@ -23,6 +23,7 @@ from appliance.engines.torch_engine import build_torch_engine, dense_linears
 from appliance.models.shape import LlamaShape
 from appliance.worker.spec import WorkerSpec
 from helpers import bf16_parity
+from helpers.memory_maps import vm_flags
 
 torch.set_num_threads(1)
 
@@ -961,17 +962,7 @@ def test_weights_for_the_matmul_kernel_are_advised_for_huge_pages():
     a.fill_(1.5)
     b.fill_(-2)
     assert float(a.float().sum()) == 1.5 * (3 << 20) and float(b.float().sum()) == -200
-    start = a.data_ptr()
-    flags = None
-    with open("/proc/self/smaps") as f:
-        lines = f.read().splitlines()
-    for i, line in enumerate(lines):
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            if lo <= start < hi:
-                flags = next(ln for ln in lines[i + 1:] if ln.startswith("VmFlags:"))
-                break
+    flags = vm_flags(a.data_ptr())
     assert flags is not None and " hg" in flags, flags
 
 

@@ -1,0 +1,20 @@
+"""What Linux says of this process's mappings (/proc/self/smaps), for tests of where a
+tensor's memory lies: on memory advised for transparent huge pages (`hg`), shared or not."""
+from __future__ import annotations
+
+
+def vm_flags(address: int) -> str | None:
+    """The `VmFlags:` line of the mapping holding `address`, None where none does (or
+    there is no /proc)."""
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for i, line in enumerate(lines):
+        head = line.split()[0] if line else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= address < hi:
+                return next((ln for ln in lines[i + 1:] if ln.startswith("VmFlags:")), None)
+    return None
