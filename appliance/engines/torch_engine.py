@@ -88,7 +88,7 @@ class TorchEngine(BatchEngine):
             # A pool no peer maps (a decode or agg worker's: KV flows prefill -> decode)
             # stays in this process, where it can sit on transparent huge pages; /dev/shm
             # is often on 4 KB pages only (shmem_enabled = never is the kernel's default),
-            # and the decode attention's scattered block reads were ~25% slower there.
+            # and the decode attention's scattered block reads took ~35% longer there.
             from appliance.engines import cpu_kernels
             self.kv = cpu_kernels.huge_page_zeros(math.prod(shape), model.dtype).view(shape)
         self.kv[:, :, -1] = canary_pattern(self.kv[:, :, -1].shape, model.dtype, model.device)
@@ -525,7 +525,8 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     CPU: fp32, or the checkpoint's own bf16/fp16 where the processor has the instructions
     (`[engine] dtype` may ask for bf16 or fp16: used where the processor has them, else
     fp32 with one line on stderr; `engines.dtypes`), spec.cpu_threads torch threads (on the cores the worker is pinned to), pool
-    sized from spec.kv_cache_bytes (in /dev/shm), SDPA attention.
+    sized from spec.kv_cache_bytes (a prefill worker's in /dev/shm, for its decode peers;
+    others' private, on huge pages), SDPA attention.
     GPU (NOT RUN ON HARDWARE): bf16 (or the configured dtype) on cuda:0 (the worker's own first device; the daemon
     lists its devices first in CUDA_VISIBLE_DEVICES); attention through FlashInfer's paged
     kernels when installed, else the bounded-memory path (layers.attention_backends); the pool sized

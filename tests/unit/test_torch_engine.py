@@ -214,7 +214,7 @@ def test_only_a_prefill_workers_pool_is_shared(tiny_model):
     """KV flows prefill -> decode only, so only a prefill worker's pool is in /dev/shm with
     a handle for peers. A decode or agg worker's stays in its process, zeroed, on memory
     advised for transparent huge pages (the `hg` flag): /dev/shm is often on 4 KB pages,
-    where the decode attention's scattered reads ran ~25% slower."""
+    where the decode attention's scattered reads took ~35% longer."""
     import mmap
     pre = make_engine(tiny_model, "prefill0", role="prefill", num_blocks=16)
     assert pre.kv.is_shared() and isinstance(pre.peer_handle(), bytes)

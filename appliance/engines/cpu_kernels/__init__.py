@@ -89,8 +89,8 @@ def huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed 1-D tensor on a fresh mapping of its own, advised for transparent huge
     pages (`_HugeArena._map`). Zero because the kernel hands out zeroed pages; nothing is
     touched here, so memory is only committed as it is written. For a decode worker's
-    KV pool: its attention reads each sequence's scattered blocks, and on 4 KB pages one
-    core read them ~25% slower (`bench/bench_attention_kernel.py --small-pages`)."""
+    KV pool: its attention reads each sequence's scattered blocks, which on 4 KB pages took
+    one core ~35% longer (`bench/bench_attention_kernel.py --small-pages`)."""
     nbytes = numel * dtype.itemsize
     if getattr(mmap, "MADV_HUGEPAGE", None) is None:   # `_map` would hand out torch.empty
         return torch.zeros(numel, dtype=dtype)
