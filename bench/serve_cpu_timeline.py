@@ -106,7 +106,8 @@ def main() -> None:
             print(f"{w['worker']} steps on core {w['borrowed_core']} too: "
                   f"{w['borrowed_core_steps']} of {n}; sat out while a prompt ran there "
                   f"{w['borrowed_core_lender_busy_steps']}, after it held a step up "
-                  f"{w['borrowed_core_taken_steps']}")
+                  f"{w['borrowed_core_taken_steps']}; groups and items taken back from it "
+                  f"{w.get('borrowed_core_taken_back')}")
         if w.get("lent_core_steps"):    # the prefill worker taking that core back
             print(f"{w['worker']} took its core back for {w['lent_core_steps']} steps; "
                   f"{w['lent_core_waits']} waited for a helper to leave its group "

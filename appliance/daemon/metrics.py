@@ -124,6 +124,11 @@ class WorkerCollector:
             "shared the prefill worker's core but did not: reason lender_busy (a prompt ran "
             "there, only without the shared page) or core_taken (the helper held a step up)",
             labels=["worker", "role", "core", "reason", "simulated"])
+        taken_back = CounterMetricFamily(
+            "applianced_worker_borrowed_core_taken_back", "Weight groups and attention items "
+            "a CPU decode step took back from the helper on the prefill worker's core and "
+            "computed itself, the helper preempted inside them",
+            labels=["worker", "role", "core", "simulated"])
         for w in self.pool.workers.values():
             labels = [w.id, w.role, self.sim]
             up.add_metric(labels, 1.0 if w.ready else 0.0)
@@ -138,11 +143,13 @@ class WorkerCollector:
                 if s.borrowed_core >= 0:
                     borrowed.add_metric([w.id, w.role, str(s.borrowed_core), self.sim],
                                         float(s.borrowed_core_steps))
+                    taken_back.add_metric([w.id, w.role, str(s.borrowed_core), self.sim],
+                                          float(s.borrowed_core_taken_back))
                     for reason, n in (("lender_busy", s.borrowed_core_lender_busy_steps),
                                       ("core_taken", s.borrowed_core_taken_steps)):
                         unborrowed.add_metric(
                             [w.id, w.role, str(s.borrowed_core), reason, self.sim], float(n))
-        return [up, restarts, kv, queued, running, borrowed, unborrowed]
+        return [up, restarts, kv, queued, running, borrowed, unborrowed, taken_back]
 
 
 class Metrics:

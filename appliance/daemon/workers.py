@@ -274,6 +274,7 @@ class WorkerLink:
             "borrowed_core_steps": s.borrowed_core_steps if s else None,
             "borrowed_core_lender_busy_steps": s.borrowed_core_lender_busy_steps if s else None,
             "borrowed_core_taken_steps": s.borrowed_core_taken_steps if s else None,
+            "borrowed_core_taken_back": s.borrowed_core_taken_back if s else None,
             "lent_core_steps": s.lent_core_steps if s else None,
             "lent_core_waits": s.lent_core_waits if s else None,
             "lent_core_wait_s": s.lent_core_wait_s if s else None,

@@ -314,11 +314,14 @@ class WorkerStats:
     # A CPU decode worker that borrows the prefill worker's core while that one idles
     # (`engine.cpu_decode_helper`): the core (-1: none), the steps that had it, and those
     # that did not because the lender was running (a worker without the shared page) or
-    # the helper had held a step up (preempted inside a group by something else).
+    # the helper had held a step up (preempted inside a group by something else), and
+    # the weight groups and attention items a step took back from the helper and
+    # computed itself rather than wait for it (preempted inside them).
     borrowed_core: int = -1
     borrowed_core_steps: int = 0
     borrowed_core_lender_busy_steps: int = 0
     borrowed_core_taken_steps: int = 0
+    borrowed_core_taken_back: int = 0
     # The prefill worker whose core that is: its steps (each takes the core back first),
     # those that waited for a helper to leave its group, that wait, and the waits that
     # ran out (a helper held up there by something else).

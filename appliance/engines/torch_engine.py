@@ -294,6 +294,7 @@ class TorchEngine(BatchEngine):
             stats.borrowed_core_steps = self.helper_gate.stats.steps_with
             stats.borrowed_core_lender_busy_steps = self.helper_gate.stats.owner_busy
             stats.borrowed_core_taken_steps = self.helper_gate.stats.steps_without
+            stats.borrowed_core_taken_back = self.helper_gate.kernel.helper_steals()
         if self.core_lender is not None:
             lent = self.core_lender.stats
             stats.lent_core_steps = lent.takes

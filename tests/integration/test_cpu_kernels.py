@@ -563,26 +563,35 @@ def test_a_lender_takes_its_core_back_at_a_group_boundary(tmp_path):
         finally:
             busy.kill()
             busy.wait()
-        lender = _bursts_beside(kernel, core, fd)
-        try:
-            held_with, groups = _held_steps(kernel, layer, x, 100)
-
-            def shared() -> bool:   # and until the helper has shared calls, as asserted
-                nonlocal held_with, groups
-                held, more = _held_steps(kernel, layer, x, 10)
+        # Whether a take finds the helper inside a group is chance (on a loaded box none
+        # of a round's ~35 takes sometimes did): rounds of 100 steps until one has, at most 5.
+        stats = {"takes": 0, "waited": 0, "waited_ns": 0, "gave_up": 0}
+        held_with = groups = rounds = 0
+        while rounds < 5 and not (rounds and stats["waited"] and groups):
+            rounds += 1
+            lender = _bursts_beside(kernel, core, fd)
+            try:
+                held, more = _held_steps(kernel, layer, x, 100)
                 held_with, groups = held_with + held, groups + more
-                return groups > 0
-            assert groups > 0 or _eventually(shared, timeout=60)
-        finally:
-            lender.terminate()
-            stats = json.loads(lender.communicate(timeout=30)[0])
+
+                def shared() -> bool:   # and until the helper has shared calls, as asserted
+                    nonlocal held_with, groups
+                    held, more = _held_steps(kernel, layer, x, 10)
+                    held_with, groups = held_with + held, groups + more
+                    return groups > 0
+                assert groups > 0 or _eventually(shared, timeout=60)
+            finally:
+                lender.terminate()
+                for key, n in json.loads(lender.communicate(timeout=30)[0]).items():
+                    stats[key] += n
     finally:
         kernel.helper_spin(False)
         os.sched_setaffinity(0, own)
         os.close(fd)
-    assert held_with <= 2, (held_with, stats)
+    assert held_with <= 2 * rounds, (held_with, rounds, stats)
     # waits ran out only where something else preempted the helper inside a group
-    assert stats["takes"] >= 10 and stats["waited"] >= 1 and stats["gave_up"] <= 2, stats
+    assert stats["takes"] >= 10 * rounds and stats["waited"] >= 1, stats
+    assert stats["gave_up"] <= 2 * rounds, stats
 
 
 @needs_kernel
@@ -881,14 +890,9 @@ def test_decode_layers_in_one_call_match_the_kernels_called_one_by_one(
     assert model.set_decode_layers(None) and model.decode_layers is None
 
 
-@needs_kernel
-def test_decode_layers_share_the_attention_with_the_helper_and_keep_every_bit(
-        kernel, glue, tiny_model, tmp_path):
-    """With the matmul kernel's helper thread lent the step, the one-call decode layers
-    split each layer's attention by sequences between the two threads
-    (`linear_bf16_parallel`): logits and KV pool equal the one-thread step's bit for bit,
-    at batches of 2, 5, 17 and 40 sequences (runs of one, two and three sequences an item,
-    a short last one), contexts from 1 to 300; the helper did take part."""
+def _one_call_model_with_helper(kernel, glue, tiny_model, tmp_path):
+    """(matmul kernel of this test's own with its helper started on the last core, that
+    core, the tiny model in bf16 with its decode steps in one call through them)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the helper needs a second core")
     linear = _own_linear(tmp_path / "linear")
@@ -902,50 +906,112 @@ def test_decode_layers_share_the_attention_with_the_helper_and_keep_every_bit(
     for layer in dense_linears(model):
         assert layer.use_kernel(linear)
     assert model.set_decode_layers(one)
-    bs, rng = 16, random.Random(3)
-    for B in (2, 5, 17, 40):
-        lens = [rng.choice((1, 7, 16, 33, 120, 300)) for _ in range(B)]
-        blocks = [-(-(n + 6) // bs) for n in lens]
+    return linear, core, model
+
+
+class _Batch:
+    """B sequences of the given prompt lengths prefilled into a pool (blocks of 16 in a
+    shuffled order, room for `steps` more tokens), then decoded greedily on two copies of
+    the pool: with the helper lent each step and without, which must agree bit for bit."""
+
+    def __init__(self, model, lens: list[int], rng: random.Random, steps: int = 40):
+        bs = 16
+        blocks = [-(-(n + steps) // bs) for n in lens]
         ids = list(range(1, sum(blocks) + 1))
         rng.shuffle(ids)
-        tables, at = [], 0
+        self.model, self.bs, self.tables, at = model, bs, [], 0
         for k in blocks:
-            tables.append(ids[at:at + k])
+            self.tables.append(ids[at:at + k])
             at += k
         kv = allocate_kv_pool(model.shape, len(ids) + 1, bs, dtype=torch.bfloat16)
-        seqs = []
-        for n, table in zip(lens, tables):
+        self.seqs = []
+        for n, table in zip(lens, self.tables):
             prompt = [rng.randrange(3, 60) for _ in range(n)]
             slots = torch.tensor([table[i // bs] * bs + i % bs for i in range(n)])
             logits = model(torch.tensor(prompt), torch.arange(n),
                            AttnBatch(True, [n], [n], [table], slots), kv)
-            seqs.append(prompt + [int(logits[0].argmax())])
-        pools = {"alone": kv.clone(), "shared": kv.clone()}
+            self.seqs.append(prompt + [int(logits[0].argmax())])
+        self.pools = {"alone": kv, "shared": kv.clone()}
+
+    def step(self, linear, name: str) -> torch.Tensor:
+        bs, B = self.bs, len(self.seqs)
+        pos = [len(seq) - 1 for seq in self.seqs]
+        slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(self.tables, pos)])
+        linear.helper_spin(name == "shared")
+        batch = AttnBatch(False, [1] * B, [len(seq) for seq in self.seqs], self.tables, slots)
+        try:
+            return self.model(torch.tensor([seq[-1] for seq in self.seqs]), torch.tensor(pos),
+                              batch, self.pools[name])
+        finally:
+            linear.helper_spin(False)
+
+    def both(self, linear) -> None:
+        """One step each way: the same logits; each sequence takes its greedy token."""
+        alone, shared = self.step(linear, "alone"), self.step(linear, "shared")
+        assert torch.equal(shared, alone), len(self.seqs)
+        for seq, row in zip(self.seqs, alone):
+            seq.append(int(row.argmax()))
+
+
+@needs_kernel
+def test_decode_layers_share_the_attention_with_the_helper_and_keep_every_bit(
+        kernel, glue, tiny_model, tmp_path):
+    """With the matmul kernel's helper thread lent the step, the one-call decode layers
+    split each layer's attention by sequences between the two threads
+    (`linear_bf16_parallel`): logits and KV pool equal the one-thread step's bit for bit,
+    at batches of 2, 5, 17 and 40 sequences (runs of one, two and three sequences an item,
+    a short last one), contexts from 1 to 300; the helper did take part."""
+    linear, _, model = _one_call_model_with_helper(kernel, glue, tiny_model, tmp_path)
+    rng = random.Random(3)
+    for B in (2, 5, 17, 40):
+        batch = _Batch(model, [rng.choice((1, 7, 16, 33, 120, 300)) for _ in range(B)], rng)
         for _ in range(4):
-            pos = [len(seq) - 1 for seq in seqs]
-            slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, pos)])
-            out = {}
-            for name, pool in pools.items():
-                linear.helper_spin(name == "shared")
-                batch = AttnBatch(False, [1] * B, [len(seq) for seq in seqs], tables, slots)
-                out[name] = model(torch.tensor([seq[-1] for seq in seqs]), torch.tensor(pos),
-                                  batch, pool)
-                linear.helper_spin(False)
-            assert torch.equal(out["shared"], out["alone"]), B
-            for seq, row in zip(seqs, out["alone"]):
-                seq.append(int(row.argmax()))
-        assert torch.equal(pools["shared"], pools["alone"]), B
+            batch.both(linear)
+        assert torch.equal(batch.pools["shared"], batch.pools["alone"]), B
 
     # Whether the helper takes an item depends on its core being free: on a loaded box
     # keep stepping until it has.
     def took_attention() -> bool:
-        linear.helper_spin(True)
-        batch = AttnBatch(False, [1] * B, [len(seq) for seq in seqs], tables, slots)
-        model(torch.tensor([seq[-1] for seq in seqs]), torch.tensor(pos), batch,
-              pools["shared"])
-        linear.helper_spin(False)
+        batch.step(linear, "shared")
         return linear.helper_items() > 0
     assert _eventually(took_attention), "the helper thread never took a sequence"
+
+
+@needs_kernel
+def test_a_step_takes_back_what_a_preempted_helper_holds_and_keeps_every_bit(
+        kernel, glue, tiny_model, tmp_path):
+    """A process on the helper's core in bursts of 1 ms, 2 ms apart (as a load generator
+    or the daemon wakes there), not handing the core back: the helper (at SCHED_IDLE) is
+    preempted inside weight groups and attention items, and the one-call step takes them
+    back and computes them itself rather than wait (linear_bf16.c, "Taking a group
+    back"). The helper's late copies are dropped: logits and KV pool still equal the
+    one-thread step's bit for bit, step after step."""
+    linear, core, model = _one_call_model_with_helper(kernel, glue, tiny_model, tmp_path)
+    rng = random.Random(5)
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, own - {core})       # the caller off the helper's core
+    busy = _bursts_beside(linear, core, burst=0.001)
+    batches = []
+    try:
+        def took_back() -> bool:
+            # on a loaded box the helper may hardly run (nor be held up): batches of 40
+            # steps until one is taken back, each checked bit for bit
+            batch = _Batch(model, [rng.choice((20, 90, 300)) for _ in range(17)], rng, steps=50)
+            batches.append(batch)
+            for _ in range(40):
+                batch.both(linear)
+                if linear.helper_steals() > 0:
+                    return True
+            return False
+        assert _eventually(took_back, timeout=90), "no step took a group back"
+        for _ in range(5):
+            batches[-1].both(linear)
+    finally:
+        busy.kill()
+        busy.wait()
+        os.sched_setaffinity(0, own)
+    for batch in batches:
+        assert torch.equal(batch.pools["shared"], batch.pools["alone"])
 
 
 def test_weights_for_the_matmul_kernel_are_advised_for_huge_pages():
@@ -1165,6 +1231,11 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
             assert set(sat_out) == {"lender_busy", "core_taken"}, metrics
             assert sat_out["lender_busy"] >= decode["borrowed_core_lender_busy_steps"] >= 0
             assert sat_out["core_taken"] >= decode["borrowed_core_taken_steps"] >= 0
+            # groups and items the steps took back from a held-up helper: a count, as a series
+            taken_back = [line for line in metrics.splitlines()
+                          if line.startswith("applianced_worker_borrowed_core_taken_back_total{")]
+            assert len(taken_back) == 1 and 'worker="decode0"' in taken_back[0]
+            assert float(taken_back[0].rsplit(" ", 1)[1]) >= decode["borrowed_core_taken_back"] >= 0
             # every decode-worker step went one of the three ways
             assert decode["borrowed_core_steps"] + decode["borrowed_core_lender_busy_steps"] \
                 + decode["borrowed_core_taken_steps"] <= decode["iterations"]
@@ -1175,9 +1246,11 @@ def test_daemon_builds_the_kernels_into_its_state_and_serves_transformers_tokens
             assert decode["borrowed_core"] is None and decode["borrowed_core_steps"] == 0
             assert decode["borrowed_core_lender_busy_steps"] == 0
             assert decode["borrowed_core_taken_steps"] == 0
+            assert decode["borrowed_core_taken_back"] == 0
             assert prefill["lent_core_steps"] == 0
             assert "applianced_worker_borrowed_core_steps_total{" not in metrics
             assert "applianced_worker_unborrowed_core_steps_total{" not in metrics
+            assert "applianced_worker_borrowed_core_taken_back_total{" not in metrics
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "auto" / "state" / "kernels").iterdir())
     assert built == ["causal_prefill", "decode_layers", "layer_glue", "linear_bf16", "paged_decode"]
     assert not (tmp_path / "off" / "state" / "kernels").exists()

@@ -165,6 +165,10 @@ class LinearBf16:
         self._naps = lib.linear_bf16_helper_naps
         self._naps.restype = _L
         self._parallel = lib.linear_bf16_parallel     # for decode_layers.c's attention
+        self._steal_begin = lib.linear_bf16_steal_begin     # and its steps' bounds
+        self._steal_end = lib.linear_bf16_steal_end
+        self._steals = lib.linear_bf16_helper_steals
+        self._steals.restype = _L
         self._items = lib.linear_bf16_helper_items
         self._items.restype = _L
         self._held = lib.linear_bf16_helper_held_ns
@@ -206,6 +210,11 @@ class LinearBf16:
     def helper_groups(self) -> int:
         """Weight groups (32 output rows of a call) the helper has written so far."""
         return self._groups()
+
+    def helper_steals(self) -> int:
+        """Groups and items a one-call decode step took back from a helper held up inside
+        them (linear_bf16.c, "Taking a group back"), so far."""
+        return self._steals()
 
     def helper_held_ns(self) -> int:
         """The longest any call waited for the helper's groups since the last ask (ns):
@@ -468,7 +477,7 @@ class DecodeLayers:
         lib = ctypes.CDLL(str(path))
         self._bind = lib.decode_layers_bind
         self._bind.restype = None
-        self._bind.argtypes = [_P] * 7
+        self._bind.argtypes = [_P] * 9
         self._fn = lib.decode_layers
         self._fn.restype = _I
         self._fn.argtypes = [_P, _I, _P]
@@ -480,7 +489,8 @@ class DecodeLayers:
         def addr(fn) -> int:
             return ctypes.cast(fn, ctypes.c_void_p).value
         self._bind(addr(linear._fn), addr(attention._fn), addr(glue._norm), addr(glue._rope),
-                   addr(glue._silu), addr(glue._head_norm), addr(linear._parallel))
+                   addr(glue._silu), addr(glue._head_norm), addr(linear._parallel),
+                   addr(linear._steal_begin), addr(linear._steal_end))
         self._kernels = (linear, attention, glue)   # kept loaded while bound
 
     @staticmethod

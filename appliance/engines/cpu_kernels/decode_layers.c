@@ -31,7 +31,9 @@ typedef void (*silu_fn)(const uint16_t* gu, int64_t rows, int64_t inter, uint16_
 typedef void (*head_norm_fn)(uint16_t* x, int64_t T, int64_t ld, int heads, int hd,
                              const uint16_t* w, float eps);
 typedef void (*item_fn)(void* ctx, int64_t item, int worker);
-typedef int (*parallel_fn)(item_fn fn, void* ctx, int64_t items);
+typedef void (*commit_fn)(void* ctx, int64_t item);
+typedef int (*parallel_fn)(item_fn fn, commit_fn commit, void* ctx, int64_t items);
+typedef void (*steal_fn)(void);
 
 static linear_fn linear;
 static attention_fn attention;
@@ -40,10 +42,12 @@ static rope_fn rope_kv;
 static silu_fn silu_mul;
 static head_norm_fn head_rms_norm;
 static parallel_fn parallel;
+static steal_fn steal_begin, steal_end;
 
-/* par: linear_bf16_parallel, or NULL (the attention then runs on the caller alone) */
+/* par: linear_bf16_parallel, or NULL (the attention then runs on the caller alone);
+   begin, end: linear_bf16_steal_begin and _end, or NULL */
 void decode_layers_bind(void* lin, void* att, void* norm, void* rope, void* silu, void* head,
-                        void* par) {
+                        void* par, void* begin, void* end) {
     linear = (linear_fn)lin;
     attention = (attention_fn)att;
     add_rms_norm = (norm_fn)norm;
@@ -51,6 +55,8 @@ void decode_layers_bind(void* lin, void* att, void* norm, void* rope, void* silu
     silu_mul = (silu_fn)silu;
     head_rms_norm = (head_norm_fn)head;
     parallel = (parallel_fn)par;
+    steal_begin = (steal_fn)begin;
+    steal_end = (steal_fn)end;
 }
 
 /* One layer's weights: packed for linear_bf16; biases fp32 or NULL; norms bf16;
@@ -97,6 +103,15 @@ typedef struct {
     _Atomic int rc;
 } att_job_t;
 
+/* Each layer's job has a place of its own for the step, not the caller's stack: a helper
+   held up inside an item may read it after the caller took the item back and moved on
+   (linear_bf16.c, "Taking a group back"); the step waits for it before returning. The
+   helper writes its items' outputs to `helper_attn` and commits them from there. */
+#define MAX_LAYERS 1024
+#define HELPER_ATTN_ELEMS (1 << 19)
+static att_job_t att_jobs[MAX_LAYERS];
+static uint16_t helper_attn[HELPER_ATTN_ELEMS] __attribute__((aligned(64)));
+
 static void attention_item(void* ctx, int64_t item, int worker) {
     att_job_t* j = (att_job_t*)ctx;
     const step_t* s = j->s;
@@ -105,37 +120,48 @@ static void attention_item(void* ctx, int64_t item, int worker) {
     const int rc = attention(s->q + b0 * qrow, j->k_cache, j->v_cache,
                              s->tables + b0 * s->table_stride, s->table_stride, s->ctx_lens + b0,
                              s->starts + b0, (int)n, s->H, s->KVH, s->hd, s->bs, s->scale,
-                             s->scratch + worker * j->half, j->half, s->attn + b0 * qrow);
+                             s->scratch + worker * j->half, j->half,
+                             worker ? helper_attn : s->attn + b0 * qrow);
     if (rc) j->rc = rc;
 }
 
+static void attention_commit(void* ctx, int64_t item) {
+    const att_job_t* j = (const att_job_t*)ctx;
+    const step_t* s = j->s;
+    const int64_t b0 = item * j->per, n = s->B - b0 < j->per ? s->B - b0 : j->per;
+    const int64_t qrow = (int64_t)s->H * s->hd;
+    memcpy(s->attn + b0 * qrow, helper_attn, (size_t)(n * qrow) * 2);
+}
+
 /* Whether this step's attention may be split: a helper to split with, two sequences or
-   more, and scratch for two (the same for every layer, so asked once a step). */
-static int can_split(const step_t* s) {
+   more, scratch for two (the same for every layer, so asked once a step), and room for
+   the helper's items. */
+static int can_split(const step_t* s, int L) {
     int64_t longest = 0;
     for (int64_t b = 0; b < s->B; b++)
         if (s->ctx_lens[b] - s->starts[b] > longest) longest = s->ctx_lens[b] - s->starts[b];
-    return parallel && s->B >= 2 && s->scratch_elems / 2 >= (int64_t)s->H * longest;
+    return parallel && s->B >= 2 && L <= MAX_LAYERS
+           && s->scratch_elems / 2 >= (int64_t)s->H * longest
+           && (s->B + 15) / 16 * (int64_t)s->H * s->hd <= HELPER_ATTN_ELEMS;
 }
 
 static int layer_attention(const step_t* s, const uint16_t* k_cache, const uint16_t* v_cache,
-                           int split) {
+                           int li, int split) {
     if (split) {
-        att_job_t j = {s, k_cache, v_cache, (s->B + 15) / 16, s->scratch_elems / 2, 0};
-        parallel(attention_item, &j, (s->B + j.per - 1) / j.per);
-        return j.rc;
+        att_job_t* j = &att_jobs[li];
+        j->s = s, j->k_cache = k_cache, j->v_cache = v_cache;
+        j->per = (s->B + 15) / 16, j->half = s->scratch_elems / 2, j->rc = 0;
+        parallel(attention_item, attention_commit, j, (s->B + j->per - 1) / j->per);
+        return j->rc;
     }
     return attention(s->q, k_cache, v_cache, s->tables, s->table_stride, s->ctx_lens, s->starts,
                      (int)s->B, s->H, s->KVH, s->hd, s->bs, s->scale, s->scratch,
                      s->scratch_elems, s->attn);
 }
 
-/* Returns 0; 1 + the layer when a kernel refused its input (a position or slot out of
-   range, an attention shape or scratch it does not take): nothing after it was run. */
-int decode_layers(const layer_t* layers, int L, const step_t* s) {
+static int layers(const layer_t* layers, int L, const step_t* s, int split) {
     const int64_t B = s->B, D = s->D, W = (int64_t)(s->H + 2 * s->KVH) * s->hd;
     const int64_t Q = (int64_t)s->H * s->hd;
-    const int split = can_split(s);
     for (int li = 0; li < L; li++) {
         const layer_t* l = layers + li;
         uint16_t* k_cache = s->kv + li * s->layer_elems;
@@ -150,7 +176,7 @@ int decode_layers(const layer_t* layers, int L, const step_t* s) {
             return 1 + li;
         for (int64_t b = 0; b < B; b++)  /* the decode kernel takes q rows contiguous */
             memcpy(s->q + b * Q, s->qkv + b * W, (size_t)Q * 2);
-        if (layer_attention(s, k_cache, v_cache, split)) return 1 + li;
+        if (layer_attention(s, k_cache, v_cache, li, split)) return 1 + li;
         linear(l->o, D, Q, s->attn, B, Q, l->o_bias, s->o, D);
         add_rms_norm(s->h, s->o, l->mlp_norm, B, D, s->eps, s->h, s->x);
         linear(l->gate_up, 2 * s->inter, D, s->x, B, D, l->gate_up_bias, s->gu, 2 * s->inter);
@@ -161,4 +187,18 @@ int decode_layers(const layer_t* layers, int L, const step_t* s) {
                      s->x);
     }
     return 0;
+}
+
+/* Returns 0; 1 + the layer when a kernel refused its input (a position or slot out of
+   range, an attention shape or scratch it does not take): nothing after it was run.
+   Between steal_begin and steal_end a call may take a held-up helper's group back: the
+   step's buffers (the caller's) outlive every call in it, and steal_end waits for the
+   helper to leave such a group before they are handed back. */
+int decode_layers(const layer_t* l, int L, const step_t* s) {
+    const int split = can_split(s, L);
+    const int stealing = steal_begin && steal_end;
+    if (stealing) steal_begin();
+    const int rc = layers(l, L, s, split);
+    if (stealing) steal_end();
+    return rc;
 }

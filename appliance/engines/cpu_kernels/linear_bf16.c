@@ -316,15 +316,18 @@ static void finish(void) {
    most a few milliseconds; a helper claims no group while `want` is set. Each side
    stores its own word before it reads the other's (both sequentially consistent), so
    at least one of them sees the other: either the helper does not claim, or the lender
-   waits. A call that waits for a helper held up anyway (something else took the core
-   mid-group) is timed (`linear_bf16_helper_held_ns`), and the gate then keeps the
-   helper out of the next steps. */
+   waits. Anything else that takes the core mid-group holds the call up too: inside a
+   one-call decode step the caller then takes the group back ("Taking a group back",
+   below); a call that waits anyway is timed (`linear_bf16_helper_held_ns`), and the
+   gate then keeps the helper out of the next steps. */
 typedef void (*item_fn)(void* ctx, int64_t item, int worker);
+typedef void (*commit_fn)(void* ctx, int64_t item);
 
 struct job {
     const uint16_t* w; int64_t N, K; const uint16_t* x; int64_t M, ldx;
     const float* bias; uint16_t* y; int64_t ldy, groups;
-    item_fn fn; void* ctx;              /* set: items of a `linear_bf16_parallel` call */
+    item_fn fn; commit_fn commit; void* ctx; /* set: items of a `linear_bf16_parallel` call */
+    int steal;                          /* the caller may take back a held-up helper's group */
 };
 
 static struct job jobs[2];
@@ -341,6 +344,32 @@ static _Atomic int64_t helper_items;   /* items of `linear_bf16_parallel` calls 
 static uint32_t generation;            /* the caller's only */
 static int helper_running;
 static _Atomic int64_t held_ns;        /* the longest a call waited for the helper's groups */
+
+/* Taking a group back from a helper held up inside it.
+
+   A helper at SCHED_IDLE is preempted by anything else that wakes on its core: the
+   daemon streaming tokens, a load generator beside it (aiperf took ~0.2 of a 2-core box,
+   waking for every streamed chunk, and Linux prefers to wake tasks on a core that runs
+   only an idle-class thread). Preempted inside a group, it held the call up until that
+   other task let the core go, while the caller spun. Inside `decode_layers` (between linear_bf16_steal_begin and
+   _end) the helper instead writes a group to a buffer of its own (`hscratch`, or the
+   item function's) and publishes which group it is on in `hslot`; a caller that has
+   waited longer than its own groups take (STEAL_AFTER times its mean, at least
+   STEAL_MIN_NS) marks the group stolen, computes it itself into the output, and goes on.
+   The helper commits its copy only if the mark is still its own (a compare-and-swap
+   RUN -> COMMIT), else drops it: either way each group is written once, by the same
+   code on the same inputs, so the outputs stay the same bit for bit. A late helper still
+   reads the step's inputs, so `_end` waits until it has left its group before the step
+   returns (by then it has usually long finished: bursts are short, steps are not). */
+enum { H_RUN = 1, H_COMMIT = 2, H_STOLEN = 3 };
+#define SLOT(gen, item, state) ((uint64_t)(gen) << 32 | (uint64_t)(item) << 2 | (uint64_t)(state))
+#define STEAL_ROWS_MAX 1024                 /* rows of a call whose groups may be taken back */
+#define STEAL_AFTER 3
+#define STEAL_MIN_NS 20000
+static _Atomic uint64_t hslot;              /* the helper's group of a call that may steal */
+static _Atomic int steal_mode;              /* set between linear_bf16_steal_begin and _end */
+static _Atomic int64_t steals;              /* groups and items taken back, all calls */
+static uint16_t hscratch[STEAL_ROWS_MAX * 32] __attribute__((aligned(64)));
 
 /* The page the core's owner (another process) and its borrowers share: a line for
    `want`, and one `busy` line for each decode worker that may borrow the core (its
@@ -388,25 +417,61 @@ static void lend_leave(_Atomic uint32_t* busy) {
     if (busy) atomic_store_explicit(busy, 0, memory_order_release);
 }
 
-static void take_groups(const struct job* j, uint32_t gen, int helper) {
+/* The helper's copy of group g of a call that may steal: run_groups writes y + m * ldy + n
+   for the group's columns n = g * 32 ...; here rows of 32 in hscratch (the pointer is
+   offset back by the group's first column, so the same arithmetic lands there). */
+static void helper_group(const struct job* j, int64_t g) {
+    uint16_t* y = (uint16_t*)((uintptr_t)hscratch - (uintptr_t)(g * NT * 16) * 2);
+    run_groups(j->w, j->N, j->K, j->x, j->M, j->ldx, j->bias, y, NT * 16, g, g + 1);
+}
+
+static void commit_group(const struct job* j, int64_t g) {
+    const int64_t n0 = g * NT * 16, cols = j->N - n0 < NT * 16 ? j->N - n0 : NT * 16;
+    for (int64_t m = 0; m < j->M; m++)
+        memcpy(j->y + m * j->ldy + n0, hscratch + m * NT * 16, (size_t)cols * 2);
+}
+
+/* Returns the groups this thread wrote. */
+static int64_t take_groups(const struct job* j, uint32_t gen, int helper) {
     _Atomic uint32_t* const page = helper ? atomic_load(&lend_busy) : NULL;
-    int64_t g;
+    int64_t g, done = 0;
     for (;;) {
         if (!lend_enter(page)) break;
         if (!claim_group(gen, j->groups, &g)) {
             lend_leave(page);
             break;
         }
-        if (j->fn)
+        int counted = 1;
+        if (helper && j->steal) {
+            uint64_t mine = SLOT(gen, g, H_RUN);
+            atomic_store_explicit(&hslot, mine, memory_order_seq_cst);
+            if (j->fn)
+                j->fn(j->ctx, g, helper);       /* an item function writes its own copy */
+            else
+                helper_group(j, g);
+            if (atomic_compare_exchange_strong(&hslot, &mine, SLOT(gen, g, H_COMMIT))) {
+                if (j->fn) j->commit(j->ctx, g);
+                else commit_group(j, g);
+            } else {
+                counted = 0;                    /* taken back: the caller wrote and counted it */
+            }
+            atomic_store_explicit(&hslot, 0, memory_order_release);
+        } else if (j->fn) {
             j->fn(j->ctx, g, helper);
-        else
+            if (helper) j->commit(j->ctx, g);
+        } else {
             run_groups(j->w, j->N, j->K, j->x, j->M, j->ldx, j->bias, j->y, j->ldy, g, g + 1);
-        if (helper)
-            atomic_fetch_add_explicit(j->fn ? &helper_items : &helper_groups, 1,
-                                      memory_order_relaxed);
-        atomic_fetch_add_explicit(&finished, 1, memory_order_release);
+        }
+        if (counted) {
+            if (helper)
+                atomic_fetch_add_explicit(j->fn ? &helper_items : &helper_groups, 1,
+                                          memory_order_relaxed);
+            atomic_fetch_add_explicit(&finished, 1, memory_order_release);
+            done++;
+        }
         lend_leave(page);
     }
+    return done;
 }
 
 static void* helper_main(void* arg) {
@@ -561,16 +626,54 @@ static void share(struct job j) {
     jobs[gen & 1] = j;
     atomic_store_explicit(&finished, 0, memory_order_relaxed);
     atomic_store_explicit(&claim, (uint64_t)gen << 32, memory_order_release);
-    take_groups(&jobs[gen & 1], gen, 0);
+    const int64_t t0 = now_ns();
+    const int64_t mine = take_groups(&jobs[gen & 1], gen, 0);
     if (atomic_load_explicit(&finished, memory_order_acquire) < j.groups) {
-        const int64_t t0 = now_ns();
-        while (atomic_load_explicit(&finished, memory_order_acquire) < j.groups) _mm_pause();
-        const int64_t waited = now_ns() - t0;
+        const int64_t t1 = now_ns();
+        int64_t after = STEAL_AFTER * (t1 - t0) / (mine ? mine : 1);
+        if (after < STEAL_MIN_NS) after = STEAL_MIN_NS;
+        while (atomic_load_explicit(&finished, memory_order_acquire) < j.groups) {
+            uint64_t v;
+            if (j.steal && now_ns() - t1 > after
+                && (uint32_t)((v = atomic_load_explicit(&hslot, memory_order_acquire)) >> 32) == gen
+                && (v & 3) == H_RUN
+                && atomic_compare_exchange_strong(&hslot, &v, (v & ~(uint64_t)3) | H_STOLEN)) {
+                const int64_t g = (int64_t)((v & 0xffffffffu) >> 2);
+                if (j.fn)
+                    j.fn(j.ctx, g, 0);
+                else
+                    run_groups(j.w, j.N, j.K, j.x, j.M, j.ldx, j.bias, j.y, j.ldy, g, g + 1);
+                atomic_fetch_add_explicit(&steals, 1, memory_order_relaxed);
+                atomic_fetch_add_explicit(&finished, 1, memory_order_release);
+                continue;
+            }
+            _mm_pause();
+        }
+        const int64_t waited = now_ns() - t1;
         if (waited > atomic_load_explicit(&held_ns, memory_order_relaxed))
             atomic_store_explicit(&held_ns, waited, memory_order_relaxed);
     }
     finish();
 }
+
+/* Calls from here on may take a held-up helper's group back (decode_layers.c: the
+   step's buffers outlive every call in it). */
+void linear_bf16_steal_begin(void) { atomic_store(&steal_mode, 1); }
+
+/* The step is over: no more taking back, and once the helper has left a group it was
+   held up in (it still reads the step's inputs), the caller may free them. */
+void linear_bf16_steal_end(void) {
+    atomic_store(&steal_mode, 0);
+    if (!atomic_load_explicit(&hslot, memory_order_acquire)) return;
+    const int64_t t0 = now_ns();
+    while (atomic_load_explicit(&hslot, memory_order_acquire)) _mm_pause();
+    const int64_t waited = now_ns() - t0;
+    if (waited > atomic_load_explicit(&held_ns, memory_order_relaxed))
+        atomic_store_explicit(&held_ns, waited, memory_order_relaxed);
+}
+
+/* Groups and items the callers took back from a held-up helper, all calls. */
+int64_t linear_bf16_helper_steals(void) { return atomic_load(&steals); }
 
 /* Returns 0, or -1 for an odd K. */
 int linear_bf16(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M,
@@ -582,19 +685,24 @@ int linear_bf16(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int6
         finish();
         return 0;
     }
-    share((struct job){w, N, K, x, M, ldx, bias, y, ldy, groups, NULL, NULL});
+    share((struct job){w, N, K, x, M, ldx, bias, y, ldy, groups, NULL, NULL, NULL,
+                       atomic_load(&steal_mode) && M <= STEAL_ROWS_MAX});
     return 0;
 }
 
-/* Run fn(ctx, item, worker) for every item in [0, items): worker 0 is the caller, 1 the
-   helper when it takes part (as for the matmuls: while the caller lets it spin), so fn
-   keeps per-worker state apart by `worker`. Returns once every item has run. Returns 1
-   when the helper could take part, 0 when the caller ran them all. */
-int linear_bf16_parallel(item_fn fn, void* ctx, int64_t items) {
+/* Run fn(ctx, item, worker) for every item in [0, items): worker 0 is the caller, writing
+   the item's output where it belongs; 1 the helper when it takes part (as for the
+   matmuls: while the caller lets it spin), writing it to a place of its own, from which
+   commit(ctx, item) then copies it (unless the caller took the item back meanwhile: see
+   "Taking a group back"), so fn keeps per-worker state apart by `worker`. Returns once
+   every item is written. Returns 1 when the helper could take part, 0 when the caller
+   ran them all. */
+int linear_bf16_parallel(item_fn fn, commit_fn commit, void* ctx, int64_t items) {
     if (!helper_running || !atomic_load_explicit(&spin_word, memory_order_relaxed) || items < 2) {
         for (int64_t i = 0; i < items; i++) fn(ctx, i, 0);
         return 0;
     }
-    share((struct job){NULL, 0, 0, NULL, 0, 0, NULL, NULL, 0, items, fn, ctx});
+    share((struct job){NULL, 0, 0, NULL, 0, 0, NULL, NULL, 0, items, fn, commit, ctx,
+                       atomic_load(&steal_mode)});
     return 1;
 }
