@@ -159,7 +159,7 @@ static int layer_attention(const step_t* s, const uint16_t* k_cache, const uint1
                      s->scratch_elems, s->attn);
 }
 
-static int layers(const layer_t* layers, int L, const step_t* s, int split) {
+static int run_layers(const layer_t* layers, int L, const step_t* s, int split) {
     const int64_t B = s->B, D = s->D, W = (int64_t)(s->H + 2 * s->KVH) * s->hd;
     const int64_t Q = (int64_t)s->H * s->hd;
     for (int li = 0; li < L; li++) {
@@ -194,11 +194,11 @@ static int layers(const layer_t* layers, int L, const step_t* s, int split) {
    Between steal_begin and steal_end a call may take a held-up helper's group back: the
    step's buffers (the caller's) outlive every call in it, and steal_end waits for the
    helper to leave such a group before they are handed back. */
-int decode_layers(const layer_t* l, int L, const step_t* s) {
+int decode_layers(const layer_t* layers, int L, const step_t* s) {
     const int split = can_split(s, L);
     const int stealing = steal_begin && steal_end;
     if (stealing) steal_begin();
-    const int rc = layers(l, L, s, split);
+    const int rc = run_layers(layers, L, s, split);
     if (stealing) steal_end();
     return rc;
 }

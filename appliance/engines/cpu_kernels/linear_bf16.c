@@ -417,18 +417,41 @@ static void lend_leave(_Atomic uint32_t* busy) {
     if (busy) atomic_store_explicit(busy, 0, memory_order_release);
 }
 
-/* The helper's copy of group g of a call that may steal: run_groups writes y + m * ldy + n
-   for the group's columns n = g * 32 ...; here rows of 32 in hscratch (the pointer is
-   offset back by the group's first column, so the same arithmetic lands there). */
-static void helper_group(const struct job* j, int64_t g) {
+/* Group (or item) g written where it belongs, by the caller (worker 0). */
+static void run_in_place(const struct job* j, int64_t g) {
+    if (j->fn)
+        j->fn(j->ctx, g, 0);
+    else
+        run_groups(j->w, j->N, j->K, j->x, j->M, j->ldx, j->bias, j->y, j->ldy, g, g + 1);
+}
+
+/* The helper's copy of group g: run_groups writes y + m * ldy + n for the group's columns
+   n = g * 32 ...; here rows of 32 in hscratch (the pointer is offset back by the group's
+   first column, so the same arithmetic lands there). An item function writes its copy
+   where it keeps worker 1's. */
+static void run_apart(const struct job* j, int64_t g) {
+    if (j->fn) {
+        j->fn(j->ctx, g, 1);
+        return;
+    }
     uint16_t* y = (uint16_t*)((uintptr_t)hscratch - (uintptr_t)(g * NT * 16) * 2);
     run_groups(j->w, j->N, j->K, j->x, j->M, j->ldx, j->bias, y, NT * 16, g, g + 1);
 }
 
-static void commit_group(const struct job* j, int64_t g) {
+/* The helper's copy of group g into the output. */
+static void copy_in(const struct job* j, int64_t g) {
+    if (j->fn) {
+        j->commit(j->ctx, g);
+        return;
+    }
     const int64_t n0 = g * NT * 16, cols = j->N - n0 < NT * 16 ? j->N - n0 : NT * 16;
     for (int64_t m = 0; m < j->M; m++)
         memcpy(j->y + m * j->ldy + n0, hscratch + m * NT * 16, (size_t)cols * 2);
+}
+
+static void note_held(int64_t waited) {
+    if (waited > atomic_load_explicit(&held_ns, memory_order_relaxed))
+        atomic_store_explicit(&held_ns, waited, memory_order_relaxed);
 }
 
 /* Returns the groups this thread wrote. */
@@ -442,25 +465,17 @@ static int64_t take_groups(const struct job* j, uint32_t gen, int helper) {
             break;
         }
         int counted = 1;
-        if (helper && j->steal) {
-            uint64_t mine = SLOT(gen, g, H_RUN);
-            atomic_store_explicit(&hslot, mine, memory_order_seq_cst);
-            if (j->fn)
-                j->fn(j->ctx, g, helper);       /* an item function writes its own copy */
-            else
-                helper_group(j, g);
-            if (atomic_compare_exchange_strong(&hslot, &mine, SLOT(gen, g, H_COMMIT))) {
-                if (j->fn) j->commit(j->ctx, g);
-                else commit_group(j, g);
-            } else {
-                counted = 0;                    /* taken back: the caller wrote and counted it */
-            }
-            atomic_store_explicit(&hslot, 0, memory_order_release);
-        } else if (j->fn) {
-            j->fn(j->ctx, g, helper);
-            if (helper) j->commit(j->ctx, g);
+        if (!helper || !(j->steal || j->fn)) {
+            run_in_place(j, g);     /* the caller's; a helper's group of a call that cannot steal */
         } else {
-            run_groups(j->w, j->N, j->K, j->x, j->M, j->ldx, j->bias, j->y, j->ldy, g, g + 1);
+            uint64_t mine = SLOT(gen, g, H_RUN);
+            if (j->steal) atomic_store_explicit(&hslot, mine, memory_order_seq_cst);
+            run_apart(j, g);
+            if (!j->steal || atomic_compare_exchange_strong(&hslot, &mine, SLOT(gen, g, H_COMMIT)))
+                copy_in(j, g);
+            else
+                counted = 0;        /* taken back: the caller wrote and counted it */
+            if (j->steal) atomic_store_explicit(&hslot, 0, memory_order_release);
         }
         if (counted) {
             if (helper)
@@ -638,20 +653,14 @@ static void share(struct job j) {
                 && (uint32_t)((v = atomic_load_explicit(&hslot, memory_order_acquire)) >> 32) == gen
                 && (v & 3) == H_RUN
                 && atomic_compare_exchange_strong(&hslot, &v, (v & ~(uint64_t)3) | H_STOLEN)) {
-                const int64_t g = (int64_t)((v & 0xffffffffu) >> 2);
-                if (j.fn)
-                    j.fn(j.ctx, g, 0);
-                else
-                    run_groups(j.w, j.N, j.K, j.x, j.M, j.ldx, j.bias, j.y, j.ldy, g, g + 1);
+                run_in_place(&j, (int64_t)((v & 0xffffffffu) >> 2));
                 atomic_fetch_add_explicit(&steals, 1, memory_order_relaxed);
                 atomic_fetch_add_explicit(&finished, 1, memory_order_release);
                 continue;
             }
             _mm_pause();
         }
-        const int64_t waited = now_ns() - t1;
-        if (waited > atomic_load_explicit(&held_ns, memory_order_relaxed))
-            atomic_store_explicit(&held_ns, waited, memory_order_relaxed);
+        note_held(now_ns() - t1);
     }
     finish();
 }
@@ -667,9 +676,7 @@ void linear_bf16_steal_end(void) {
     if (!atomic_load_explicit(&hslot, memory_order_acquire)) return;
     const int64_t t0 = now_ns();
     while (atomic_load_explicit(&hslot, memory_order_acquire)) _mm_pause();
-    const int64_t waited = now_ns() - t0;
-    if (waited > atomic_load_explicit(&held_ns, memory_order_relaxed))
-        atomic_store_explicit(&held_ns, waited, memory_order_relaxed);
+    note_held(now_ns() - t0);
 }
 
 /* Groups and items the callers took back from a held-up helper, all calls. */
