@@ -31,7 +31,10 @@ its req/s and p50s (medians over rounds), the server's CPU s/request under it, a
 cores aiperf itself took. In its default concurrency mode aiperf's timing manager waits for
 a free slot by yielding to its event loop in a loop: ~0.45 of a core, out of the server's
 on a 2-core box. `--aiperf-args '--request-rate 100'` paces it instead (the concurrency
-cap unchanged, a free slot refilled within 10 ms): ~0.15 cores.
+cap unchanged, a free slot refilled within 10 ms): ~0.15 cores. `--ledger` also reads
+each applianced server's own ledger for each client's run (`ledger_view`): where two
+clients' rates differ, whether they sent different work, kept fewer requests in flight,
+or the same requests took longer in the daemon.
 """
 from __future__ import annotations
 
@@ -269,6 +272,31 @@ def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
             "client_cores": sum(c for _, c in busy) / wall if wall else float("nan")}
 
 
+def ledger_view(db: Path, t0: float, t1: float, concurrency: int, skip: int = 0) -> dict:
+    """What applianced's own ledger says of the requests that arrived in [t0, t1] (one
+    client's run, its first `skip` warm-up requests left out): the tokens it served and
+    how long each took inside the daemon. Two clients whose rates differ on the same
+    server either sent different work (prompt, cached or output tokens), kept fewer
+    requests in flight (slots: the requests' time in the daemon over C x the span), or
+    made the same requests slower (duration)."""
+    import sqlite3
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as con:
+        rs = con.execute("SELECT arrival, first_token, finish, prompt_tokens, cached_tokens, "
+                         "output_tokens FROM requests WHERE arrival BETWEEN ? AND ? AND "
+                         "status = 'ok' ORDER BY arrival", (t0, t1)).fetchall()[skip:]
+    if not rs:
+        return {}
+    span = max(r[2] for r in rs) - min(r[0] for r in rs)
+    took = [r[2] - r[0] for r in rs]
+    return {"requests": len(rs), "req_s": len(rs) / span,
+            "prompt_tokens": statistics.mean(r[3] for r in rs),
+            "cached_tokens": statistics.mean(r[4] for r in rs),
+            "output_tokens": statistics.mean(r[5] for r in rs),
+            "duration_s": statistics.mean(took),
+            "ttft_s": statistics.mean(r[1] - r[0] for r in rs if r[1] is not None),
+            "slots_busy": sum(took) / (span * concurrency)}
+
+
 def parse_variant(text: str) -> tuple[str, Path, dict[str, dict[str, str]]]:
     """'NAME[@ROOT]:section.key=VALUE,...' -> (name, source root, {section: {key: VALUE}});
     VALUE is a TOML literal (strings quoted)."""
@@ -315,6 +343,9 @@ def main() -> None:
                          "(the same client against two versions of the engine)")
     ap.add_argument("--quick", action="store_true", help="c=8 only, 2 requests each, 1 round")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--ledger", action="store_true",
+                    help="also read each applianced server's ledger for each client's run: "
+                         "tokens served, time in the daemon, how full the C slots were")
     args = ap.parse_args()
     if args.quick:
         args.concurrency, args.requests, args.rounds = "8", 2, 1
@@ -345,6 +376,8 @@ def main() -> None:
             servers["vLLM CPU"] = start_vllm(args.vllm, model, tmp / "vllm.log")
         else:
             print(f"vLLM not found at {args.vllm!r}: measuring applianced alone")
+        ledgers = {name: tmp / f"state-{i}" for i, (name, _, _) in enumerate(configs)
+                   if args.ledger}
         rows = []
         for c in levels:
             samples: dict[str, list[dict]] = {n: [] for n in servers}
@@ -353,6 +386,7 @@ def main() -> None:
                 for name, (proc, url) in servers.items():       # A B A B
                     ref = reference_ms()
                     before = cpu_seconds(proc)
+                    t0 = time.time()
                     s = asyncio.run(cell(url, names[name], c, c * args.requests,
                                          args.prompt_tokens, args.output_tokens, vocab,
                                          seed=1000 * r + c))
@@ -365,7 +399,10 @@ def main() -> None:
                           f"{s['cpu_s_per_req']:.2f} CPU s/request (reference loop "
                           f"{ref:.1f} ms)", flush=True)
                     samples[name].append(s)
+                    if name in ledgers:
+                        s["ledger"] = (ledgers[name], t0, time.time(), 2)
                     if args.aiperf:
+                        t0 = time.time()
                         a = run_aiperf(args.aiperf, url, model, c, c * args.requests,
                                        args.prompt_tokens, args.output_tokens,
                                        tmp / f"aiperf-{len(rows)}-{r}-{name.replace(' ', '_')}",
@@ -377,6 +414,8 @@ def main() -> None:
                                   f"s/request, aiperf took {a['client_cores']:.2f} cores",
                                   flush=True)
                             by_aiperf[name].append(a)
+                            if name in ledgers:
+                                a["ledger"] = (ledgers[name], t0, time.time(), 0)
             for name, ss in samples.items():
                 row = {"concurrency": c, "server": name, "rounds": len(ss),
                        **{k: statistics.median(s[k] for s in ss)
@@ -387,6 +426,18 @@ def main() -> None:
                                      **{k: statistics.median(a[k] for a in by_aiperf[name])
                                         for k in ("req_s", "ttft_p50_s", "itl_p50_ms",
                                                   "cpu_s_per_req", "client_cores")}}
+                if args.ledger and name in ledgers:
+                    row["ledger"] = {}
+                    for client, runs in (("this client", ss), ("aiperf", by_aiperf[name])):
+                        views = [ledger_view(next(run["ledger"][0].rglob("ledger.db")),
+                                             *run["ledger"][1:3], c, run["ledger"][3])
+                                 for run in runs if "ledger" in run]
+                        views = [v for v in views if v]
+                        for run in runs:
+                            run.pop("ledger", None)
+                        if views:
+                            row["ledger"][client] = {k: statistics.median(v[k] for v in views)
+                                                     for k in views[0]}
                 rows.append(row)
         print(f"\n{model.name}: {args.prompt_tokens}-token prompts, {args.output_tokens} output "
               f"tokens, medians of {args.rounds} alternating round(s)")
@@ -405,6 +456,18 @@ def main() -> None:
                     print(f"| {row['concurrency']} | {row['server']} | {a['req_s']:.2f} | "
                           f"{a['ttft_p50_s']:.2f} s | {a['itl_p50_ms']:.1f} ms | "
                           f"{a['cpu_s_per_req']:.2f} | {a['client_cores']:.2f} |")
+        if any(row.get("ledger") for row in rows):
+            print("\nin applianced's ledger (medians of the rounds): req/s over the requests' own "
+                  "span, tokens a request, mean time in the daemon and to the first token, "
+                  "slots busy = time in the daemon / (C x span)")
+            print("| concurrency | server | client | req/s | prompt | cached | output | in the "
+                  "daemon | TTFT | slots busy |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+            for row in rows:
+                for client, v in (row.get("ledger") or {}).items():
+                    print(f"| {row['concurrency']} | {row['server']} | {client} | "
+                          f"{v['req_s']:.2f} | {v['prompt_tokens']:.0f} | {v['cached_tokens']:.0f}"
+                          f" | {v['output_tokens']:.0f} | {v['duration_s']:.3f} s | "
+                          f"{v['ttft_s']:.3f} s | {v['slots_busy']:.0%} |")
         by = {(r["concurrency"], r["server"]): r for r in rows}
         for c in levels:
             v = by.get((c, "vLLM CPU"))

@@ -1,0 +1,48 @@
+"""bench_vs_vllm's `ledger_view`: what a run of one client looks like in the daemon's own
+ledger, read from a real ledger file (the Ledger's schema, rows written as it writes them)."""
+from __future__ import annotations
+
+import sqlite3
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance.accounting.ledger import REQUEST_COLUMNS, Ledger, write_rows
+from helpers.ledger_rows import row
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from bench_vs_vllm import ledger_view  # noqa: E402
+
+
+def request(rid: str, arrival: float, first: float, finish: float, status: str = "ok",
+            cached: int = 0):
+    r = row(rid, "t", finish)._replace(arrival=arrival, first_token=first, status=status,
+                                       prompt_tokens=256, output_tokens=64, cached_tokens=cached)
+    return tuple(r)
+
+
+def test_a_run_is_its_window_less_warm_up_and_failures(tmp_path):
+    db = tmp_path / "ledger.db"
+    Ledger(db, retention_days=0).stop()
+    rows = [request("before", 90.0, 90.5, 91.0),            # another client's run
+            request("warm0", 100.0, 100.1, 100.5),          # this run's warm-up
+            request("a", 101.0, 101.5, 103.0),
+            request("b", 101.0, 101.5, 102.0, cached=64),
+            request("c", 102.0, 102.5, 105.0),
+            request("x", 102.5, 102.6, 102.7, status="error"),
+            request("after", 120.0, 120.1, 121.0)]
+    conn = sqlite3.connect(db)
+    with conn:
+        write_rows(conn, "INSERT", "requests", REQUEST_COLUMNS, rows)
+    conn.close()
+    v = ledger_view(db, 100.0, 110.0, concurrency=2, skip=1)
+    assert v["requests"] == 3
+    span = 105.0 - 101.0
+    assert v["req_s"] == pytest.approx(3 / span)
+    assert v["duration_s"] == pytest.approx((2.0 + 1.0 + 3.0) / 3)
+    assert v["ttft_s"] == pytest.approx(0.5)
+    assert v["cached_tokens"] == pytest.approx(64 / 3)
+    assert (v["prompt_tokens"], v["output_tokens"]) == (256, 64)
+    assert v["slots_busy"] == pytest.approx(6.0 / (2 * span))
+    assert ledger_view(db, 130.0, 140.0, concurrency=2) == {}
