@@ -272,6 +272,25 @@ def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
             "client_cores": sum(c for _, c in busy) / wall if wall else float("nan")}
 
 
+def ledger_file(state: Path, t0: float, t1: float, n: int, timeout: float = 40.0) -> Path:
+    """The ledger under a daemon's state dir, once it holds the `n` requests that arrived
+    in [t0, t1] (or after `timeout`): a request's row is committed when its accounting
+    window closes, up to ~15 s after it finished (`[accounting] window_s` + grace)."""
+    import sqlite3
+    deadline = time.monotonic() + timeout
+    while True:
+        found = next(state.rglob("ledger.db"), None)
+        if found is not None:
+            with sqlite3.connect(f"file:{found}?mode=ro", uri=True, timeout=5) as con:
+                have = con.execute("SELECT count(*) FROM requests WHERE arrival BETWEEN ? AND ?",
+                                   (t0, t1)).fetchone()[0]
+            if have >= n or time.monotonic() > deadline:
+                return found
+        elif time.monotonic() > deadline:
+            raise SystemExit(f"--ledger: no ledger.db under {state}")
+        time.sleep(0.5)
+
+
 def ledger_view(db: Path, t0: float, t1: float, concurrency: int, skip: int = 0) -> dict:
     """What applianced's own ledger says of the requests that arrived in [t0, t1] (one
     client's run, its first `skip` warm-up requests left out): the tokens it served and
@@ -400,7 +419,7 @@ def main() -> None:
                           f"{ref:.1f} ms)", flush=True)
                     samples[name].append(s)
                     if name in ledgers:
-                        s["ledger"] = (ledgers[name], t0, time.time(), 2)
+                        s["ledger"] = (ledgers[name], t0, time.time(), 2, s["requests"] + 2)
                     if args.aiperf:
                         t0 = time.time()
                         a = run_aiperf(args.aiperf, url, model, c, c * args.requests,
@@ -415,7 +434,8 @@ def main() -> None:
                                   flush=True)
                             by_aiperf[name].append(a)
                             if name in ledgers:
-                                a["ledger"] = (ledgers[name], t0, time.time(), 0)
+                                a["ledger"] = (ledgers[name], t0, time.time(), 0,
+                                               c * args.requests)
             for name, ss in samples.items():
                 row = {"concurrency": c, "server": name, "rounds": len(ss),
                        **{k: statistics.median(s[k] for s in ss)
@@ -429,9 +449,9 @@ def main() -> None:
                 if args.ledger and name in ledgers:
                     row["ledger"] = {}
                     for client, runs in (("this client", ss), ("aiperf", by_aiperf[name])):
-                        views = [ledger_view(next(run["ledger"][0].rglob("ledger.db")),
-                                             *run["ledger"][1:3], c, run["ledger"][3])
-                                 for run in runs if "ledger" in run]
+                        views = [ledger_view(ledger_file(state, t0, t1, n), t0, t1, c, skip)
+                                 for state, t0, t1, skip, n in
+                                 (run["ledger"] for run in runs if "ledger" in run)]
                         views = [v for v in views if v]
                         for run in runs:
                             run.pop("ledger", None)

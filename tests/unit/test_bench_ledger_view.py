@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from appliance.accounting.ledger import REQUEST_COLUMNS, Ledger, write_rows
 from helpers.ledger_rows import row
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from bench_vs_vllm import ledger_view  # noqa: E402
+from bench_vs_vllm import ledger_file, ledger_view  # noqa: E402
 
 
 def request(rid: str, arrival: float, first: float, finish: float, status: str = "ok",
@@ -46,3 +47,24 @@ def test_a_run_is_its_window_less_warm_up_and_failures(tmp_path):
     assert (v["prompt_tokens"], v["output_tokens"]) == (256, 64)
     assert v["slots_busy"] == pytest.approx(6.0 / (2 * span))
     assert ledger_view(db, 130.0, 140.0, concurrency=2) == {}
+
+
+def test_the_ledger_is_read_once_it_holds_the_run_or_after_the_timeout(tmp_path):
+    """Rows reach the ledger when their accounting window closes, seconds after the run:
+    the reader waits for as many as the run sent, and gives up at its timeout."""
+    db = tmp_path / "state" / "ledger.db"
+    db.parent.mkdir()
+    Ledger(db, retention_days=0).stop()
+    conn = sqlite3.connect(db)
+    with conn:
+        write_rows(conn, "INSERT", "requests", REQUEST_COLUMNS,
+                   [request("a", 101.0, 101.5, 103.0), request("b", 102.0, 102.5, 104.0)])
+    conn.close()
+    t = time.monotonic()
+    assert ledger_file(tmp_path, 100.0, 110.0, 2, timeout=30.0) == db
+    assert time.monotonic() - t < 30.0      # it did not wait out its timeout
+    t = time.monotonic()
+    assert ledger_file(tmp_path, 100.0, 110.0, 3, timeout=0.6) == db
+    assert time.monotonic() - t >= 0.6
+    with pytest.raises(SystemExit, match="no ledger.db"):
+        ledger_file(tmp_path / "elsewhere", 100.0, 110.0, 1, timeout=0.1)
