@@ -401,6 +401,9 @@ def main() -> None:
         for c in levels:
             samples: dict[str, list[dict]] = {n: [] for n in servers}
             by_aiperf: dict[str, list[dict]] = {n: [] for n in servers}
+            # --ledger: each client's runs per server, (t0, t1, warm-up requests, requests)
+            runs: dict[str, dict[str, list[tuple]]] = {
+                n: {"this client": [], "aiperf": []} for n in ledgers}
             for r in range(args.rounds):
                 for name, (proc, url) in servers.items():       # A B A B
                     ref = reference_ms()
@@ -418,8 +421,8 @@ def main() -> None:
                           f"{s['cpu_s_per_req']:.2f} CPU s/request (reference loop "
                           f"{ref:.1f} ms)", flush=True)
                     samples[name].append(s)
-                    if name in ledgers:
-                        s["ledger"] = (ledgers[name], t0, time.time(), 2, s["requests"] + 2)
+                    if name in runs:
+                        runs[name]["this client"].append((t0, time.time(), 2, s["requests"] + 2))
                     if args.aiperf:
                         t0 = time.time()
                         a = run_aiperf(args.aiperf, url, model, c, c * args.requests,
@@ -433,9 +436,9 @@ def main() -> None:
                                   f"s/request, aiperf took {a['client_cores']:.2f} cores",
                                   flush=True)
                             by_aiperf[name].append(a)
-                            if name in ledgers:
-                                a["ledger"] = (ledgers[name], t0, time.time(), 0,
-                                               c * args.requests)
+                            if name in runs:
+                                runs[name]["aiperf"].append((t0, time.time(), 0,
+                                                             c * args.requests))
             for name, ss in samples.items():
                 row = {"concurrency": c, "server": name, "rounds": len(ss),
                        **{k: statistics.median(s[k] for s in ss)
@@ -446,15 +449,12 @@ def main() -> None:
                                      **{k: statistics.median(a[k] for a in by_aiperf[name])
                                         for k in ("req_s", "ttft_p50_s", "itl_p50_ms",
                                                   "cpu_s_per_req", "client_cores")}}
-                if args.ledger and name in ledgers:
+                if name in runs:
                     row["ledger"] = {}
-                    for client, runs in (("this client", ss), ("aiperf", by_aiperf[name])):
-                        views = [ledger_view(ledger_file(state, t0, t1, n), t0, t1, c, skip)
-                                 for state, t0, t1, skip, n in
-                                 (run["ledger"] for run in runs if "ledger" in run)]
+                    for client, windows in runs[name].items():
+                        views = [ledger_view(ledger_file(ledgers[name], t0, t1, n), t0, t1, c,
+                                             skip) for t0, t1, skip, n in windows]
                         views = [v for v in views if v]
-                        for run in runs:
-                            run.pop("ledger", None)
                         if views:
                             row["ledger"][client] = {k: statistics.median(v[k] for v in views)
                                                      for k in views[0]}

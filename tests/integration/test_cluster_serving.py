@@ -275,11 +275,13 @@ def test_a_client_that_goes_away_aborts_its_decode_on_the_decode_box(pair):
     """The front's connection to the decode box closing (its client left, or the front
     restarted) aborts the decode there: the decode box's record of it says aborted, and
     its worker runs nothing afterwards."""
-    import http.client
+    from http.client import HTTPConnection
     # The tests before stop and restart the decode box: begin once it serves again.
-    pair.front.wait_for(lambda s: s["cluster"]["peers"][0]["up"], 20, "the peer up")
-    pair.decode.wait_for(lambda s: s["workers"][0]["state"] == "ready", 20, "its worker ready")
-    conn = http.client.HTTPConnection("127.0.0.1", pair.front_port, timeout=30)
+    deadline = time.monotonic() + 20
+    while http("GET", pair.front.url + "/ready")[0] != 200:     # a ready decode peer
+        assert time.monotonic() < deadline, "the front never found its decode peer ready"
+        time.sleep(0.1)
+    conn = HTTPConnection("127.0.0.1", pair.front_port, timeout=30)
     conn.request("POST", "/v1/completions", json.dumps({
         "model": pair.front.status()["model"], "prompt": "Go on", "max_tokens": 3000,
         "temperature": 0, "stream": True, "ignore_eos": True}),
@@ -295,7 +297,8 @@ def test_a_client_that_goes_away_aborts_its_decode_on_the_decode_box(pair):
         if line.startswith(b"data: "):
             chunks.append(json.loads(line[6:]))
             assert "error" not in chunks[-1], chunks[-1]
-    assert pair.decode.status()["workers"][0]["inflight"] == 1
+    pair.decode.wait_for(lambda s: s["workers"][0]["inflight"] == 1, 10,
+                         "the decode box running the request")
     conn.close()
     row = ledger_row(pair.decode, rid)
     assert row["status"] == "aborted" and row["endpoint"] == "cluster_decode", row
