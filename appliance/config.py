@@ -84,6 +84,7 @@ class EngineConfig:
     compile: str = "off"              # torch: off | decode (torch.compile a decode step's norms/adds)
     cpu_kernels: str = "auto"         # torch on the CPU: auto (C kernels where the host builds them) | off
     cpu_decode_helper: str = "auto"   # on: a one-core decode worker's matmuls borrow the prefill core while it idles | auto: on where the CPU has AMX | off
+    cpu_decode_ride_rows: int = -1    # a CPU decode worker's own prompts ride on its decode steps, up to this many rows a step; -1 = auto (8), 0 = off
     daemon_cores: str = "auto"        # auto: the daemon's threads off the CPU decode workers' cores | all
 
 
@@ -384,6 +385,9 @@ def validate(cfg: Config) -> Config:
     if not 0.0 < cfg.engine.conditional_disagg_prefill_share <= 1.0:
         raise ConfigError("config: engine.conditional_disagg_prefill_share must be within "
                           f"(0, 1], got {cfg.engine.conditional_disagg_prefill_share}")
+    if cfg.engine.cpu_decode_ride_rows < -1:
+        raise ConfigError("config: engine.cpu_decode_ride_rows must be -1 (auto), 0 (off) or "
+                          f"positive, got {cfg.engine.cpu_decode_ride_rows}")
     if cfg.engine.prefill_chunk_tokens < 0:
         raise ConfigError("config: engine.prefill_chunk_tokens must be 0 (off) or more, "
                           f"got {cfg.engine.prefill_chunk_tokens}")

@@ -42,6 +42,20 @@ def processes(root_pid: int) -> dict[int, str]:
     return names
 
 
+def engine_steps(url: str) -> dict[tuple[str, str], tuple[float, float]]:
+    """(worker, phase) -> (steps, busy seconds) from the daemon's /metrics, since its
+    start (the cell's warm-up requests included)."""
+    found: dict[tuple[str, str], list[float]] = {}
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            m = re.match(r'applianced_engine_(iterations|busy_seconds)_total\{(.*)\} (\S+)', line)
+            if m:
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+                row = found.setdefault((labels["worker"], labels["phase"]), [0.0, 0.0])
+                row[m.group(1) == "busy_seconds"] = float(m.group(3))
+    return {k: (v[0], v[1]) for k, v in found.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, help="checkpoint dir (default: the 82m preset)")
@@ -88,6 +102,7 @@ def main() -> None:
         sampler.join()
         with urllib.request.urlopen(f"{url}/admin/v1/status", timeout=10) as r:
             workers = json.loads(r.read())["workers"]
+        steps = engine_steps(url)
     finally:
         vs.stop(proc)
     (t0, first), (t1, last) = samples[0], samples[-1]
@@ -99,6 +114,9 @@ def main() -> None:
     for name in sorted(last):
         used = last[name] - first.get(name, 0.0)
         print(f"| {name} | {used:.2f} | {used / requests:.3f} | {used / wall:.0%} |")
+    print("| worker | phase | steps | busy s | ms a step |\n|---|---|---:|---:|---:|")
+    for (worker, phase), (n, busy) in sorted(steps.items()):
+        print(f"| {worker} | {phase} | {n:.0f} | {busy:.2f} | {1e3 * busy / max(n, 1):.2f} |")
     for w in workers:       # a decode worker that may borrow the prefill core
         if w.get("borrowed_core") is not None:
             n = w["borrowed_core_steps"] + w["borrowed_core_lender_busy_steps"] + \

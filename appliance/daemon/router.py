@@ -87,6 +87,19 @@ def _free_blocks(w: WorkerLink) -> int:
     return (w.stats.kv_blocks_free if w.stats else 0) - w.pending_kv_blocks
 
 
+def _rides(w: WorkerLink) -> bool:
+    """Whether a prompt sent to decode worker `w` now would ride on its decode steps
+    (`Scheduler.ride_rows`): it rides, and fewer sequences than that decode there."""
+    rows = w.hello.ride_rows if w.hello is not None else 0
+    return bool(rows) and w.inflight < rows
+
+
+def _whole(w: WorkerLink) -> WorkerLink:
+    """`w`, to run the prompt placed on it whole (`WorkerLink.ride_next`)."""
+    w.ride_next = False
+    return w
+
+
 class Router:
     def __init__(self, pool: WorkerPool, mode: str, conditional_tokens: int = 0,
                  tenants: dict[str, TenantConfig] | None = None, fair_queuing: bool = True,
@@ -262,26 +275,37 @@ class Router:
         A decode worker with no request at all takes it whenever every ready prefill
         worker has a prompt already (this one would wait behind it): nothing of its own
         pauses for it, and its core would otherwise idle while the prompt waits (on a
-        2-core CPU box that was ~10% of the decode worker's time at C = 8)."""
+        2-core CPU box that was ~10% of the decode worker's time at C = 8). Under
+        `queue_tokens`, one whose decode steps have rows to spare (`Hello.ride_rows`)
+        takes it in the same case, to ride on those steps (`WorkerLink.ride_next`)."""
         idle = [w for w in self.decode if w.ready and w.pending_prefill_tokens == 0]
         if not idle or not self.prefill:
             return None
         if tokens > min(w.spec.max_batch_tokens for w in self.prefill):
             return None
+        behind = all(w.pending_prefill_tokens for w in self.prefill if w.ready)
         empty = [w for w in idle if w.inflight == 0]
-        if empty and all(w.pending_prefill_tokens for w in self.prefill if w.ready):
-            return most_free(empty, _free_blocks)
+        if empty and behind:
+            return _whole(most_free(empty, _free_blocks))
+        queued = (0 if waiting else tokens) + sum(w.pending_prefill_tokens for w in self.prefill)
+        if queued < self.queue_tokens:
+            queued += self.dispatch.tokens()
+        if queued < self.queue_tokens:
+            # A short queue: only one whose decode steps would carry the prompt's rows
+            # (`Hello.ride_rows`) takes it, when it would wait behind another: they cost
+            # it a fraction of a whole prompt's step, and its decodes do not pause.
+            riders = [w for w in idle if _rides(w)] if behind else []
+            if not riders:
+                return None
+            w = most_free(riders, _free_blocks)
+            w.ride_next = True
+            return w
         if self._decodes_until:
             now = asyncio.get_running_loop().time()
             idle = [w for w in idle if self._decodes_until.get(w.id, 0.0) <= now]
             if not idle:
                 return None
-        queued = (0 if waiting else tokens) + sum(w.pending_prefill_tokens for w in self.prefill)
-        if queued < self.queue_tokens:
-            queued += self.dispatch.tokens()
-            if queued < self.queue_tokens:
-                return None
-        return most_free(idle, _free_blocks)
+        return _whole(most_free(idle, _free_blocks))
 
     def _decode_for_a_while(self, worker: WorkerLink, sent: float) -> None:
         """After a prompt it prefilled (sent at `sent`, its first token now), a decode
@@ -374,9 +398,12 @@ class Router:
         counted = True
         done = False
         sent = asyncio.get_running_loop().time()
+        # (a prompt that rides on the decode steps pauses none: no pause after it)
+        ride, worker.ride_next = worker.ride_next, False
+        pause = worker.role == "decode" and self.prefill_share < 1 and not ride
         try:
             worker.send(Prefill(rid, prompt, params, False, share.tenant, share.weight,
-                                share.priority))
+                                share.priority, ride))
             while True:
                 ev = await _next(queue)
                 if isinstance(ev, Tokens):
@@ -384,7 +411,7 @@ class Router:
                         worker.pending_prefill_tokens = max(
                             0, worker.pending_prefill_tokens - len(prompt))
                         counted = False
-                        if worker.role == "decode" and self.prefill_share < 1:
+                        if pause:
                             self._decode_for_a_while(worker, sent)
                         self._pump()
                         trace.first_token = time.time()

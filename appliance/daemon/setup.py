@@ -299,7 +299,7 @@ def worker_specs(cfg: Config, inv: Inventory, plan: PartitionPlan, engine: str,
             kv_cache_bytes=e.kv_cache_bytes, gpu_mem_fraction=e.gpu_mem_fraction,
             handoff_timeout_s=e.handoff_timeout_s, reserve_ratio=e.reserve_ratio,
             prefill_chunk_tokens=e.prefill_chunk_tokens, dtype=e.dtype, compile=e.compile,
-            cpu_kernels=e.cpu_kernels,
+            cpu_kernels=e.cpu_kernels, cpu_decode_ride_rows=e.cpu_decode_ride_rows,
             fair_queuing=e.fair_queuing,
             cluster_peers=list(cfg.cluster.peers) if cfg.cluster.role != "both" else [],
             # a box of a cluster: its pool with NIXL (workers a workflow starts too)

@@ -103,6 +103,9 @@ class WorkerLink:
         self.pending_prefill_tokens = 0   # router's own count, fresher than stats
         self.pending_kv_blocks = 0        # handoffs sent here and not yet imported
         self.inflight = 0
+        # A decode worker's next own prompt (the router's `_local_prefill` choice, read at
+        # its send): True to ride on its decode steps, False to run whole.
+        self.ride_next = False
         self.kv_holds = 0                 # handed-off requests whose KV is still here
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -259,6 +262,8 @@ class WorkerLink:
             "engine": self.spec.engine, "devices": self.spec.devices,
             "cpu_cores": self.spec.cpu_cores or None,
             "threads": (self.hello.threads or None) if self.hello else None,
+            # a decode worker whose own prompts ride on its decode steps, up to these rows
+            "ride_rows": (self.hello.ride_rows or None) if self.hello else None,
             "simulated": self.hello.simulated if self.hello else self.spec.engine == "sim",
             "restarts": self.restarts, "last_exit": self.last_exit, "inflight": self.inflight,
             "kv_blocks_total": s.kv_blocks_total if s else None,

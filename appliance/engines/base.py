@@ -201,6 +201,7 @@ class BatchEngine:
             seq = Sequence(rid, msg.prompt, msg.params,
                            Role.PREFILL if msg.handoff else Role.FULL, arrival=arrival,
                            tenant=msg.tenant, weight=msg.weight, priority=msg.priority)
+            seq.ride = msg.ride
         if (msg.params.logprobs is not None or msg.params.prompt_logprobs is not None) \
                 and not self.logprobs:
             return [RequestFailed(rid, f"logprobs are not available from the {self.name} engine",

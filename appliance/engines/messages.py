@@ -113,6 +113,9 @@ class Prefill:
     tenant: str = ""
     weight: float = 1.0
     priority: int = 0
+    # A decode worker's own prompt that may ride on its decode steps (`Scheduler.
+    # ride_rows`); False: it runs whole, as a prefill step (the router's choice).
+    ride: bool = False
 
 
 @on_the_wire
@@ -191,6 +194,9 @@ class Hello:
     # registered with its NIXL agent, `appliance.kv.nixl_transport.NixlPoolInfo` as JSON
     # (what a peer box needs to pull from it). None: no NIXL agent (role "both", sim).
     nixl_pool: str | None = None
+    # A decode worker whose own prompts ride on its decode steps while fewer than this
+    # many sequences decode (`Scheduler.ride_rows`); 0: its prompts run whole.
+    ride_rows: int = 0
 
 
 @on_the_wire

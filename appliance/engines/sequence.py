@@ -25,7 +25,7 @@ class Sequence:
         "block_table", "num_cached", "handle", "sampler", "reserved_blocks",
         "prefix_hit", "arrival", "hashed_blocks", "chain_hash", "step_tokens", "logprob",
         "prompt_lps", "released_blocks", "tenant", "weight", "priority",
-        "sim_arrival", "sim_ttft",
+        "sim_arrival", "sim_ttft", "ride",
     )
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -55,6 +55,7 @@ class Sequence:
         self.tenant = tenant
         self.weight = weight
         self.priority = priority
+        self.ride = False            # its prompt may ride on decode steps (Scheduler.ride_rows)
         # The simulator's clock at arrival, and the simulated seconds from it to the first
         # token (`engines.sim`; None on real engines).
         self.sim_arrival = 0.0

@@ -107,6 +107,9 @@ class TorchEngine(BatchEngine):
         self.nixl = None        # NixlKvAgent of a box that joins another (enable_nixl)
         # A decode worker whose matmuls may borrow an idle core (cpu_kernels.helper_gate)
         self.helper_gate = None
+        # > 0: a decode step carries up to this many rows in all of a prompt of this
+        # worker's own (`Scheduler.ride_rows`; set with the one-call decode kernel).
+        self.ride_rows = 0
         # A prefill worker whose core is so borrowed takes it back for each step
         # (cpu_kernels.core_lending)
         self.core_lender = None
@@ -155,6 +158,8 @@ class TorchEngine(BatchEngine):
         info = super().hello_info()
         if self.model.device.type == "cpu":
             info["threads"] = torch.get_num_threads()
+        if self.ride_rows:
+            info["ride_rows"] = self.ride_rows
         if self.nixl is not None:
             from appliance.kv.nixl_transport import to_json
             info["nixl_pool"] = to_json(self.nixl.info())
@@ -328,6 +333,10 @@ class TorchEngine(BatchEngine):
             tables.append(table)
         attn = AttnBatch(P == len(batch.seqs), q_lens, ctx_lens, tables,
                          torch.tensor(slots, dtype=torch.long), num_prefill=P)
+        ridden = (batch.phase == "mixed" and 0 < len(ids) - (len(batch.seqs) - P) <= self.ride_rows
+                  and not any(seq.needs_prompt_logits for seq in batch.seqs[:P]))
+        if ridden:      # (its logits: the finished sequences' rows alone, in order)
+            attn = self._as_decode_rows(batch, q_lens, ctx_lens, attn.slot_mapping)
         # Prompt logprobs: the rows of positions whose next token is still prompt.
         scored: list[tuple[Sequence, int, int]] = []     # (seq, first row, first position)
         rows: list[int] = []
@@ -363,7 +372,7 @@ class TorchEngine(BatchEngine):
         if not done:
             return out
         # Only finished prompts draw a token: a chunk must not use up the rng.
-        last = logits if len(done) == len(batch.seqs) else logits[done]
+        last = logits if ridden or len(done) == len(batch.seqs) else logits[done]
         seqs = [batch.seqs[i] for i in done]
         pick_from = last
         guided = [j for j, seq in enumerate(seqs) if seq.sampler.guide is not None]
@@ -379,6 +388,27 @@ class TorchEngine(BatchEngine):
             out[i] = token
         self._logprobs(last, seqs, picked)
         return out
+
+    def _as_decode_rows(self, batch: Batch, q_lens: list[int], ctx_lens: list[int],
+                        slots: torch.Tensor) -> AttnBatch:
+        """A decode step carrying a few prompt rows (`Scheduler.ride_rows`) as a decode
+        step of one row per token: the row of position p attends over positions 0..p of
+        its sequence's blocks, which is what a causal prompt chunk computes, and the
+        one-call decode kernel writes every row's K and V before any row attends. So the
+        step keeps the decode path's single C call, where a mixed step would run layer by
+        layer through the prompt path. Only the rows of the sequences that draw a token
+        (each decoding one's, a prompt's last once its last chunk is in) go through the
+        lm head, in the batch's order."""
+        row_ctx: list[int] = []
+        row_tables: list[list[int]] = []
+        keep: list[int] = []
+        for seq, q, end in zip(batch.seqs, q_lens, ctx_lens):
+            row_ctx.extend(range(end - q + 1, end + 1))
+            row_tables.extend([seq.block_table] * q)
+            if end == len(seq.tokens):
+                keep.append(len(row_ctx) - 1)
+        return AttnBatch(False, [1] * len(row_ctx), row_ctx, row_tables, slots,
+                         logit_rows=torch.tensor(keep, dtype=torch.long))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, scored: list, total: int) -> None:
         """Score each prompt position's next prompt token. The vocabulary projection runs
@@ -597,6 +627,9 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         grammar=GrammarBook(model_dir, model.shape.vocab_size, read_eos_ids(model_dir)))
     engine.memory_plan = plan
     engine.helper_gate = gate
+    rides = decode_ride_rows(spec.cpu_decode_ride_rows, spec.role, model)
+    if rides:
+        engine.ride_rows = engine.scheduler.ride_rows = rides
     if device.type == "cpu" and spec.cpu_kernels != "off":
         engine.core_lender = _core_lender(spec)
     if spec.compile != "off" and spec.role != "prefill":   # a prefill worker never decodes
@@ -609,6 +642,21 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     if spec.nixl:
         engine.enable_nixl()
     return engine
+
+
+# `engine.cpu_decode_ride_rows = -1` (auto): the matmul kernel's tile of rows, the most a
+# decode step's weight reads carry at little more than their own cost (linear_bf16.c).
+AUTO_RIDE_ROWS = 8
+
+
+def decode_ride_rows(setting: int, role: str, model) -> int:
+    """The rows in all (decoding sequences and prompt tokens) a decode step carries a
+    prompt of this worker's own in (`Scheduler.ride_rows`), 0: none. Only a disagg decode
+    worker whose decode steps run in one C call (`LlamaModel.set_decode_layers`) rides:
+    elsewhere a mixed step runs layer by layer and gains nothing over the whole prompt."""
+    if setting == 0 or role != "decode" or getattr(model, "decode_layers", None) is None:
+        return 0
+    return AUTO_RIDE_ROWS if setting < 0 else setting
 
 
 def _use_cpu_kernels(model: LlamaModel, spec):

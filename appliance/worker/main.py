@@ -105,7 +105,8 @@ def run(fd: int, spec: WorkerSpec) -> int:
                                   engine.simulated, tuple(spec.devices), info["layout"],
                                   info["block_size"], info["kv_blocks_total"],
                                   info["peer_handle"], info.get("max_context", 0),
-                                  info.get("threads", 0), info.get("nixl_pool")),
+                                  info.get("threads", 0), info.get("nixl_pool"),
+                                  info.get("ride_rows", 0)),
                         engine.stats()]))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 

@@ -40,6 +40,8 @@ class WorkerSpec:
     cpu_helper_slot: int = -1       # this borrower's word in the lender's page (core_lending)
     cpu_core_lent: bool = False     # a prefill worker whose core decode workers may borrow
     cpu_lend_fd: int = -1           # the page lender and borrowers share (set at spawn)
+    cpu_decode_ride_rows: int = 0   # a CPU decode worker's prompts ride on its decode steps up
+                                    # to this many rows in all; -1 = auto, 0 = off
     fair_queuing: bool = True       # tenants' prompts share prefill steps by weight
     fair_chunk_tokens: int = 0      # prompt chunk while tenants share; 0 = the engine's choice
     cluster_peers: list[str] = field(default_factory=list)  # [cluster] peers: KV crosses boxes

@@ -213,6 +213,24 @@ def test_bf16_greedy_parity_with_transformers_through_the_kernels(kernel, linear
                                          glue_kernel=glue)
 
 
+@needs_kernel
+def test_bf16_greedy_parity_with_transformers_for_a_prompt_riding_on_decode_steps(
+        kernel, linear, prefill, glue, tmp_path):
+    """A CPU decode worker's riding prompt (`engine.cpu_decode_ride_rows`): its tokens go
+    in 3 at a time as rows of decode steps through the one-call layers, each row
+    attending over its own positions; every chunk's logits and the greedy answer are
+    transformers' within bf16's rounding, as a whole prompt's are."""
+    one = cpu_kernels.load_decode_layers(str(tmp_path / "layers"))
+    one.bind(linear, kernel, glue)
+    calls = []
+    fn = one._fn
+    one._fn = lambda *a: calls.append(1) or fn(*a)
+    bf16_parity.check_bf16_greedy_parity(bf16_parity.llama, tmp_path / "m", decode_kernel=kernel,
+                                         linear_kernel=linear, prefill_kernel=prefill,
+                                         glue_kernel=glue, decode_layers=one, ride=3)
+    assert len(calls) == 7 + 11     # 20 prompt tokens in 7 steps, then 11 decode steps
+
+
 def _sdpa_causal(q, k, v):
     """torch's CPU SDPA (its flash kernel) on [n, heads, hd] rows, causal."""
     return torch.nn.functional.scaled_dot_product_attention(
@@ -1164,6 +1182,70 @@ def test_worker_uses_the_kernel_or_says_it_cannot(tiny_model, tmp_path, monkeypa
             "kernels are single-threaded; this worker has 2 threads)"]
     finally:
         torch.set_num_threads(1)
+
+
+@needs_kernel
+def test_a_bf16_decode_worker_rides_prompts_on_its_decode_steps_in_the_daemon(tmp_path,
+                                                                             tiny_model):
+    """Bursts of requests on a bf16 disagg daemon (the deep-queue rule out of the way):
+    a prompt that would wait behind another on the prefill worker goes to the decode
+    worker while it has rows to spare, and rides on its decode steps (/metrics counts the
+    decode worker's `mixed` iterations); its request record says it ran there, and every
+    answer comes back whole."""
+    import asyncio
+    import json
+
+    import openai
+
+    from appliance.engines import dtypes
+    from helpers.daemons import http, start_daemon
+    if not dtypes.cpu_supports(torch.bfloat16, dtypes.cpu_flags()):
+        pytest.skip("this CPU has no bf16")
+    d = start_daemon(tmp_path, tiny_model, "--engine", "torch", "--log-requests",
+                     config='[engine]\ndtype = "bfloat16"\n'
+                            "conditional_disagg_queue_tokens = 1000000\n")
+
+    async def burst(model: str) -> list:
+        client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0,
+                                    timeout=60)
+        try:
+            async def one(i: int):
+                # three long answers decode while seven prompts arrive together: one on
+                # the prefill worker, the next would wait behind it
+                await asyncio.sleep(0 if i < 3 else 0.15)
+                return await client.completions.create(
+                    model=model, prompt=f"def f{i}(x):" * 8, max_tokens=600 if i < 3 else 40,
+                    temperature=0, extra_body={"ignore_eos": True})
+            return await asyncio.gather(*(one(i) for i in range(10)))
+        finally:
+            await client.close()
+
+    def mixed_steps() -> float:
+        for line in http("GET", f"{d.url}/metrics")[2].decode().splitlines():
+            if line.startswith("applianced_engine_iterations_total{") \
+                    and 'worker="decode0"' in line and 'phase="mixed"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+    try:
+        model = d.status()["model"]
+        answers = []
+        for _ in range(5):          # bursts until a prompt rode (bounded)
+            answers += asyncio.run(burst(model))
+            try:        # (the worker's stats reach the daemon every 50 ms)
+                d.wait_for(lambda st: mixed_steps() > 0, timeout=2, what="mixed steps")
+                break
+            except AssertionError:
+                continue
+        steps = mixed_steps()
+        records = [json.loads(line) for line in d.log_text().splitlines()
+                   if line.startswith('{"request_id"')]
+    finally:
+        d.stop()
+    assert steps > 0
+    assert any(r["prefill_worker"] == "decode0" for r in records)
+    assert all(r["status"] == "ok" for r in records)
+    assert sorted({a.usage.completion_tokens for a in answers}) == [40, 600]
+    assert len(answers) % 10 == 0
 
 
 @needs_kernel

@@ -45,3 +45,27 @@ def test_the_decode_helper_setting_is_checked():
     with pytest.raises(ConfigError,
                        match="engine.cpu_decode_helper must be auto, on or off, got 'yes'"):
         parse('[engine]\ncpu_decode_helper = "yes"\n')
+
+
+def test_the_ride_rows_setting_reaches_the_decode_worker_that_can_ride():
+    """`engine.cpu_decode_ride_rows`: checked when read, carried in every spec; a worker
+    rides only as a decode worker whose decode steps run in one C call (auto: the matmul
+    kernel's 8 rows)."""
+    from types import SimpleNamespace
+
+    from appliance.engines.torch_engine import AUTO_RIDE_ROWS, decode_ride_rows
+    assert Config().engine.cpu_decode_ride_rows == -1
+    with pytest.raises(ConfigError, match="engine.cpu_decode_ride_rows must be -1 .auto., "
+                                          "0 .off. or positive, got -2"):
+        parse("[engine]\ncpu_decode_ride_rows = -2\n")
+    cfg = parse("[engine]\ncpu_decode_ride_rows = 6\n")
+    inv = _cpu_box()
+    specs = worker_specs(cfg, inv, plan_partition(inv), "torch", Path("/m"), [0, 1])
+    assert WorkerSpec.from_json(specs[1].to_json()).cpu_decode_ride_rows == 6
+    one_call, layered = SimpleNamespace(decode_layers=object()), SimpleNamespace(decode_layers=None)
+    assert decode_ride_rows(-1, "decode", one_call) == AUTO_RIDE_ROWS == 8
+    assert decode_ride_rows(6, "decode", one_call) == 6
+    assert decode_ride_rows(0, "decode", one_call) == 0
+    assert decode_ride_rows(-1, "decode", layered) == 0      # mixed steps layer by layer
+    assert decode_ride_rows(-1, "prefill", one_call) == 0
+    assert decode_ride_rows(-1, "agg", one_call) == 0

@@ -260,6 +260,7 @@ class _FakeAggWorker:
         self._channel = Channel
         self.id, self.role, self.ready = "agg0", "agg", True
         self.pending_prefill_tokens = self.inflight = 0
+        self.ride_next = False
         self.channels, self.sent = {}, []
 
     def open(self, rid):

@@ -14,7 +14,7 @@ from appliance.daemon.dispatch import QUEUE_STEPS, DispatchQueue, has_room, pick
 from appliance.daemon.router import EngineError, NoWorker, Router, Trace
 from appliance.daemon.workers import WorkerGone, WorkerPool
 from appliance.engines.messages import (
-    KvHandle, Prefill, PrefillDone, SamplingParams, Tokens, WorkerStats,
+    Hello, KvHandle, Prefill, PrefillDone, SamplingParams, Tokens, WorkerStats,
 )
 from appliance.config import TenantConfig
 from appliance.worker.spec import WorkerSpec
@@ -773,5 +773,65 @@ def test_a_decode_worker_decodes_between_its_prompts_for_their_share():
             x.task.cancel()
         await asyncio.gather(a.task, b.task, c.task, return_exceptions=True)
         assert all(not w.channels for w in pool.workers.values())
+
+    asyncio.run(scenario())
+
+
+def _riding(pool: WorkerPool, worker: str, rows: int) -> None:
+    """`worker` said in its hello that its own prompts ride on its decode steps while
+    fewer than `rows` sequences decode there (`Hello.ride_rows`)."""
+    pool.workers[worker].hello = Hello(worker, 1, "decode", "torch", False, ("cpu",), "l", 16,
+                                       100, ride_rows=rows)
+
+
+def _rides(pool: WorkerPool, rid: str) -> bool:
+    return next(m.ride for w in pool.workers.values() for m in w._outbox
+                if isinstance(m, Prefill) and m.request_id == rid)
+
+
+def test_a_short_queue_sends_a_prompt_to_ride_on_a_decode_worker_with_rows_to_spare():
+    """Under `queue_tokens`, a decode worker whose decode steps would carry a prompt's
+    rows (2 of its 4 rows decoding) takes a prompt that would wait behind another on the
+    prefill worker, marked to ride, and no pause follows it (its decodes never stopped);
+    with its rows taken it takes none; over the threshold a prompt goes to it whole, as
+    before, and its decodes then run alone for the prompt's share."""
+    async def scenario():
+        pool = _pool(_spec("p0", role="prefill", max_seqs=100, max_batch_tokens=100),
+                     _spec("d0", role="decode", max_seqs=100))
+        _riding(pool, "d0", 4)
+        router = Router(pool, "disagg", queue_tokens=35, prefill_share=0.5)
+        d0 = pool.workers["d0"]
+        d0.open("x")
+        d0.open("y")                                # two sequences decode there
+        a = Client(router, "a", "t", tokens=10, max_tokens=4)
+        await _settle()
+        assert _placed(pool) == {"a": ("p0", True)}         # the prefill worker is free
+        b = Client(router, "b", "t", tokens=10, max_tokens=4)
+        await _settle()
+        assert _placed(pool)["b"] == ("d0", False) and _rides(pool, "b")
+        _first_token(pool, "b", "d0")
+        await _settle()
+        assert "d0" not in router._decodes_until           # no pause after a ridden prompt
+        d0.open("z")                                # b and z decode too: 4 of 4 rows
+        c = Client(router, "c", "t", tokens=10, max_tokens=4)
+        await _settle()
+        assert _placed(pool)["c"] == ("p0", True)           # 20 queued: under 35, no rows
+        e = Client(router, "e", "t", tokens=10, max_tokens=4)
+        await _settle()
+        assert _placed(pool)["e"] == ("p0", True)           # a, c, e: 30, under 35
+        f = Client(router, "f", "t", tokens=10, max_tokens=4)
+        await _settle()
+        # 40 >= 35: the decode worker takes f whole, whatever its rows
+        assert _placed(pool)["f"] == ("d0", False) and not _rides(pool, "f")
+        _first_token(pool, "f", "d0")
+        while "d0" not in router._decodes_until:            # a whole prompt: a pause
+            await asyncio.sleep(0)
+        for x in (a, b, c, e, f):
+            x.task.cancel()
+        await asyncio.gather(*(x.task for x in (a, b, c, e, f)), return_exceptions=True)
+        for rid in "xyz":
+            d0.close(rid)
+        assert all(not w.channels and w.pending_prefill_tokens == 0
+                   for w in pool.workers.values())
 
     asyncio.run(scenario())

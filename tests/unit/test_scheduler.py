@@ -441,16 +441,22 @@ def shape_of(batch: Batch) -> tuple[str, list[tuple[str, int]]]:
                          for i, s in enumerate(batch.seqs)]
 
 
+def steps_to_first_token(sched: Scheduler, prompt: Sequence) -> list:
+    """Run steps until `prompt` has its first token; each step's `shape_of`."""
+    steps = []
+    while prompt.num_output == 0:
+        batch = sched.schedule()
+        steps.append(shape_of(batch))
+        run_chunked(sched, batch)
+    return steps
+
+
 def test_chunked_prefill_splits_prompts_and_mixes_them_with_decodes():
     sched = chunked(chunk=8)
     short, long = seq("short", 3, max_tokens=20), seq("long", 21, start=500)
     sched.add(short)
     sched.add(long)
-    steps = []
-    while long.num_output == 0:
-        batch = sched.schedule()
-        steps.append(shape_of(batch))
-        run_chunked(sched, batch)
+    steps = steps_to_first_token(sched, long)
     assert steps == [
         ("prefill", [("short", 3), ("long", 5)]),           # 8 prompt tokens per step
         ("mixed", [("long", 8), ("short", 1)]),             # prompts first, then decodes
@@ -496,3 +502,76 @@ def test_chunked_prefill_counts_prompts_under_way_against_max_seqs_and_can_abort
     finish(sched, b)                                         # an abort mid-prompt
     assert not sched.prefilling and sched.blocks.num_free == free_before + 3
     assert shape_of(sched.schedule()) == ("mixed", [("c", 3), ("a", 1)])
+
+
+# ---- prompts riding on decode steps (a CPU decode worker's own prompts) -------------
+
+def riding(ride_rows: int = 4, num_blocks: int = 64) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BS, 0.0), 1024, 32, ride_rows=ride_rows)
+
+
+def decoding(sched: Scheduler, *rids: str) -> list[Sequence]:
+    """Sequences handed off to this worker, imported and decoding."""
+    seqs = [handle_seq(rid, 3, start=100 * (i + 1), max_tokens=50) for i, rid in enumerate(rids)]
+    for s in seqs:
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch.phase == "kv_import" and batch.seqs == seqs
+    for s in seqs:
+        s.num_cached = s.handle.num_tokens
+    sched.mark_imported(seqs)
+    return seqs
+
+
+def test_a_riding_prompt_fills_the_decode_steps_spare_rows_until_its_last_chunk():
+    """With 2 of 4 rows decoding, a 7-token prompt the router marked to ride goes in
+    chunks of 2 beside both decodes (no step pauses them); its last chunk gives its first
+    token and it decodes from the next step on."""
+    sched = riding(ride_rows=4)
+    a, b = decoding(sched, "a", "b")
+    p = seq("p", 7, start=500)
+    p.ride = True
+    sched.add(p)
+    steps = steps_to_first_token(sched, p)
+    assert steps == [("mixed", [("p", 2), ("a", 1), ("b", 1)])] * 3 + [
+        ("mixed", [("p", 1), ("a", 1), ("b", 1)])]
+    assert sched.running == [a, b, p] and not sched.prefilling
+    assert shape_of(sched.schedule()) == ("decode", [("a", 1), ("b", 1), ("p", 1)])
+
+
+def test_a_prompt_runs_whole_unless_marked_to_ride_or_when_the_rows_are_taken():
+    """Not marked (the router chose a whole step), or with as many decoding as the
+    rows: one prefill step of the whole prompt, as without riding."""
+    sched = riding(ride_rows=4)
+    decoding(sched, "a", "b")
+    whole = seq("whole", 7, start=500)
+    sched.add(whole)
+    assert shape_of(sched.schedule()) == ("prefill", [("whole", 7)])
+    sched = riding(ride_rows=2)
+    decoding(sched, "a", "b")
+    p = seq("p", 7, start=500)
+    p.ride = True
+    sched.add(p)
+    assert shape_of(sched.schedule()) == ("prefill", [("p", 7)])
+
+
+def test_handed_off_sequences_come_in_while_a_prompt_rides_and_take_its_rows():
+    """A prompt riding over many steps does not hold back the imports queued behind it
+    (the prefill worker's handoffs); they decode beside it, and once they fill the rows
+    the rest of the prompt runs whole in one step."""
+    sched = riding(ride_rows=4)
+    decoding(sched, "a", "b")
+    p = seq("p", 9, start=500)
+    p.ride = True
+    sched.add(p)
+    run_chunked(sched, first := sched.schedule())
+    assert shape_of(first) == ("mixed", [("p", 2), ("a", 1), ("b", 1)])
+    c, d = handle_seq("c", 3, start=700), handle_seq("d", 3, start=800)
+    sched.add(c)
+    sched.add(d)
+    imported = sched.schedule()
+    assert imported.phase == "kv_import" and imported.seqs == [c, d]
+    for s in (c, d):
+        s.num_cached = s.handle.num_tokens
+    sched.mark_imported([c, d])
+    assert shape_of(sched.schedule()) == ("prefill", [("p", 7)])   # 4 decoding: no room

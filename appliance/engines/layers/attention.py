@@ -60,6 +60,9 @@ class AttnBatch:
     # logprobs); forward stores them in `hidden`, [len(hidden_rows), hidden_size].
     hidden_rows: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    # The rows whose logits the step returns, in this order; None: each sequence's last
+    # (a decode step carrying prompt rows as rows of their own reads only some).
+    logit_rows: torch.Tensor | None = None
 
     def prompts(self) -> int:
         """How many leading sequences are prompts (the rest decode)."""

@@ -409,6 +409,9 @@ class LlamaModel(torch.nn.Module):
         if batch.hidden_rows is not None:
             batch.hidden = final_norm(h.index_select(0, batch.hidden_rows.to(h.device)),
                                       self.norm, eps)
-        last = final_norm(h if keep is not None or not plan.prefill
-                          else h.index_select(0, plan.last_token_idx), self.norm, eps)
+        if batch.logit_rows is not None:
+            last = final_norm(h.index_select(0, batch.logit_rows.to(h.device)), self.norm, eps)
+        else:
+            last = final_norm(h if keep is not None or not plan.prefill
+                              else h.index_select(0, plan.last_token_idx), self.norm, eps)
         return self.lm_head(last).float()
