@@ -45,14 +45,18 @@ def processes(root_pid: int) -> dict[int, str]:
 def engine_steps(url: str) -> dict[tuple[str, str], tuple[float, float]]:
     """(worker, phase) -> (steps, busy seconds) from the daemon's /metrics, since its
     start (the cell's warm-up requests included)."""
+    from prometheus_client.parser import text_string_to_metric_families
     found: dict[tuple[str, str], list[float]] = {}
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            m = re.match(r'applianced_engine_(iterations|busy_seconds)_total\{(.*)\} (\S+)', line)
-            if m:
-                labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-                row = found.setdefault((labels["worker"], labels["phase"]), [0.0, 0.0])
-                row[m.group(1) == "busy_seconds"] = float(m.group(3))
+        for family in text_string_to_metric_families(r.read().decode()):
+            if family.name not in ("applianced_engine_iterations",
+                                   "applianced_engine_busy_seconds"):
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    row = found.setdefault((sample.labels["worker"], sample.labels["phase"]),
+                                           [0.0, 0.0])
+                    row[family.name.endswith("busy_seconds")] = sample.value
     return {k: (v[0], v[1]) for k, v in found.items()}
 
 

@@ -1237,13 +1237,18 @@ def test_a_bf16_decode_worker_rides_prompts_on_its_decode_steps_in_the_daemon(tm
             except AssertionError:
                 continue
         steps = mixed_steps()
-        records = [json.loads(line) for line in d.log_text().splitlines()
-                   if line.startswith('{"request_id"')]
+
+        def records() -> list[dict]:
+            return [json.loads(line) for line in d.log_text().splitlines()
+                    if line.startswith('{"request_id"')]
+        # a request's record is written as it ends, after its answer reached the client
+        d.wait_for(lambda st: len(records()) >= len(answers), what="every request's record")
+        logged = records()
     finally:
         d.stop()
     assert steps > 0
-    assert any(r["prefill_worker"] == "decode0" for r in records)
-    assert all(r["status"] == "ok" for r in records)
+    assert any(r["prefill_worker"] == "decode0" for r in logged)
+    assert all(r["status"] == "ok" for r in logged) and len(logged) == len(answers)
     assert sorted({a.usage.completion_tokens for a in answers}) == [40, 600]
     assert len(answers) % 10 == 0
 

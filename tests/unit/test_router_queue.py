@@ -824,7 +824,9 @@ def test_a_short_queue_sends_a_prompt_to_ride_on_a_decode_worker_with_rows_to_sp
         # 40 >= 35: the decode worker takes f whole, whatever its rows
         assert _placed(pool)["f"] == ("d0", False) and not _rides(pool, "f")
         _first_token(pool, "f", "d0")
+        t0 = asyncio.get_running_loop().time()
         while "d0" not in router._decodes_until:            # a whole prompt: a pause
+            assert asyncio.get_running_loop().time() - t0 < 3, "no pause after f"
             await asyncio.sleep(0)
         for x in (a, b, c, e, f):
             x.task.cancel()
