@@ -627,7 +627,8 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         grammar=GrammarBook(model_dir, model.shape.vocab_size, read_eos_ids(model_dir)))
     engine.memory_plan = plan
     engine.helper_gate = gate
-    rides = decode_ride_rows(spec.cpu_decode_ride_rows, spec.role, model)
+    rides = decode_ride_rows(spec.cpu_decode_ride_rows, spec.role, model,
+                             amx="amx_bf16" in dtypes.cpu_flags())
     if rides:
         engine.ride_rows = engine.scheduler.ride_rows = rides
     if device.type == "cpu" and spec.cpu_kernels != "off":
@@ -649,14 +650,21 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
 AUTO_RIDE_ROWS = 8
 
 
-def decode_ride_rows(setting: int, role: str, model) -> int:
+def decode_ride_rows(setting: int, role: str, model, amx: bool = False) -> int:
     """The rows in all (decoding sequences and prompt tokens) a decode step carries a
     prompt of this worker's own in (`Scheduler.ride_rows`), 0: none. Only a disagg decode
     worker whose decode steps run in one C call (`LlamaModel.set_decode_layers`) rides:
-    elsewhere a mixed step runs layer by layer and gains nothing over the whole prompt."""
+    elsewhere a mixed step runs layer by layer and gains nothing over the whole prompt.
+    `auto` rides only on a CPU without AMX, the kind it was measured to pay on: there a
+    256-token prompt takes the prefill core ~190 ms at its bf16 peak and rides on the
+    decode core for ~0.13 CPU s. With AMX the prefill core does it in ~60 ms and is not
+    the bound; a ridden prompt would wait ~0.5 s for its first token instead of ~0.1 s
+    behind another, and at 8 clients that latency is the rate (docs/engines/torch.md)."""
     if setting == 0 or role != "decode" or getattr(model, "decode_layers", None) is None:
         return 0
-    return AUTO_RIDE_ROWS if setting < 0 else setting
+    if setting < 0:
+        return 0 if amx else AUTO_RIDE_ROWS
+    return setting
 
 
 def _use_cpu_kernels(model: LlamaModel, spec):

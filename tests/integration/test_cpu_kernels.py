@@ -1203,7 +1203,8 @@ def test_a_bf16_decode_worker_rides_prompts_on_its_decode_steps_in_the_daemon(tm
         pytest.skip("this CPU has no bf16")
     d = start_daemon(tmp_path, tiny_model, "--engine", "torch", "--log-requests",
                      config='[engine]\ndtype = "bfloat16"\n'
-                            "conditional_disagg_queue_tokens = 1000000\n")
+                            "conditional_disagg_queue_tokens = 1000000\n"
+                            "cpu_decode_ride_rows = 8\n")      # auto is off on AMX
 
     async def burst(model: str) -> list:
         client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0,

@@ -50,7 +50,7 @@ def test_the_decode_helper_setting_is_checked():
 def test_the_ride_rows_setting_reaches_the_decode_worker_that_can_ride():
     """`engine.cpu_decode_ride_rows`: checked when read, carried in every spec; a worker
     rides only as a decode worker whose decode steps run in one C call (auto: the matmul
-    kernel's 8 rows)."""
+    kernel's 8 rows, on a CPU without AMX)."""
     from types import SimpleNamespace
 
     from appliance.engines.torch_engine import AUTO_RIDE_ROWS, decode_ride_rows
@@ -69,3 +69,6 @@ def test_the_ride_rows_setting_reaches_the_decode_worker_that_can_ride():
     assert decode_ride_rows(-1, "decode", layered) == 0      # mixed steps layer by layer
     assert decode_ride_rows(-1, "prefill", one_call) == 0
     assert decode_ride_rows(-1, "agg", one_call) == 0
+    # auto leaves it off where AMX runs the prompts; a number asks for it anyway
+    assert decode_ride_rows(-1, "decode", one_call, amx=True) == 0
+    assert decode_ride_rows(6, "decode", one_call, amx=True) == 6
