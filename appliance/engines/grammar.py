@@ -286,21 +286,28 @@ class GrammarBook:
         return Guide(_xgr().GrammarMatcher(self.compiled(spec)), spec)
 
     # ---- masks ---------------------------------------------------------------
-    def bitmask(self, guides: Sequence[Guide], generated: Sequence[Sequence[int]]):
-        """xgrammar's packed bitmask [len(guides), ceil(V/32)] int32 for these
-        sequences, each synced with its generated tokens first."""
+    def bitmask(self, guides: Sequence[Guide], generated: Sequence[Sequence[int]],
+                rows: Sequence[int] | None = None, total: int | None = None):
+        """xgrammar's packed bitmask [total, ceil(V/32)] int32 (total: len(guides)) with
+        each guide's row at `rows` (default 0, 1, ...), synced with its generated tokens
+        first."""
         xgr = _xgr()
-        mask = xgr.allocate_token_bitmask(len(guides), self.vocab_size)
-        for row, (guide, gen) in enumerate(zip(guides, generated)):
+        rows = range(len(guides)) if rows is None else rows
+        mask = xgr.allocate_token_bitmask(len(guides) if total is None else total,
+                                          self.vocab_size)
+        for row, guide, gen in zip(rows, guides, generated):
             guide.sync(gen)
             guide.matcher.fill_next_token_bitmask(mask, row)
         return mask
 
     def apply(self, logits, rows: Sequence[int], guides: Sequence[Guide],
               generated: Sequence[Sequence[int]]) -> None:
-        """Set to -inf, in place, the logits of rows `rows` that their guide forbids.
-        `logits` must be float32 and contiguous (the caller's own copy)."""
-        mask = self.bitmask(guides, generated).to(logits.device)
+        """Set to -inf, in place, the logits of rows `rows` that their guide forbids
+        (guides[i] is row rows[i]'s). `logits` must be float32 and contiguous (the
+        caller's own copy). xgrammar reads logits row i with bitmask row i, so the mask
+        has a row for each logits row: one of only the guided rows failed the step (and
+        so the worker) whenever a guided sequence came after an unguided one in a batch."""
+        mask = self.bitmask(guides, generated, rows, logits.shape[0]).to(logits.device)
         _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1],
                                            indices=list(rows))
 

@@ -215,6 +215,50 @@ def test_logprobs_come_with_structured_output(daemon):
     assert all(len(t.top_logprobs) == 2 for t in tokens)
 
 
+def test_guided_requests_share_steps_with_unguided_ones(daemon):
+    """Guided requests sent while unguided ones decode land in the same steps, after
+    them: every request is answered (a mask indexed by the guided rows alone used to fail
+    such a step, and the worker with it: 503s for everyone), each guided answer is a valid
+    Pet, and each unguided one runs to its length."""
+    import asyncio
+    import time
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
+    ask(daemon.client(), response_format=fmt, max_tokens=4)   # compiled before the burst
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="unused",
+                                    max_retries=0, timeout=120)
+        ended: list[float] = []
+        sent: list[float] = []
+        try:
+            async def free(i):
+                r = await client.completions.create(
+                    model=MODEL, prompt=f"story {i} " * 6, max_tokens=600, temperature=0,
+                    extra_body={"ignore_eos": True})
+                ended.append(time.monotonic())
+                return r
+
+            async def guided(i):
+                await asyncio.sleep(0.1 + 0.05 * i)         # while the free ones decode
+                sent.append(time.monotonic())
+                return await client.chat.completions.create(
+                    model=MODEL, max_tokens=120, response_format=fmt, seed=i,
+                    temperature=1.0,
+                    messages=[{"role": "user", "content": "Describe a pet as JSON"}])
+            answers = await asyncio.gather(*(free(i) for i in range(3)),
+                                           *(guided(i) for i in range(5)))
+        finally:
+            await client.close()
+        return answers, sent, ended
+    answers, sent, ended = asyncio.run(run())
+    assert min(sent) < min(ended)       # (the case under test: they overlapped)
+    for r in answers[:3]:
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 600)
+    for r in answers[3:]:
+        assert r.choices[0].finish_reason == "stop", r.choices[0]
+        valid_pet(r.choices[0].message.content)
+
+
 def test_the_daemon_never_loads_xgrammar_or_torch(daemon):
     """A small guided body is checked in a preparation child, not on the event loop: the
     grammar's compile imports xgrammar and torch (~2 s the first time), which would stall

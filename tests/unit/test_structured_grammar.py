@@ -96,3 +96,58 @@ def test_a_model_without_an_end_token_refuses_a_grammar_instead_of_failing_a_ste
     book = GrammarBook(tiny_model, 0, [])
     with pytest.raises(GrammarError, match="no end-of-sequence token"):
         book.guide(GuidedDecoding("regex", "a+"))
+
+
+def test_each_guided_row_gets_its_own_mask_wherever_it_lies_in_the_batch(tiny_model):
+    """A step's logits hold guided and unguided sequences in any order: each guided row is
+    masked by its own guide, unguided rows are left alone. (The mask used to hold only the
+    guided rows, in order, while xgrammar reads mask row i for logits row i: a guided
+    sequence after an unguided one failed the step, and its worker with it.)"""
+    import torch
+    book = GrammarBook(tiny_model, 0, [1, 4])
+    a, b = book.guide(GuidedDecoding("regex", "a+")), book.guide(GuidedDecoding("regex", "b+"))
+    want_a, want_b = set(book.allowed(a, [])), set(book.allowed(b, []))
+    assert want_a != want_b
+    logits = torch.zeros(5, book.vocab_size)
+    book.apply(logits, [1, 3], [a, b], [[], []])
+
+    def allowed(row: int) -> set[int]:
+        return set(torch.isfinite(logits[row]).nonzero().flatten().tolist())
+    assert allowed(1) == want_a
+    assert allowed(3) == want_b
+    for row in (0, 2, 4):
+        assert allowed(row) == set(range(book.vocab_size))
+
+
+def test_guided_and_unguided_sequences_share_the_torch_engines_steps(tiny_model):
+    """Unguided prompts ahead of guided ones in the same prefill and decode steps (torch
+    engine, no daemon): every step runs, each guided answer is a valid Pet, and the
+    unguided ones run to their length."""
+    from appliance.daemon.tokenizer import ServedTokenizer
+    from appliance.engines.messages import Prefill, RequestFailed, SamplingParams, Tokens
+    from test_torch_engine import make_engine
+
+    eng = make_engine(tiny_model, "p0", num_blocks=64)
+    spec = GuidedDecoding("json_schema", json.dumps(PET_SCHEMA))
+    for i in range(6):
+        guided = i % 3 == 2     # rows 2 and 5 of each step
+        prompt = [0] + [100 + 7 * i + k for k in range(23)]
+        eng.add(Prefill(f"r{i}", prompt, SamplingParams(
+            max_tokens=90 if guided else 12, temperature=0.0, ignore_eos=not guided,
+            guided=spec if guided else None), False))
+    out: dict[str, list[int]] = {}
+    reasons = {}
+    while eng.has_work():
+        for ev in eng.step():
+            assert not isinstance(ev, RequestFailed), ev
+            if isinstance(ev, Tokens):
+                out.setdefault(ev.request_id, []).extend(ev.tokens)
+                if ev.finish_reason:
+                    reasons[ev.request_id] = ev.finish_reason
+    tok = ServedTokenizer(tiny_model)
+    for i in range(6):
+        if i % 3 == 2:
+            assert reasons[f"r{i}"] == "stop"
+            valid_pet(tok.decode(out[f"r{i}"]))
+        else:
+            assert (reasons[f"r{i}"], len(out[f"r{i}"])) == ("length", 12)
