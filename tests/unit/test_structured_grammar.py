@@ -60,11 +60,27 @@ def test_a_guide_rebuilt_from_the_tokens_so_far_continues_the_grammar(tiny_model
     assert rebuilt.taken == len(generated)
 
 
+def run_to_end(eng) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Step a torch engine until it has no work: each request's tokens and finish
+    reason; no request may fail."""
+    from appliance.engines.messages import RequestFailed, Tokens
+    out: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    while eng.has_work():
+        for ev in eng.step():
+            assert not isinstance(ev, RequestFailed), ev
+            if isinstance(ev, Tokens):
+                out.setdefault(ev.request_id, []).extend(ev.tokens)
+                if ev.finish_reason:
+                    reasons[ev.request_id] = ev.finish_reason
+    return out, reasons
+
+
 def test_grammar_state_survives_preemption(tiny_model):
     """A KV pool too small for the batch: decoding sequences are preempted and recomputed,
     and their matchers carry on from the tokens they kept (torch engine, no daemon)."""
     from appliance.daemon.tokenizer import ServedTokenizer
-    from appliance.engines.messages import Prefill, RequestFailed, SamplingParams, Tokens
+    from appliance.engines.messages import Prefill, SamplingParams
     from test_torch_engine import make_engine
 
     eng = make_engine(tiny_model, "p0", num_blocks=8, reserve_ratio=0.0)
@@ -73,15 +89,7 @@ def test_grammar_state_survives_preemption(tiny_model):
         prompt = [0] + [100 + 7 * i + k for k in range(23)]
         eng.add(Prefill(f"r{i}", prompt, SamplingParams(max_tokens=90, temperature=0.0,
                                                         guided=spec), False))
-    out: dict[str, list[int]] = {}
-    reasons = {}
-    while eng.has_work():
-        for ev in eng.step():
-            assert not isinstance(ev, RequestFailed), ev
-            if isinstance(ev, Tokens):
-                out.setdefault(ev.request_id, []).extend(ev.tokens)
-                if ev.finish_reason:
-                    reasons[ev.request_id] = ev.finish_reason
+    out, reasons = run_to_end(eng)
     assert eng.scheduler.preemptions > 0
     tok = ServedTokenizer(tiny_model)
     assert reasons == {f"r{i}": "stop" for i in range(6)}
@@ -124,7 +132,7 @@ def test_guided_and_unguided_sequences_share_the_torch_engines_steps(tiny_model)
     engine, no daemon): every step runs, each guided answer is a valid Pet, and the
     unguided ones run to their length."""
     from appliance.daemon.tokenizer import ServedTokenizer
-    from appliance.engines.messages import Prefill, RequestFailed, SamplingParams, Tokens
+    from appliance.engines.messages import Prefill, SamplingParams
     from test_torch_engine import make_engine
 
     eng = make_engine(tiny_model, "p0", num_blocks=64)
@@ -135,15 +143,7 @@ def test_guided_and_unguided_sequences_share_the_torch_engines_steps(tiny_model)
         eng.add(Prefill(f"r{i}", prompt, SamplingParams(
             max_tokens=90 if guided else 12, temperature=0.0, ignore_eos=not guided,
             guided=spec if guided else None), False))
-    out: dict[str, list[int]] = {}
-    reasons = {}
-    while eng.has_work():
-        for ev in eng.step():
-            assert not isinstance(ev, RequestFailed), ev
-            if isinstance(ev, Tokens):
-                out.setdefault(ev.request_id, []).extend(ev.tokens)
-                if ev.finish_reason:
-                    reasons[ev.request_id] = ev.finish_reason
+    out, reasons = run_to_end(eng)
     tok = ServedTokenizer(tiny_model)
     for i in range(6):
         if i % 3 == 2:
