@@ -287,14 +287,10 @@ class GrammarBook:
 
     # ---- masks ---------------------------------------------------------------
     def bitmask(self, guides: Sequence[Guide], generated: Sequence[Sequence[int]],
-                rows: Sequence[int] | None = None, total: int | None = None):
-        """xgrammar's packed bitmask [total, ceil(V/32)] int32 (total: len(guides)) with
-        each guide's row at `rows` (default 0, 1, ...), synced with its generated tokens
-        first."""
-        xgr = _xgr()
-        rows = range(len(guides)) if rows is None else rows
-        mask = xgr.allocate_token_bitmask(len(guides) if total is None else total,
-                                          self.vocab_size)
+                rows: Sequence[int], total: int):
+        """xgrammar's packed bitmask [total, ceil(V/32)] int32 with guides[i]'s row at
+        rows[i], each guide synced with its generated tokens first."""
+        mask = _xgr().allocate_token_bitmask(total, self.vocab_size)
         for row, guide, gen in zip(rows, guides, generated):
             guide.sync(gen)
             guide.matcher.fill_next_token_bitmask(mask, row)
@@ -314,7 +310,7 @@ class GrammarBook:
     def allowed(self, guide: Guide, generated: Sequence[int]) -> list[int]:
         """The ids a guide allows next (the simulator picks among them)."""
         import torch
-        mask = self.bitmask([guide], [generated])[0]
+        mask = self.bitmask([guide], [generated], [0], 1)[0]
         bits = (mask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
         flat = bits.reshape(-1)[:self.vocab_size]
         return torch.nonzero(flat, as_tuple=True)[0].tolist()
