@@ -658,8 +658,9 @@ def decode_ride_rows(setting: int, role: str, model, amx: bool = False) -> int:
     `auto` rides only on a CPU without AMX, the kind it was measured to pay on: there a
     256-token prompt takes the prefill core ~190 ms at its bf16 peak and rides on the
     decode core for ~0.13 CPU s. With AMX the prefill core does it in ~60 ms and is not
-    the bound; a ridden prompt would wait ~0.5 s for its first token instead of ~0.1 s
-    behind another, and at 8 clients that latency is the rate (docs/engines/torch.md)."""
+    the bound; a ridden prompt waits longer for its first token than behind another, and
+    at 8 clients that latency is the rate: measured there, 6% fewer requests a second at 8
+    clients with 8 rows, no change at 32 (docs/engines/torch.md)."""
     if setting == 0 or role != "decode" or getattr(model, "decode_layers", None) is None:
         return 0
     if setting < 0:
