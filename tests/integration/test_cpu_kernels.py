@@ -214,12 +214,14 @@ def test_bf16_greedy_parity_with_transformers_through_the_kernels(kernel, linear
 
 
 @needs_kernel
+@pytest.mark.parametrize("ride,steps", [(3, 7), (16, 2)])
 def test_bf16_greedy_parity_with_transformers_for_a_prompt_riding_on_decode_steps(
-        kernel, linear, prefill, glue, tmp_path):
-    """A CPU decode worker's riding prompt (`engine.cpu_decode_ride_rows`): its tokens go
-    in 3 at a time as rows of decode steps through the one-call layers, each row
-    attending over its own positions; every chunk's logits and the greedy answer are
-    transformers' within bf16's rounding, as a whole prompt's are."""
+        kernel, linear, prefill, glue, tmp_path, ride, steps):
+    """A CPU decode worker's riding prompt (`engine.cpu_decode_ride_rows`; 16 rows, past
+    the matmul kernel's tile of 8, for a setting over auto's 8): its tokens go in `ride`
+    at a time as rows of decode steps through the one-call layers, each row attending
+    over its own positions; every chunk's logits and the greedy answer are transformers'
+    within bf16's rounding, as a whole prompt's are."""
     one = cpu_kernels.load_decode_layers(str(tmp_path / "layers"))
     one.bind(linear, kernel, glue)
     calls = []
@@ -227,8 +229,8 @@ def test_bf16_greedy_parity_with_transformers_for_a_prompt_riding_on_decode_step
     one._fn = lambda *a: calls.append(1) or fn(*a)
     bf16_parity.check_bf16_greedy_parity(bf16_parity.llama, tmp_path / "m", decode_kernel=kernel,
                                          linear_kernel=linear, prefill_kernel=prefill,
-                                         glue_kernel=glue, decode_layers=one, ride=3)
-    assert len(calls) == 7 + 11     # 20 prompt tokens in 7 steps, then 11 decode steps
+                                         glue_kernel=glue, decode_layers=one, ride=ride)
+    assert len(calls) == steps + 11     # 20 prompt tokens in chunks, then 11 decode steps
 
 
 def _sdpa_causal(q, k, v):
