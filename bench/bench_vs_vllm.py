@@ -27,8 +27,9 @@ Per cell, the client (aiohttp, this process) keeps C requests in flight until C 
           server slows with the clock more than a memory-bound one).
 NVIDIA's aiperf is the reference client: `--aiperf PATH` also runs it against each
 server in each round, right after this client's cell (so A B A B for it too), and prints
-its req/s and p50s (medians over rounds), the server's CPU s/request under it, and the
-cores aiperf itself took. In its default concurrency mode aiperf's timing manager waits for
+its req/s and p50s (medians over rounds), the server's CPU s/request under it, the
+cores aiperf itself took, and vLLM's prefix-cache hits (each request a prompt of its own, so
+none is expected). In its default concurrency mode aiperf's timing manager waits for
 a free slot by yielding to its event loop in a loop: ~0.45 of a core, out of the server's
 on a 2-core box. `--aiperf-args '--request-rate 100'` paces it instead (the concurrency
 cap unchanged, a free slot refilled within 10 ms): ~0.15 cores. `--ledger` also reads
@@ -232,21 +233,43 @@ def reference_ms() -> float:
     return best * 1e3
 
 
+def prefix_hit_tokens(url: str) -> float | None:
+    """vLLM's count of prompt tokens served from its prefix cache so far, from its
+    /metrics; None where the server exports no such counter (applianced: its ledger's
+    `cached_tokens` tells, `--ledger`). The difference over a client's run says whether
+    that run's prompts shared prefixes the server reused."""
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    # by sample name: the parser does not always file a counter named with a colon under
+    # its TYPE line's family (it gives each sample a family of its own)
+    hits = [s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "vllm:prefix_cache_hits_total"]
+    return sum(hits) if hits else None
+
+
 def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
                prompt_tokens: int, output_tokens: int, out: Path, extra: list[str] = (),
                server=None) -> dict | None:
     """aiperf's own numbers for one cell (None when it fails: its CLI moves between releases),
     with what it cost: the server's CPU s/request over the run, and the cores aiperf's own
     process tree took while the server was busy (sampled every 0.25 s), since on a small box
-    the client's CPU comes out of the server's."""
+    the client's CPU comes out of the server's. Every request gets a prompt of its own, as
+    from this module's client (`--num-dataset-entries` = the request count: aiperf 0.13
+    already makes one per request, the flag keeps it so), so no two share a prefix."""
     cmd = [aiperf, "profile", "--model", model.name, "--tokenizer", str(model), "--url", url,
            "--endpoint-type", "completions", "--streaming", "--concurrency", str(concurrency),
            "--request-count", str(total), "--synthetic-input-tokens-mean", str(prompt_tokens),
            "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(output_tokens),
            "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
-           "--extra-inputs", f"min_tokens:{output_tokens}", "--artifact-dir", str(out), *extra]
+           "--extra-inputs", f"min_tokens:{output_tokens}", "--num-dataset-entries", str(total),
+           "--artifact-dir", str(out), *extra]
 
-    before = cpu_seconds(server)
+    before, hits_before = cpu_seconds(server), prefix_hit_tokens(url)
     log = out.parent / f"{out.name}.log"
     samples = []                                    # (time, aiperf CPU s, server CPU s)
     with open(log, "wb") as sink:
@@ -255,6 +278,7 @@ def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
             samples.append((time.monotonic(), cpu_seconds(run), cpu_seconds(server)))
             time.sleep(0.25)
     server_cpu = cpu_seconds(server) - before
+    hits_after = prefix_hit_tokens(url)
     found = list(out.rglob("profile_export_aiperf.json"))
     if run.returncode != 0 or not found:
         print(f"  aiperf failed ({run.returncode}): {log.read_text(errors='replace')[-500:]}")
@@ -269,7 +293,9 @@ def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
             "ttft_p50_s": (get("time_to_first_token", "p50") or 0) / 1e3,
             "itl_p50_ms": get("inter_token_latency", "p50"),
             "cpu_s_per_req": server_cpu / total if server is not None else float("nan"),
-            "client_cores": sum(c for _, c in busy) / wall if wall else float("nan")}
+            "client_cores": sum(c for _, c in busy) / wall if wall else float("nan"),
+            "prefix_hit_tokens": (hits_after - hits_before if None not in (hits_before,
+                                  hits_after) else float("nan"))}
 
 
 def ledger_file(state: Path, t0: float, t1: float, n: int, timeout: float = 40.0) -> Path:
@@ -448,7 +474,8 @@ def main() -> None:
                     row["aiperf"] = {"args": args.aiperf_args, "rounds": len(by_aiperf[name]),
                                      **{k: statistics.median(a[k] for a in by_aiperf[name])
                                         for k in ("req_s", "ttft_p50_s", "itl_p50_ms",
-                                                  "cpu_s_per_req", "client_cores")}}
+                                                  "cpu_s_per_req", "client_cores",
+                                                  "prefix_hit_tokens")}}
                 if name in runs:
                     row["ledger"] = {}
                     for client, windows in runs[name].items():
@@ -470,12 +497,14 @@ def main() -> None:
         if any(row.get("aiperf") for row in rows):
             print(f"\nby aiperf ({args.aiperf_args or 'its defaults'}), medians of its rounds")
             print("| concurrency | server | req/s | TTFT p50 | ITL p50 | CPU s/request | aiperf's "
-                  "cores |\n|---|---|---:|---:|---:|---:|---:|")
+                  "cores | prefix-cache hits (tokens) |\n|---|---|---:|---:|---:|---:|---:|---:|")
             for row in rows:
                 if a := row.get("aiperf"):
+                    hits = a.get("prefix_hit_tokens", float("nan"))
                     print(f"| {row['concurrency']} | {row['server']} | {a['req_s']:.2f} | "
                           f"{a['ttft_p50_s']:.2f} s | {a['itl_p50_ms']:.1f} ms | "
-                          f"{a['cpu_s_per_req']:.2f} | {a['client_cores']:.2f} |")
+                          f"{a['cpu_s_per_req']:.2f} | {a['client_cores']:.2f} | "
+                          f"{'-' if hits != hits else f'{hits:.0f}'} |")
         if any(row.get("ledger") for row in rows):
             print("\nin applianced's ledger (medians of the rounds): req/s over the requests' own "
                   "span, tokens a request, mean time in the daemon and to the first token, "
