@@ -285,6 +285,7 @@ def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
         return None
     data = json.loads(found[0].read_text())
     get = lambda k, f: (data.get(k) or {}).get(f)  # noqa: E731
+    counted = output_counts(found[0].with_name("profile_export.jsonl"))
     # the load: the samples between which the server took more than half a core
     busy = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(samples, samples[1:])
             if b[0] > a[0] and (b[2] - a[2]) / (b[0] - a[0]) > 0.5]
@@ -295,7 +296,40 @@ def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, total: int,
             "cpu_s_per_req": server_cpu / total if server is not None else float("nan"),
             "client_cores": sum(c for _, c in busy) / wall if wall else float("nan"),
             "prefix_hit_tokens": (hits_after - hits_before if None not in (hits_before,
-                                  hits_after) else float("nan"))}
+                                  hits_after) else float("nan")),
+            **counted}
+
+
+def output_counts(records: Path) -> dict:
+    """What aiperf's ITL divides by, from its per-request records. It counts a response's
+    tokens by encoding the streamed text again with the tokenizer (unless
+    `--use-server-token-count`), and a random model's text seldom encodes back to the
+    tokens that made it: a server whose output encodes to more tokens gets a lower ITL for
+    the same decode time. So beside aiperf's own p50 this gives the mean of its count, the
+    server's count (the response's `usage`, which aiperf asks for), and the p50 over
+    requests of decode time / (the server's count - 1), the ITL of the tokens decoded."""
+    nan = float("nan")
+    local, server, itl = [], [], []
+    try:
+        lines = records.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            m = json.loads(line).get("metrics") or {}
+        except ValueError:
+            continue
+        value = lambda k: m[k].get("value") if isinstance(m.get(k), dict) else m.get(k)  # noqa: E731
+        n, decode = value("usage_completion_tokens"), value("decode_duration")
+        if value("output_token_count") is not None:
+            local.append(value("output_token_count"))
+        if n:
+            server.append(n)
+            if decode is not None and n > 1:
+                itl.append(decode / (n - 1))
+    return {"tokens_counted": statistics.mean(local) if local else nan,
+            "tokens_served": statistics.mean(server) if server else nan,
+            "itl_p50_ms_served_tokens": statistics.median(itl) if itl else nan}
 
 
 def ledger_file(state: Path, t0: float, t1: float, n: int, timeout: float = 40.0) -> Path:
@@ -475,7 +509,9 @@ def main() -> None:
                                      **{k: statistics.median(a[k] for a in by_aiperf[name])
                                         for k in ("req_s", "ttft_p50_s", "itl_p50_ms",
                                                   "cpu_s_per_req", "client_cores",
-                                                  "prefix_hit_tokens")}}
+                                                  "prefix_hit_tokens", "tokens_counted",
+                                                  "tokens_served",
+                                                  "itl_p50_ms_served_tokens")}}
                 if name in runs:
                     row["ledger"] = {}
                     for client, windows in runs[name].items():
@@ -496,13 +532,18 @@ def main() -> None:
                   f"{row['cpu_s_per_req']:.2f} | {row['reference_ms']:.1f} ms |")
         if any(row.get("aiperf") for row in rows):
             print(f"\nby aiperf ({args.aiperf_args or 'its defaults'}), medians of its rounds")
-            print("| concurrency | server | req/s | TTFT p50 | ITL p50 | CPU s/request | aiperf's "
-                  "cores | prefix-cache hits (tokens) |\n|---|---|---:|---:|---:|---:|---:|---:|")
+            print("| concurrency | server | req/s | TTFT p50 | ITL p50 | output tokens: aiperf's "
+                  "count / the server's | ITL p50 over the server's tokens | CPU s/request | "
+                  "aiperf's cores | prefix-cache hits (tokens) |\n"
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
             for row in rows:
                 if a := row.get("aiperf"):
                     hits = a.get("prefix_hit_tokens", float("nan"))
                     print(f"| {row['concurrency']} | {row['server']} | {a['req_s']:.2f} | "
                           f"{a['ttft_p50_s']:.2f} s | {a['itl_p50_ms']:.1f} ms | "
+                          f"{a.get('tokens_counted', float('nan')):.1f} / "
+                          f"{a.get('tokens_served', float('nan')):.1f} | "
+                          f"{a.get('itl_p50_ms_served_tokens', float('nan')):.1f} ms | "
                           f"{a['cpu_s_per_req']:.2f} | {a['client_cores']:.2f} | "
                           f"{'-' if hits != hits else f'{hits:.0f}'} |")
         if any(row.get("ledger") for row in rows):
@@ -530,7 +571,8 @@ def main() -> None:
                         print(f"c={c} {name} by aiperf: req/s ×{aa['req_s'] / va['req_s']:.2f} "
                               f"of vLLM's, ITL ×{va['itl_p50_ms'] / aa['itl_p50_ms']:.2f}; "
                               f"aiperf took {aa['client_cores']:.2f} / {va['client_cores']:.2f} "
-                              "cores")
+                              "cores; ITL over the servers' own token counts "
+                              f"×{va['itl_p50_ms_served_tokens'] / aa['itl_p50_ms_served_tokens']:.2f}")
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
     finally:

@@ -1,7 +1,9 @@
-"""bench_vs_vllm's `ledger_view`: what a run of one client looks like in the daemon's own
-ledger, read from a real ledger file (the Ledger's schema, rows written as it writes them)."""
+"""bench_vs_vllm's readings of a client's run: `ledger_view`, what the run looks like in the
+daemon's own ledger, read from a real ledger file (the Ledger's schema, rows written as it
+writes them); `output_counts`, aiperf's token counts and ITL from its per-request records."""
 from __future__ import annotations
 
+import json
 import sqlite3
 import sys
 import time
@@ -68,3 +70,27 @@ def test_the_ledger_is_read_once_it_holds_the_run_or_after_the_timeout(tmp_path)
     assert time.monotonic() - t >= 0.6
     with pytest.raises(SystemExit, match="no ledger.db"):
         ledger_file(tmp_path / "elsewhere", 100.0, 110.0, 1, timeout=0.1)
+
+
+def test_aiperf_itl_is_also_taken_over_the_servers_own_token_counts(tmp_path):
+    """`output_counts`: aiperf's per-request records as it writes them (metrics as plain
+    numbers or as {"value", "unit"}), a record without usage, a line that is not JSON."""
+    from bench_vs_vllm import output_counts
+    records = tmp_path / "profile_export.jsonl"
+    lines = [
+        {"metadata": {}, "metrics": {"output_token_count": 73, "usage_completion_tokens": 64,
+                                      "decode_duration": 6300.0}},
+        {"metadata": {}, "metrics": {"output_token_count": {"value": 71, "unit": "tokens"},
+                                      "usage_completion_tokens": {"value": 64, "unit": "tokens"},
+                                      "decode_duration": {"value": 12600.0, "unit": "ms"}}},
+        {"metadata": {}, "metrics": {"output_token_count": 66, "usage_completion_tokens": 64,
+                                      "decode_duration": 9450.0}},
+        {"metadata": {}, "metrics": {"output_token_count": 70}},            # no usage
+    ]
+    records.write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
+    got = output_counts(records)
+    assert got["tokens_counted"] == pytest.approx((73 + 71 + 66 + 70) / 4)
+    assert got["tokens_served"] == 64
+    assert got["itl_p50_ms_served_tokens"] == pytest.approx(150.0)     # 100, 200, 150 ms
+    empty = output_counts(tmp_path / "missing.jsonl")
+    assert all(v != v for v in empty.values())                         # NaN: no records
