@@ -316,13 +316,14 @@ def output_counts(records: Path) -> dict:
         lines = []
     for line in lines:
         try:
-            m = json.loads(line).get("metrics") or {}
+            metrics = json.loads(line).get("metrics") or {}
         except ValueError:
             continue
-        value = lambda k: m[k].get("value") if isinstance(m.get(k), dict) else m.get(k)  # noqa: E731
-        n, decode = value("usage_completion_tokens"), value("decode_duration")
-        if value("output_token_count") is not None:
-            local.append(value("output_token_count"))
+        # a metric is a number, or {"value": number, "unit": ...}
+        m = {k: v.get("value") if isinstance(v, dict) else v for k, v in metrics.items()}
+        n, decode = m.get("usage_completion_tokens"), m.get("decode_duration")
+        if m.get("output_token_count") is not None:
+            local.append(m["output_token_count"])
         if n:
             server.append(n)
             if decode is not None and n > 1:
