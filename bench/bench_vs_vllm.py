@@ -233,6 +233,21 @@ def reference_ms() -> float:
     return best * 1e3
 
 
+def request_gflop(config: dict, prompt_tokens: int, output_tokens: int) -> float:
+    """The matmul GFLOP one request of the cell asks of a dense checkpoint: every prompt row
+    and every decoded row but the last through each layer's projections and MLP, and the LM
+    head once per output token. Why: both servers' figures are CPU-bound here, and this
+    over CPU seconds a request says how far each runs from a core's peak (bench/bf16_peak.c)
+    whatever the host's clock that day. Counts the work asked, not what an engine skips."""
+    d, i = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or d // heads
+    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+    per_row = config["num_hidden_layers"] * 2 * (d * (q + 2 * kv) + q * d + 3 * d * i)
+    rows = prompt_tokens + output_tokens - 1
+    return (rows * per_row + output_tokens * 2 * d * config["vocab_size"]) / 1e9
+
+
 def prefix_hit_tokens(url: str) -> float | None:
     """vLLM's count of prompt tokens served from its prefix cache so far, from its
     /metrics; None where the server exports no such counter (applianced: its ledger's
@@ -531,6 +546,17 @@ def main() -> None:
             print(f"| {row['concurrency']} | {row['server']} | {row['req_s']:.2f} | "
                   f"{row['ttft_p50_s']:.2f} s | {row['itl_p50_ms']:.1f} ms | "
                   f"{row['cpu_s_per_req']:.2f} | {row['reference_ms']:.1f} ms |")
+        gflop = request_gflop(json.loads((model / "config.json").read_text()),
+                              args.prompt_tokens, args.output_tokens)
+        print(f"\nmatmul work a request: {gflop:.1f} GFLOP; GFLOPS per CPU second (this "
+              "client, then aiperf):")
+        def per_cpu_s(cpu_s: float) -> float:
+            return gflop / cpu_s if cpu_s > 0 else float("nan")    # nan: no CPU reading
+        for row in rows:
+            by_aiperf = (f", {per_cpu_s(row['aiperf']['cpu_s_per_req']):.0f}"
+                         if row.get("aiperf") else "")
+            print(f"  c={row['concurrency']} {row['server']}: "
+                  f"{per_cpu_s(row['cpu_s_per_req']):.0f}{by_aiperf}")
         if any(row.get("aiperf") for row in rows):
             print(f"\nby aiperf ({args.aiperf_args or 'its defaults'}), medians of its rounds")
             print("| concurrency | server | req/s | TTFT p50 | ITL p50 | output tokens: aiperf's "

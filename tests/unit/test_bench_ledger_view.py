@@ -1,6 +1,7 @@
 """bench_vs_vllm's readings of a client's run: `ledger_view`, what the run looks like in the
 daemon's own ledger, read from a real ledger file (the Ledger's schema, rows written as it
-writes them); `output_counts`, aiperf's token counts and ITL from its per-request records."""
+writes them); `output_counts`, aiperf's token counts and ITL from its per-request records;
+`request_gflop`, a request's matmul work, against the linear layers of a real model."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from appliance.accounting.ledger import REQUEST_COLUMNS, Ledger, write_rows
 from helpers.ledger_rows import row
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from bench_vs_vllm import ledger_file, ledger_view  # noqa: E402
+from bench_vs_vllm import ledger_file, ledger_view, request_gflop  # noqa: E402
 
 
 def request(rid: str, arrival: float, first: float, finish: float, status: str = "ok",
@@ -94,3 +95,24 @@ def test_aiperf_itl_is_also_taken_over_the_servers_own_token_counts(tmp_path):
     assert got["itl_p50_ms_served_tokens"] == pytest.approx(150.0)     # 100, 200, 150 ms
     empty = output_counts(tmp_path / "missing.jsonl")
     assert all(v != v for v in empty.values())                         # NaN: no records
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_requests_matmul_work_is_what_the_models_linear_layers_hold(family):
+    """Counted from the weights transformers builds for the config, not from the formula:
+    each Linear in the layers costs 2 x its weights a row, the LM head 2 x its own."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    # qwen3 with head_dim != hidden / heads, as Qwen3's released configs have
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    if family == "qwen3":
+        shape["head_dim"] = 32
+    config = AutoConfig.for_model(family, **shape)
+    model = AutoModelForCausalLM.from_config(config)
+    per_row = sum(2 * m.weight.numel() for m in model.model.layers.modules()
+                  if isinstance(m, torch.nn.Linear))
+    head = 2 * model.lm_head.weight.numel()
+    prompt, output = 9, 5
+    expected = ((prompt + output - 1) * per_row + output * head) / 1e9
+    assert request_gflop(config.to_dict(), prompt, output) == pytest.approx(expected, rel=1e-12)
