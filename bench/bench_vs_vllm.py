@@ -548,10 +548,12 @@ def main() -> None:
                   f"{row['cpu_s_per_req']:.2f} | {row['reference_ms']:.1f} ms |")
         gflop = request_gflop(json.loads((model / "config.json").read_text()),
                               args.prompt_tokens, args.output_tokens)
-        print(f"\nmatmul work a request: {gflop:.1f} GFLOP; GFLOPS per CPU second (this "
-              "client, then aiperf):")
+
         def per_cpu_s(cpu_s: float) -> float:
             return gflop / cpu_s if cpu_s > 0 else float("nan")    # nan: no CPU reading
+
+        print(f"\nmatmul work a request: {gflop:.1f} GFLOP; GFLOPS per CPU second (this "
+              "client, then aiperf):")
         for row in rows:
             by_aiperf = (f", {per_cpu_s(row['aiperf']['cpu_s_per_req']):.0f}"
                          if row.get("aiperf") else "")
