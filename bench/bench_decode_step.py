@@ -44,6 +44,7 @@ from appliance.engines.models import llama  # noqa: E402
 from appliance.engines.loader import load_model  # noqa: E402
 from appliance.engines.messages import Prefill, SamplingParams  # noqa: E402
 from appliance.engines.torch_engine import TorchEngine  # noqa: E402
+import bench_vs_vllm  # noqa: E402
 
 BS = 16
 
@@ -59,18 +60,9 @@ RESIDUAL_OPS = {"aten::add"}
 
 
 def model_dir(qwen3: bool) -> Path:
-    import bench_vs_vllm
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "applianced-bench"
     base = bench_vs_vllm.make_model(cache)
     return bench_vs_vllm.make_qwen3_model(base) if qwen3 else base
-
-
-def flops_per_token(model) -> tuple[float, float]:
-    """(matmul FLOPs of one decoded token in the layers, in the LM head)."""
-    s = model.shape
-    D, I = s.hidden_size, s.intermediate_size
-    layer = 2 * D * (s.q_size + 2 * s.kv_size) + 2 * s.q_size * D + 2 * D * 2 * I + 2 * I * D
-    return s.num_layers * layer, 2 * D * s.vocab_size
 
 
 def build(model, batch: int, prompt: int, steps: int, compile_mode: str) -> TorchEngine:
@@ -189,7 +181,7 @@ def run(args) -> list[dict]:
     cpu_heap.keep_freed_memory()      # as a worker does (freed tensors stay mapped)
     d = model_dir(args.qwen3)
     model = load_model(d, device=torch.device("cpu"), dtype=getattr(torch, args.dtype))
-    layer_flops, head_flops = flops_per_token(model)
+    layer_flops, head_flops = bench_vs_vllm.matmul_flops_per_row(model.shape)
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
         eng = build(model, B, args.prompt, args.steps * 3 + 4, args.compile)

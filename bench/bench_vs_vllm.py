@@ -233,19 +233,23 @@ def reference_ms() -> float:
     return best * 1e3
 
 
+def matmul_flops_per_row(shape) -> tuple[float, float]:
+    """FLOPs of one row of a dense `LlamaShape` through its layers' projections and MLPs,
+    and through its LM head."""
+    d, q = shape.hidden_size, shape.q_size
+    layer = 2 * (d * (q + 2 * shape.kv_size) + q * d + 3 * d * shape.intermediate_size)
+    return shape.num_layers * layer, 2 * d * shape.vocab_size
+
+
 def request_gflop(config: dict, prompt_tokens: int, output_tokens: int) -> float:
     """The matmul GFLOP one request of the cell asks of a dense checkpoint: every prompt row
-    and every decoded row but the last through each layer's projections and MLP, and the LM
-    head once per output token. Why: both servers' figures are CPU-bound here, and this
-    over CPU seconds a request says how far each runs from a core's peak (bench/bf16_peak.c)
-    whatever the host's clock that day. Counts the work asked, not what an engine skips."""
-    d, i = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or d // heads
-    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
-    per_row = config["num_hidden_layers"] * 2 * (d * (q + 2 * kv) + q * d + 3 * d * i)
-    rows = prompt_tokens + output_tokens - 1
-    return (rows * per_row + output_tokens * 2 * d * config["vocab_size"]) / 1e9
+    and every decoded row but the last through the layers, and the LM head once per output
+    token. Why: both servers' figures are CPU-bound here, and this over CPU seconds a
+    request says how far each runs from a core's peak (bench/bf16_peak.c) whatever the
+    host's clock that day. Counts the work asked, not what an engine skips."""
+    from appliance.models.shape import LlamaShape
+    layers, head = matmul_flops_per_row(LlamaShape.from_hf_config(config))
+    return ((prompt_tokens + output_tokens - 1) * layers + output_tokens * head) / 1e9
 
 
 def prefix_hit_tokens(url: str) -> float | None:
@@ -552,8 +556,8 @@ def main() -> None:
         def per_cpu_s(cpu_s: float) -> float:
             return gflop / cpu_s if cpu_s > 0 else float("nan")    # nan: no CPU reading
 
-        print(f"\nmatmul work a request: {gflop:.1f} GFLOP; GFLOPS per CPU second (this "
-              "client, then aiperf):")
+        print(f"\nmatmul work a request, counted from config.json: {gflop:.1f} GFLOP; "
+              "GFLOPS per CPU second (this client, then aiperf):")
         for row in rows:
             by_aiperf = (f", {per_cpu_s(row['aiperf']['cpu_s_per_req']):.0f}"
                          if row.get("aiperf") else "")
