@@ -600,6 +600,8 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     gate = None
     if device.type == "cpu" and dtype == torch.bfloat16 and spec.cpu_kernels != "off":
         gate = _use_cpu_kernels(model, spec)
+    elif device.type == "cpu" and dtype == torch.float32 and spec.cpu_kernels != "off":
+        _use_f32_kernel(model, spec)
     plan = None
     if device.type == "cuda":
         plan = _profile_memory_plan(model, spec, backend)
@@ -755,6 +757,43 @@ def _use_cpu_kernels(model: LlamaModel, spec):
     gate = HelperGate(linear, spec.cpu_helper_core, spec.cpu_helper_lender)
     gate.page = page        # mapped as long as the helper may read it
     return gate
+
+
+def _use_f32_kernel(model: LlamaModel, spec) -> bool:
+    """A decode or agg worker's decode attention and dense matmuls through
+    `cpu_kernels.PagedDecodeF32` and `LinearF32` on a CPU without AVX-512F (AMD Zen 2/3,
+    Intel client cores). There no bf16 kernel builds, a worker holds fp32 weights and KV,
+    oneDNN's fp32 linear runs a decode step's few rows at a fraction of the core's read rate
+    (linear_f32.c: 8 rows of the 82m model 76 -> 31-39 ms on a Zen 3 core), and torch's
+    attention copies every K and V it reads. A prefill worker keeps oneDNN, faster at a
+    prompt's rows; so does a CPU with AVX-512, where these kernels were not measured against
+    it. Returns whether the matmuls were taken; what is not is said in one line on stderr."""
+    from appliance.engines import cpu_kernels
+
+    if spec.role == "prefill" or "avx512f" in dtypes.cpu_flags():
+        return False
+    who = f"applianced worker {spec.worker}"
+    if torch.get_num_threads() > 1:
+        print(f"{who}: decode attention and matmuls on torch's path (the fp32 kernels are "
+              f"single-threaded; this worker has {torch.get_num_threads()} threads)",
+              file=sys.stderr, flush=True)
+        return False
+    try:
+        attention = cpu_kernels.load_paged_decode_f32(spec.kernel_dir)
+    except cpu_kernels.KernelUnavailable as exc:
+        print(f"{who}: decode attention on torch's path ({exc})", file=sys.stderr, flush=True)
+    else:
+        if not model.attn.set_decode_kernel(attention):
+            print(f"{who}: decode attention on torch's path (the C kernel does not take this "
+                  "model's heads, or its attention sinks)", file=sys.stderr, flush=True)
+    try:
+        linear = cpu_kernels.load_linear_f32(spec.kernel_dir)
+    except cpu_kernels.KernelUnavailable as exc:
+        print(f"{who}: decode matmuls on oneDNN ({exc})", file=sys.stderr, flush=True)
+        return False
+    for layer in dense_linears(model):
+        layer.use_kernel(linear)
+    return True
 
 
 def _core_lender(spec):

@@ -11,7 +11,8 @@ then calls the `PagedAttention` with its q, k, v. The backends:
 
 On the CPU in bf16 a worker may hand its decode rows to a C kernel instead
 (`set_decode_kernel`, `engines.cpu_kernels`): it reads K and V in place through the block
-tables, with the rounding of `_grouped_decode`, which stays the reference and fallback;
+tables, with the rounding of `_grouped_decode`, which stays the reference and fallback
+(in fp32 on a CPU without AVX-512, another kernel with SDPA's numbers);
 and a prompt's plain causal attention (no cached prefix, no window) to another
 (`set_prefill_kernel`), rounded as SDPA's flash kernel rounds, which stays the fallback.
 
@@ -374,15 +375,16 @@ class PagedAttention:
         self.backend = "sdpa"
         self.budget = attention_backends.DEFAULT_TEMP_BYTES
         self._flashinfer: attention_backends.FlashInferAttention | None = None
-        # C kernels for bf16 on the CPU (`set_decode_kernel`, `set_prefill_kernel`): decode
-        # rows, and prompts with no cached prefix or window; None: torch's path.
+        # C kernels on the CPU (`set_decode_kernel`, `set_prefill_kernel`): decode rows
+        # (bf16, or fp32 without AVX-512), and bf16 prompts with no cached prefix or
+        # window; None: torch's path.
         self.decode_kernel: Any = None
         self.prefill_kernel: Any = None
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def set_decode_kernel(self, kernel: Any) -> bool:
-        """Use `kernel` (a `cpu_kernels.PagedDecode`) for bf16 decode rows on the CPU, or
-        torch's path with None. Returns whether it is used: not for shapes it does not
+        """Use `kernel` (a `cpu_kernels.PagedDecode`, or `PagedDecodeF32` for fp32) for
+        decode rows of its dtype on the CPU, or torch's path with None. Returns whether it is used: not for shapes it does not
         support, nor where attention sinks (gpt-oss) need torch's path."""
         self.decode_kernel = kernel if self._takes(kernel) else None
         return self.decode_kernel is not None
@@ -450,7 +452,7 @@ class PagedAttention:
             plan = _window_plan(plan, batch, window, q.device)
         if not plan.decoding:
             return self._prefill_attention(q, k, v, k_cache, v_cache, plan, sinks)
-        if self.decode_kernel is not None and sinks is None and q.dtype == torch.bfloat16:
+        if self.decode_kernel is not None and sinks is None and q.dtype == self.decode_kernel.DTYPE:
             rows = self._kernel_decode(q[Tp:], kv[:, li], plan, batch, window)
         else:
             rows = self._decode_attention(q[Tp:], kv[:, li], plan, sinks)

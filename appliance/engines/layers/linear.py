@@ -23,8 +23,9 @@ class Linear:
     results are identical). Only the packed copy is kept. Elsewhere (CUDA, fp16, a torch
     build without oneDNN) the weight stays as is and ``F.linear`` runs.
 
-    A CPU decode worker may hand a bf16 layer to a C kernel instead (`use_kernel`,
-    `engines.cpu_kernels.LinearBf16`): the weight is then kept only in that kernel's layout.
+    A CPU decode worker may hand a layer to a C kernel instead (`use_kernel`:
+    `engines.cpu_kernels.LinearBf16` for bf16, `LinearF32` for fp32 on a CPU without
+    AVX-512): the weight is then kept only in that kernel's layout.
     """
 
     __slots__ = ("weight", "bias", "packed", "kernel", "pairs", "rows", "bias32")
@@ -43,7 +44,7 @@ class Linear:
             self.weight = None
 
     def use_kernel(self, kernel) -> bool:
-        """Multiply through `kernel` (a `cpu_kernels.LinearBf16`) from now on, its layout
+        """Multiply through `kernel` (`cpu_kernels.LinearBf16` or `LinearF32`) from now on, its layout
         replacing the packed weight; False (nothing changed) for a weight it does not take."""
         dense = self.dense()
         if kernel is None or not kernel.supports(dense):
