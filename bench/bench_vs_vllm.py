@@ -420,6 +420,9 @@ def main() -> None:
                     help="vLLM's `vllm` script in its own venv ('' to skip)")
     ap.add_argument("--vllm-url", default="",
                     help="a vLLM already serving the same checkpoint (skips starting one)")
+    ap.add_argument("--vllm-args", default="",
+                    help="extra `vllm serve` flags, e.g. '--dtype float32' (its best on a CPU "
+                         "without AVX512-BF16, where its default bf16 is emulated)")
     ap.add_argument("--vllm-pid", type=int, default=0,
                     help="with --vllm-url: its `vllm serve` process, for CPU s/request")
     ap.add_argument("--aiperf", default="",
@@ -472,7 +475,8 @@ def main() -> None:
             servers["vLLM CPU"] = (_Pid(args.vllm_pid) if args.vllm_pid else None,
                                    args.vllm_url.rstrip("/"))
         elif args.vllm and Path(args.vllm).exists():
-            servers["vLLM CPU"] = start_vllm(args.vllm, model, tmp / "vllm.log")
+            servers["vLLM CPU"] = start_vllm(args.vllm, model, tmp / "vllm.log",
+                                             extra=tuple(shlex.split(args.vllm_args)))
         else:
             print(f"vLLM not found at {args.vllm!r}: measuring applianced alone")
         ledgers = {name: tmp / f"state-{i}" for i, (name, _, _) in enumerate(configs)
@@ -521,6 +525,8 @@ def main() -> None:
                                                              c * args.requests))
             for name, ss in samples.items():
                 row = {"concurrency": c, "server": name, "rounds": len(ss),
+                       **({"vllm_args": args.vllm_args}
+                          if name == "vLLM CPU" and args.vllm_args else {}),
                        **{k: statistics.median(s[k] for s in ss)
                           for k in ("req_s", "ttft_p50_s", "itl_p50_ms", "cpu_s_per_req",
                                     "reference_ms")}}

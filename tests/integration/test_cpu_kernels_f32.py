@@ -17,6 +17,9 @@ from appliance.engines.layers.attention import AttnBatch, PagedAttention
 from appliance.engines.loader import load_model
 from appliance.engines.torch_engine import build_torch_engine, dense_linears
 from appliance.worker.spec import WorkerSpec
+from helpers import bf16_parity
+from test_cpu_kernels import CASES as BF16_CASES
+from test_cpu_kernels import _shape
 
 torch.set_num_threads(1)
 
@@ -74,26 +77,10 @@ def test_linear_kernel_refuses_what_it_does_not_take(linear):
         linear(packed, 8, torch.zeros(2, 24), None)
 
 
-def _shape(heads: int, kv_heads: int, head_dim: int):
-    from appliance.models.shape import LlamaShape
-    return LlamaShape(architecture="LlamaForCausalLM", vocab_size=64,
-                      hidden_size=heads * head_dim, intermediate_size=64, num_layers=1,
-                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                      max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e4,
-                      rope_scaling=None, tie_word_embeddings=False, qkv_bias=False,
-                      o_bias=False, attention_sinks=False)
-
-
-CASES = [
-    # heads, kv heads, head_dim, block size, contexts, window, scale
-    (12, 4, 64, 16, [1, 15, 16, 17, 300], None, None),
-    (8, 8, 64, 16, [40, 3, 129], None, None),            # no GQA
-    (16, 2, 128, 16, [200, 77], None, None),             # 8 query heads per KV head, hd 128
-    (6, 1, 32, 5, [1, 9, 64], None, 0.3),                # odd block size, custom scale
-    (12, 4, 64, 16, [5, 100, 300, 33], 64, None),        # sliding window
-    (4, 2, 8, 8, [12, 13, 40], 12, 0.25),                # heads of one vector, window
-    (5, 5, 80, 16, [70, 7], None, None),                 # head_dim 80: 10 vectors
-]
+# the bf16 decode kernel's cases, and head sizes that are multiples of 8 but not of 16
+CASES = [*BF16_CASES,
+         (4, 2, 8, 8, [12, 13, 40], 12, 0.25),            # heads of one vector, window
+         (5, 5, 80, 16, [70, 7], None, None)]             # head_dim 80: 10 vectors
 
 
 @needs_avx2
@@ -144,11 +131,9 @@ def test_attention_kernel_takes_fp32_only(attention):
 
 def _transformers_llama(path):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=256)
+    cls, cfg, _ = bf16_parity.llama(transformers)
     torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref = cls(cfg).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
             p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape))

@@ -21,6 +21,14 @@
    1 x 8, 2 x 6 and 2 x 4 weight x input rows measured slower than 3 x 4 at every size
    (8 rows: 51.7, 38.4, 51.4 ms against 31.3).
 
+   Loads: with NR weights and all NR * MR accumulators in registers, one is left for the
+   input row; gcc would rather fold the input's load into each FMA (NR loads of it where
+   one does: 15 loads per 12 FMAs, past the core's two 256-bit loads a cycle). An empty
+   asm on the loaded vector keeps it in that register: 7 loads per 12 FMAs, and against
+   oneDNN's packed fp32 in the same run (bench/bench_f32_kernels.py) 8 rows x1.48 -> x2.09,
+   16 x1.12 -> x1.49, 32 x0.85 -> x1.13 (the host ran slower during this comparison than
+   for the figures above).
+
    Layout: w [N, K] fp32 row-major, K a multiple of 8; x [M, ldx] fp32 (K columns used);
    bias [N] fp32 or NULL; y [M, ldy] fp32.
    Built by appliance/engines/cpu_kernels/builder.py with the host's compiler. */
@@ -50,7 +58,8 @@ static inline __attribute__((always_inline)) void tile(const float* w, int64_t K
             for (int j = 0; j < nr; j++) _mm_prefetch((const char*)(w + (NR + j) * K + k), _MM_HINT_T1);
         for (int j = 0; j < nr; j++) wv[j] = _mm256_loadu_ps(w + j * K + k);
         for (int m = 0; m < mr; m++) {
-            const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+            __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+            __asm__("" : "+x"(xv)); /* one load, in a register: see "Loads" above */
             for (int j = 0; j < nr; j++) acc[m][j] = _mm256_fmadd_ps(wv[j], xv, acc[m][j]);
         }
     }
