@@ -601,7 +601,7 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
     if device.type == "cpu" and dtype == torch.bfloat16 and spec.cpu_kernels != "off":
         gate = _use_cpu_kernels(model, spec)
     elif device.type == "cpu" and dtype == torch.float32 and spec.cpu_kernels != "off":
-        _use_f32_kernel(model, spec)
+        _use_f32_kernels(model, spec)
     plan = None
     if device.type == "cuda":
         plan = _profile_memory_plan(model, spec, backend)
@@ -759,7 +759,7 @@ def _use_cpu_kernels(model: LlamaModel, spec):
     return gate
 
 
-def _use_f32_kernel(model: LlamaModel, spec) -> bool:
+def _use_f32_kernels(model: LlamaModel, spec) -> bool:
     """A decode or agg worker's decode attention and dense matmuls through
     `cpu_kernels.PagedDecodeF32` and `LinearF32` on a CPU without AVX-512F (AMD Zen 2/3,
     Intel client cores). There no bf16 kernel builds, a worker holds fp32 weights and KV,

@@ -384,8 +384,9 @@ class PagedAttention:
 
     def set_decode_kernel(self, kernel: Any) -> bool:
         """Use `kernel` (a `cpu_kernels.PagedDecode`, or `PagedDecodeF32` for fp32) for
-        decode rows of its dtype on the CPU, or torch's path with None. Returns whether it is used: not for shapes it does not
-        support, nor where attention sinks (gpt-oss) need torch's path."""
+        decode rows of its dtype on the CPU, or torch's path with None. Returns whether it
+        is used: not for shapes it does not support, nor where attention sinks (gpt-oss)
+        need torch's path."""
         self.decode_kernel = kernel if self._takes(kernel) else None
         return self.decode_kernel is not None
 
@@ -452,7 +453,8 @@ class PagedAttention:
             plan = _window_plan(plan, batch, window, q.device)
         if not plan.decoding:
             return self._prefill_attention(q, k, v, k_cache, v_cache, plan, sinks)
-        if self.decode_kernel is not None and sinks is None and q.dtype == self.decode_kernel.DTYPE:
+        kernel = self.decode_kernel
+        if kernel is not None and sinks is None and q.dtype == kernel.DTYPE:
             rows = self._kernel_decode(q[Tp:], kv[:, li], plan, batch, window)
         else:
             rows = self._decode_attention(q[Tp:], kv[:, li], plan, sinks)

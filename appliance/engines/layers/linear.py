@@ -44,8 +44,9 @@ class Linear:
             self.weight = None
 
     def use_kernel(self, kernel) -> bool:
-        """Multiply through `kernel` (`cpu_kernels.LinearBf16` or `LinearF32`) from now on, its layout
-        replacing the packed weight; False (nothing changed) for a weight it does not take."""
+        """Multiply through `kernel` (`cpu_kernels.LinearBf16` or `LinearF32`) from now on,
+        its layout replacing the packed weight; False (nothing changed) for a weight it does
+        not take."""
         dense = self.dense()
         if kernel is None or not kernel.supports(dense):
             return False
