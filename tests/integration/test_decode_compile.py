@@ -1,7 +1,7 @@
 """`[engine] compile = "decode"` (torch.compile of a decode step's residual adds and norms,
 `layers.glue`) gives the same greedy tokens as eager, in bf16 where the CPU has it (else
-fp32), and its compiled functions equal the eager ones bit for bit at batch sizes it was
-not warmed up on (dynamic shapes, no recompile per size). Skipped where no C++ compiler
+fp32), and its compiled functions equal the eager ones at batch sizes it was not warmed up
+on (dynamic shapes, no recompile per size): bit for bit in bf16, within an fp32 ulp in fp32. Skipped where no C++ compiler
 exists (inductor's CPU backend needs one; the engine then runs eager, see
 tests/unit/test_decode_glue.py). Integration: inductor runs the compiler as a subprocess."""
 from __future__ import annotations
@@ -64,6 +64,16 @@ def test_compiled_decode_gives_the_same_tokens(tiny_model):
     assert all(len(t) == 24 for t in compiled.values())
 
 
+def _same(got: torch.Tensor, want: torch.Tensor, rows: int) -> None:
+    """Bit for bit in bf16. In fp32 the norm's mean of squares may be summed in another
+    order: inductor vectorizes it to the CPU's lanes, 8 on an AVX2 core (seen there: a few
+    outputs of 7 rows one fp32 ulp apart), where the final rounding to bf16 hides it."""
+    if DTYPE == torch.float32:
+        torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-7, msg=f"{rows} rows")
+    else:
+        assert torch.equal(got, want), rows
+
+
 def test_compiled_glue_equals_eager_at_new_sizes():
     hidden = 48
     comp = glue.compile_glue(torch.device("cpu"), DTYPE, hidden, 1e-6, worker="t")
@@ -77,5 +87,6 @@ def test_compiled_glue_equals_eager_at_new_sizes():
         with torch.inference_mode():
             ch, cx = comp.add_rms_norm(h, d, w, 1e-6)
             eh, ex = eager.add_rms_norm(h, d, w, 1e-6)
-            assert torch.equal(ch, eh) and torch.equal(cx, ex), rows
-            assert torch.equal(comp.rms_norm(h, w, 1e-6), eager.rms_norm(h, w, 1e-6))
+            assert torch.equal(ch, eh), rows        # the residual add: no reduction
+            _same(cx, ex, rows)
+            _same(comp.rms_norm(h, w, 1e-6), eager.rms_norm(h, w, 1e-6), rows)
