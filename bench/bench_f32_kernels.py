@@ -48,7 +48,7 @@ def matmuls(kernel, rows: list[int], passes: int) -> None:
     g = torch.Generator().manual_seed(0)
     dense = [torch.randn(n, k, generator=g) * 0.02 for _ in range(LAYERS) for n, k in LAYER]
     nbytes = sum(w.numel() for w in dense) * 4
-    ours = [kernel.pack(w) for w in dense]
+    ours = [(kernel.pack(w), w.shape[0], w.shape[1]) for w in dense]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in dense]
     del dense
     print(f"matmuls: {LAYERS} layers of the 82m model, {nbytes / 1e6:.0f} MB fp32; "
@@ -57,8 +57,8 @@ def matmuls(kernel, rows: list[int], passes: int) -> None:
         xs = {k: torch.randn(m, k, generator=g) for k in (768, 2048)}
 
         def run_kernel():
-            for w in ours:
-                kernel(w, w.shape[0], xs[w.shape[1]], None)
+            for w, n, k in ours:
+                kernel(w, n, xs[k], None)
 
         def run_onednn():
             for w in onednn:

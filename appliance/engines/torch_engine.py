@@ -764,10 +764,10 @@ def _use_f32_kernels(model: LlamaModel, spec) -> bool:
     `cpu_kernels.PagedDecodeF32` and `LinearF32` on a CPU without AVX-512F (AMD Zen 2/3,
     Intel client cores). There no bf16 kernel builds, a worker holds fp32 weights and KV,
     oneDNN's fp32 linear runs a decode step's few rows at a fraction of the core's read rate
-    (linear_f32.c: 8 rows of the 82m model 76 -> 31-39 ms on a Zen 3 core), and torch's
-    attention copies every K and V it reads. A prefill worker keeps oneDNN, faster at a
-    prompt's rows; so does a CPU with AVX-512, where these kernels were not measured against
-    it. Returns whether the matmuls were taken; what is not is said in one line on stderr."""
+    (linear_f32.c: 8 rows of the 82m model 50-76 -> 36-40 ms on a Zen 3 core), and torch's
+    attention copies every K and V it reads. A prefill worker keeps oneDNN (at a prompt's
+    rows the two are within the host's noise of each other); so does a CPU with AVX-512,
+    where these kernels were not measured against it. Returns whether the matmuls were taken; what is not is said in one line on stderr."""
     from appliance.engines import cpu_kernels
 
     if spec.role == "prefill" or "avx512f" in dtypes.cpu_flags():

@@ -39,13 +39,14 @@ def attention(tmp_path_factory):
 
 
 @needs_avx2
-@pytest.mark.parametrize("rows,cols", [(1280, 768), (37, 64), (768, 2048), (2, 8), (4, 16)])
+@pytest.mark.parametrize("rows,cols", [(1280, 768), (37, 64), (768, 2048), (2, 8), (4, 16),
+                                       (20, 12), (33, 520)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_kernel_matches_torch(linear, rows, cols, bias):
-    """Every row count a tile splits differently (1-4 input rows, 1-3 weight rows left
-    over), past `MAX_ROWS` (torch's linear on the same tensor), a strided and a 3-D input:
-    a float64 reference's results within fp32 summation order (sums of `cols` unit-scale
-    products: ~1e-7 * sqrt(cols) apart, as torch's own are)."""
+    """Every way a call splits (groups of 1-6 input rows; a last panel of 1-15 columns; a
+    last block of K under 256; at K = 2048 more rows than the input buffer holds, in blocks),
+    a strided and a 3-D input: a float64 reference's results within fp32 summation order
+    (sums of `cols` unit-scale products: ~1e-7 * sqrt(cols) apart, as torch's own are)."""
     g = torch.Generator().manual_seed(rows + cols)
     tol = {"rtol": 1e-5, "atol": 4e-6 * cols ** 0.5}
 
@@ -55,7 +56,7 @@ def test_linear_kernel_matches_torch(linear, rows, cols, bias):
     b = torch.randn(rows, generator=g) if bias else None
     packed = linear.pack(w)
     assert torch.equal(linear.unpack(packed, rows), w)
-    for m in (1, 2, 3, 4, 5, 8, 13, linear.MAX_ROWS, linear.MAX_ROWS + 1, 130):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 13, 33, 48, 85, 130):
         x = torch.randn(m, cols, generator=g)
         torch.testing.assert_close(linear(packed, rows, x, b), want(x), **tol)
     wide = torch.randn(5, 2 * cols, generator=g)[:, ::2]            # a column stride of 2
@@ -68,7 +69,8 @@ def test_linear_kernel_matches_torch(linear, rows, cols, bias):
 
 @needs_avx2
 def test_linear_kernel_refuses_what_it_does_not_take(linear):
-    assert not linear.supports(torch.zeros(8, 12))                  # K not a multiple of 8
+    assert not linear.supports(torch.zeros(2, linear.MAX_K + 1))   # past its input buffer
+    assert linear.supports(torch.zeros(3, 12))                      # any N and K under it
     assert not linear.supports(torch.zeros(8, 16, dtype=torch.bfloat16))
     packed = linear.pack(torch.zeros(8, 16))
     with pytest.raises(ValueError, match="float32"):

@@ -311,14 +311,14 @@ class PagedDecodeF32(PagedDecode):
 class LinearF32:
     """``linear_f32`` of a loaded library (AVX2 and FMA), with `LinearBf16`'s interface.
 
-    The weight keeps its [N, K] layout (`pack` only moves it onto huge pages), so calls
-    of more than `MAX_ROWS` rows, a prompt's, go to torch's linear on the same tensor: there
-    oneDNN is faster than this kernel, and no second copy of the weight is kept. Measured on
-    an AMD EPYC Zen 3 core, the 82m model's layer weights (linear_f32.c): 1, 8 and 32 rows in
-    24, 39 and 106 ms against oneDNN's packed 40, 76 and 132; at 64 rows 254 against 234
-    for `F.linear` on the plain weight."""
+    The weight is packed into panels of 16 output columns (linear_f32.c says why), on huge
+    pages, and every call goes to the kernel: a decode step's rows, and a decode worker's
+    own prompts, where it runs about as fast as torch's linear did on the plain weight.
+    Measured on an AMD EPYC Zen 3 core, the 82m model's layer weights: 1, 8 and 32 rows in
+    22, 36 and 78 ms against oneDNN's packed 29, 50 and 109 (bench/bench_f32_kernels.py)."""
 
-    MAX_ROWS = 48
+    PANEL = 16
+    MAX_K = 64 * 1024
 
     def __init__(self, path: Path):
         self.path = path
@@ -326,23 +326,30 @@ class LinearF32:
         self._fn.restype = _I
         self._fn.argtypes = [_P, _L, _L, _P, _L, _L, _P, _P, _L]
 
-    @staticmethod
-    def supports(weight: torch.Tensor) -> bool:
+    @classmethod
+    def supports(cls, weight: torch.Tensor) -> bool:
         return (weight.dim() == 2 and weight.dtype == torch.float32
-                and weight.device.type == "cpu" and weight.shape[1] % 8 == 0)
+                and weight.device.type == "cpu" and 1 <= weight.shape[1] <= cls.MAX_K)
 
-    @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        """The weight as it is, [N, K] contiguous, copied onto huge pages (a decode step
-        streams it whole: `_HugeArena`)."""
-        out = huge_page_empty(weight.numel(), torch.float32).view(weight.shape)
-        out.copy_(weight)
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> [ceil(N/16), K, 16] on huge pages, the last panel zero-padded."""
+        n, k = weight.shape
+        panels = -(-n // cls.PANEL)
+        out = huge_page_empty(panels * k * cls.PANEL, torch.float32).view(panels, k, cls.PANEL)
+        full = n // cls.PANEL
+        if full:
+            out[:full].copy_(weight[:full * cls.PANEL].view(full, cls.PANEL, k).transpose(1, 2))
+        if full < panels:
+            out[full].zero_()
+            out[full, :, :n - full * cls.PANEL].copy_(weight[full * cls.PANEL:].t())
         return out
 
-    @staticmethod
-    def unpack(packed: torch.Tensor, rows: int) -> torch.Tensor:
-        """The [rows, K] weight `pack` was given (the same tensor: its layout is plain)."""
-        return packed[:rows]
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, rows: int) -> torch.Tensor:
+        """The [rows, K] weight `pack` was given (a copy)."""
+        panels, k, _ = packed.shape
+        return packed.transpose(1, 2).reshape(panels * cls.PANEL, k)[:rows].contiguous()
 
     def __call__(self, packed: torch.Tensor, rows: int, x: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
@@ -353,8 +360,6 @@ class LinearF32:
                              f"{x.dtype} {tuple(x.shape)}")
         x2 = x.reshape(-1, K)
         M = x2.shape[0]
-        if M > self.MAX_ROWS:
-            return torch.nn.functional.linear(x, packed, bias)
         if x2.stride(1) != 1 or (M > 1 and x2.stride(0) < K):
             x2 = x2.contiguous()
         y = torch.empty(M, rows, dtype=torch.float32)

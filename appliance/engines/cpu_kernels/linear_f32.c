@@ -1,101 +1,143 @@
-/* y = x @ W^T (+ bias) in fp32 for the few rows of a decode step, with AVX2 and FMA: the
-   matmul kernel of a CPU without AVX-512 (AMD Zen 2/3, Intel client cores), where the
-   bf16 kernels beside this one do not build and a worker holds its weights in fp32.
+/* y = x @ W^T (+ bias) in fp32 with AVX2 and FMA: the matmul kernel of a CPU without
+   AVX-512 (AMD Zen 2/3, Intel client cores), where the bf16 kernels beside this one do not
+   build and a worker holds its weights in fp32.
 
    Why a kernel: there, oneDNN's fp32 linear (packed or not) multiplies a decode step's few
    rows far below what the core can read or compute. Measured on an AMD EPYC Zen 3 core, the
    82m model's layer weights (302 MB fp32) at 8 rows took 76 ms packed, 4.0 GB/s and 16
-   GFLOPS, where one core reads ~12-20 GB/s and its two FMA pipes reach ~100 GFLOPS.
+   GFLOPS, where one core reads ~11 GB/s and its two FMA pipes reach ~85-90 GFLOPS.
 
-   The weight stays in its ordinary [N, K] row-major layout, so torch's own linear still
-   takes the calls this kernel is not made for (prompts: oneDNN blocks them for its caches
-   and runs near the FMA peak) with no second copy of the weight. A tile multiplies NR
-   weight rows by MR input rows: NR * MR accumulators of 8 lanes along K, one load of each
-   weight row's next 8 values feeding MR FMAs, the sums reduced across lanes once at the
-   end. The first tile of rows reads the weight rows from memory; the next ones find them
-   in L1/L2 (NR rows of K floats: 9 KB at K = 768). That first tile also prefetches the
-   next NR weight rows into L2, each line as far ahead as a tile's rows are long: without
-   it the stream stalls while the core computes the other tiles (82m layer weights on the
-   Zen 3 core, 1/4/8 rows: 33.0/36.4/45.8 ms without, 22.8-24.4/23.4-25.5/31.3-39.4 with;
-   prefetching from the second row on, or 4 KB further, was slower at 1 row). Tiles of
-   1 x 8, 2 x 6 and 2 x 4 weight x input rows measured slower than 3 x 4 at every size
-   (8 rows: 51.7, 38.4, 51.4 ms against 31.3).
+   Layout: the weight is packed once into panels of 16 output columns, each panel K lines
+   of 64 bytes ([ceil(N/16)][K][16], the last panel zero-padded), so a step streams it in
+   one sequential pass. A tile multiplies up to 6 input rows by one panel: 6 x 2
+   accumulators of 8 columns, per k two loads of the panel's line and one broadcast of each
+   row's x[k]. A call packs its input rows first ([K][rows] per group of rows, into a
+   256 KB buffer L2 holds), so the broadcasts read one contiguous stream; rows are grouped
+   evenly (8 rows: 4 + 4, not 6 + 2). Panels go in order, K in blocks of 256 (a panel's
+   block is 16 KB: L1 holds it while each group of rows multiplies it); the first group
+   prefetches the stream 4 KB ahead into L2. More rows than the buffer holds at this K (85
+   at K = 768, 32 at K = 2048) are done in blocks of even size, each streaming the weight
+   again.
 
-   Loads: with NR weights and all NR * MR accumulators in registers, one is left for the
-   input row; gcc would rather fold the input's load into each FMA (NR loads of it where
-   one does: 15 loads per 12 FMAs, past the core's two 256-bit loads a cycle). An empty
-   asm on the loaded vector keeps it in that register: 7 loads per 12 FMAs, and against
-   oneDNN's packed fp32 in the same run (bench/bench_f32_kernels.py) 8 rows x1.48 -> x2.09,
-   16 x1.12 -> x1.49, 32 x0.85 -> x1.13 (the host ran slower during this comparison than
-   for the figures above).
+   Before this layout the weight stayed [N, K] row-major and a tile was 3 weight rows by 4
+   input rows, dot products along K reduced across lanes at the end: the same at 1-8 rows,
+   but at 16-48 rows its input rows came from L2 for every tile. Against it, alternating
+   call by call on the Zen 3 core (12 layers of the 82m model, best of 8; noisy host):
+   1/4/8 rows x1.00/1.04/0.99, 16 rows x1.19-1.43, 32 x1.11-1.17, 48 x1.44-1.52. At a
+   prompt's rows (64-512) this runs at 53-80 GFLOPS, within the host's noise of oneDNN's
+   packed fp32 (x0.7-1.17 across runs), so prefill workers keep oneDNN; a decode worker's
+   own prompts take this kernel where they took MKL's unpacked sgemm (~55 GFLOPS).
 
-   Layout: w [N, K] fp32 row-major, K a multiple of 8; x [M, ldx] fp32 (K columns used);
-   bias [N] fp32 or NULL; y [M, ldy] fp32.
+   The numbers: each output is bias + sum over k of x[k] * w[k] in fp32, in order of k
+   (one FMA each, so products are not rounded apart from the sum): within fp32 summation
+   order of a float64 reference.
+
+   Layout of the arguments: packed as above; x [M, ldx] fp32 (K columns used); bias [N]
+   fp32 or NULL; y [M, ldy] fp32, not overlapping x.
    Built by appliance/engines/cpu_kernels/builder.py with the host's compiler. */
 #include <immintrin.h>
 #include <stdint.h>
 
-#define NR 3 /* weight rows per tile */
-#define MR 4 /* input rows per tile: NR * MR accumulators + NR weights + 1 input = 16 ymm */
+#define NR 16                  /* output columns of a panel: two vectors */
+#define MR 6                   /* input rows of a tile at most: 12 accumulators */
+#define KC 256                 /* k per block: a panel's block is 16 KB */
+#define AHEAD 1024             /* floats (4 KB) ahead of the stream the first group prefetches */
+#define XMAX (64 * 1024)       /* floats of packed input rows: 256 KB */
+#define INLINE static inline __attribute__((always_inline))
 
-static inline float hsum(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 d = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+/* the first n of 8 lanes, as a mask for maskload/maskstore */
+INLINE __m256i lanes(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-static inline __attribute__((always_inline)) void tile(const float* w, int64_t K, int nr,
-                                                       const float* x, int64_t ldx, int mr,
-                                                       const float* bias, int64_t n0,
-                                                       float* y, int64_t ldy,
-                                                       int ahead /* prefetch the next tile's rows */) {
-    __m256 acc[MR][NR];
-    for (int m = 0; m < mr; m++)
-        for (int j = 0; j < nr; j++) acc[m][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 wv[NR];
-        if (ahead)
-            for (int j = 0; j < nr; j++) _mm_prefetch((const char*)(w + (NR + j) * K + k), _MM_HINT_T1);
-        for (int j = 0; j < nr; j++) wv[j] = _mm256_loadu_ps(w + j * K + k);
-        for (int m = 0; m < mr; m++) {
-            __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
-            __asm__("" : "+x"(xv)); /* one load, in a register: see "Loads" above */
-            for (int j = 0; j < nr; j++) acc[m][j] = _mm256_fmadd_ps(wv[j], xv, acc[m][j]);
+/* y[0..R-1][0..ncols-1] = (first ? bias or 0 : y) + x @ panel over kc values of k.
+   x: [kc][R] packed rows; pw: the panel's kc lines; ncols < 16 only on the last panel. */
+INLINE void tile(const float* x, const float* pw, int kc, float* y, int64_t ldy,
+                 const float* bias, int first, int prefetch, int ncols, const int R) {
+    __m256 acc[MR][2];
+    const __m256i m0 = lanes(ncols), m1 = lanes(ncols - 8);
+    const int full = ncols == NR;
+    for (int r = 0; r < R; r++) {
+        if (first && !bias) {
+            acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        } else {
+            const float* from = first ? bias : y + r * ldy;
+            acc[r][0] = full ? _mm256_loadu_ps(from) : _mm256_maskload_ps(from, m0);
+            acc[r][1] = full ? _mm256_loadu_ps(from + 8) : _mm256_maskload_ps(from + 8, m1);
         }
     }
-    for (int m = 0; m < mr; m++)
-        for (int j = 0; j < nr; j++)
-            y[m * ldy + n0 + j] = hsum(acc[m][j]) + (bias ? bias[n0 + j] : 0.0f);
+    for (int k = 0; k < kc; k++) {
+        if (prefetch) _mm_prefetch((const char*)(pw + NR * k + AHEAD), _MM_HINT_T1);
+        const __m256 w0 = _mm256_loadu_ps(pw + NR * k), w1 = _mm256_loadu_ps(pw + NR * k + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 b = _mm256_broadcast_ss(x + k * R + r);
+            acc[r][0] = _mm256_fmadd_ps(b, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(b, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        /* masked stores only on the last panel: they are slow on AMD cores */
+        if (full) {
+            _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+            _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+        } else {
+            _mm256_maskstore_ps(y + r * ldy, m0, acc[r][0]);
+            _mm256_maskstore_ps(y + r * ldy + 8, m1, acc[r][1]);
+        }
+    }
 }
 
-/* the tile at constant row counts, so its loops unroll */
-#define TILE(NRC, MRC) tile(wn, K, NRC, xm, ldx, MRC, bias, n, y + m * ldy, ldy, m == 0)
-#define ROWS(NRC)                                                     \
-    switch (mr) {                                                     \
-    case 4: TILE(NRC, 4); break;                                      \
-    case 3: TILE(NRC, 3); break;                                      \
-    case 2: TILE(NRC, 2); break;                                      \
-    default: TILE(NRC, 1); break;                                     \
-    }
+/* rows x[0..rows-1][0..K-1] -> dst [K][rows] */
+static void pack_rows(const float* x, int64_t ldx, int rows, int64_t K, float* dst) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t k = 0; k < K; k++) dst[k * rows + r] = x[r * ldx + k];
+}
 
-/* Returns 0, or -1 for a K this kernel does not take. */
-int linear_f32(const float* w, int64_t N, int64_t K, const float* x, int64_t M, int64_t ldx,
-               const float* bias, float* y, int64_t ldy) {
-    if (K % 8) return -1;
-    for (int64_t n = 0; n < N; n += NR) {
-        const int nr = N - n >= NR ? NR : (int)(N - n);
-        const float* wn = w + n * K;
-        for (int64_t m = 0; m < M; m += MR) {
-            const int mr = M - m >= MR ? MR : (int)(M - m);
-            const float* xm = x + m * ldx;
-            if (nr == 3) {
-                ROWS(3)
-            } else if (nr == 2) {
-                ROWS(2)
-            } else {
-                ROWS(1)
+/* the end of group g of `groups` over `rows` rows, spread evenly (at most MR each) */
+INLINE int64_t group_end(int64_t rows, int64_t groups, int64_t g) {
+    return (rows * (g + 1) + groups - 1) / groups;
+}
+
+static __thread float xbuf[XMAX] __attribute__((aligned(64)));
+
+#define TILE(R) tile(xg, pw, kc, yg, ldy, bp, first, g == 0, ncols, R); break;
+
+/* Returns 0, or -1 for a K over the input buffer (65536). */
+int linear_f32(const float* packed, int64_t N, int64_t K, const float* x, int64_t M,
+               int64_t ldx, const float* bias, float* y, int64_t ldy) {
+    if (K < 1 || K > XMAX) return -1;
+    const int64_t P = (N + NR - 1) / NR;
+    int64_t cap = XMAX / K; /* rows whose K values the buffer holds */
+    if (cap > MR) cap -= cap % MR;
+    const int64_t blocks = (M + cap - 1) / cap;
+    for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+        const int64_t m1 = M * (b + 1) / blocks, rows = m1 - m0;
+        const int64_t groups = (rows + MR - 1) / MR;
+        for (int64_t g = 0, m = 0; g < groups; g++) {
+            const int64_t end = group_end(rows, groups, g);
+            pack_rows(x + (m0 + m) * ldx, ldx, (int)(end - m), K, xbuf + m * K);
+            m = end;
+        }
+        for (int64_t p = 0; p < P; p++) {
+            const int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
+            const float* bp = bias ? bias + p * NR : 0;
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                const int kc = K - k0 < KC ? (int)(K - k0) : KC;
+                const int first = k0 == 0;
+                const float* pw = packed + (p * K + k0) * NR;
+                for (int64_t g = 0, m = 0; g < groups; g++) {
+                    const int64_t end = group_end(rows, groups, g);
+                    const float* xg = xbuf + m * K + k0 * (end - m);
+                    float* yg = y + (m0 + m) * ldy + p * NR;
+                    switch (end - m) {
+                    case 1: TILE(1) case 2: TILE(2) case 3: TILE(3)
+                    case 4: TILE(4) case 5: TILE(5) default: TILE(6)
+                    }
+                    m = end;
+                }
             }
         }
+        m0 = m1;
     }
     return 0;
 }

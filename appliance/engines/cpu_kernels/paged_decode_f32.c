@@ -3,10 +3,21 @@
 
    Why a kernel: torch's path gathers each sequence's blocks into a buffer (a copy of every
    K and V a step reads) and then runs SDPA on it; here K and V are read where they lie in
-   the pool, once, with the next rows prefetched. Measured on an AMD EPYC Zen 3 core, the
-   82m shape, contexts of 320 scattered through a pool no cache holds, 12 layers: a step's
-   attention 18.9 against 29.6 ms (torch's gather + SDPA) at 8 sequences, 56.4 against
-   88.7 at 32 (bench/bench_f32_kernels.py).
+   the pool, once, with the rows two blocks ahead prefetched. Measured on an AMD EPYC Zen 3
+   core, the 82m shape, contexts of 320 scattered through a pool no cache holds, 12 layers:
+   a step's attention 18.9 against 29.6 ms (torch's gather + SDPA) at 8 sequences, 56.4
+   against 88.7 at 32 (bench/bench_f32_kernels.py).
+
+   Two passes a sequence. Scores: 4 positions at a time, each K vector loaded once for up
+   to 3 query heads of its KV head (12 accumulators). Values: a block's run of rows at a
+   time, every query head over them (the run's rows in L1 after the first head), summed
+   into the output per run. The kernel before read scores for 8 positions of one head (two
+   loads an FMA) and, in the values pass, swept all of V once for each query head (12
+   strided passes at the 82m shape); against it, in one harness on the Zen 3 core (12
+   layers from memory, alternating, a noisy host): 8 sequences x1.06-1.24, 32 x1.09-1.25
+   (11-13 -> 10-12 ms, 49-59 -> 41-50 ms). That is ~5-6 GB/s of K and V where the core
+   streams ~9-12: each pass's rows arrive no sooner for any prefetch distance tried (1-64
+   rows, into L1 or L2) or on huge pages, an open question.
 
    The numbers are SDPA's in fp32: scores = (q . k) * scale, softmax, out = sum p * v, all
    in fp32; only summation order and exp differ (exp: Cephes' polynomial, within ~1 ulp of
@@ -23,6 +34,7 @@
 
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
+#define AHEAD 32 /* rows a pass prefetches ahead of those it reads: two blocks of 16 */
 #define INLINE static inline __attribute__((always_inline))
 
 /* exp of 8 floats: Cephes' expf, 2^n * p(r) with r = x - n ln2 (as vec_math.h's exp_ps) */
@@ -55,13 +67,11 @@ INLINE __m256i lanes(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* 8 vectors -> the vector of their 8 horizontal sums, in order */
-INLINE __m256 sums_of_8(const __m256* v) {
-    const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
-    /* ab's low lane: sums 0-3 of the low halves; high lane: of the high halves */
-    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+/* 4 vectors -> their 4 horizontal sums, in order */
+INLINE __m128 sums_of_4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    /* t's low lane: the four sums of the low halves; high lane: of the high halves */
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
 /* Walks a sequence's positions through its block table without a division per row. */
@@ -88,29 +98,50 @@ INLINE void row_next(rows_t* r) {
     }
 }
 
-/* 8 positions' scores for one query head (NV = head_dim / 8, a constant per instance) */
-INLINE __m256 scores8(const float* const* rows, int hoff, const float* qh, const int NV) {
-    __m256 part[8];
-    for (int i = 0; i < 8; i++) {
-        const float* kr = rows[i] + hoff;
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(kr));
-        for (int v = 1; v < NV; v++)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * v), _mm256_loadu_ps(kr + 8 * v), a);
-        part[i] = a;
+/* 4 positions' scores (rows[0..3], at column hoff) for GH query heads of one KV head
+   (q: their rows, head_dim apart), times scale, into sc[j * n] for head j: nt of them.
+   Each K vector is loaded once for the GH heads; 12 accumulators, 3 q vectors, 1 K. */
+INLINE void scores4(const float* const* rows, int hoff, const float* q, float scale,
+                    float* sc, int64_t n, int nt, const int NV, const int GH) {
+    __m256 acc[3][4];
+    for (int j = 0; j < GH; j++)
+        for (int i = 0; i < 4; i++) acc[j][i] = _mm256_setzero_ps();
+    for (int v = 0; v < NV; v++) {
+        __m256 qv[3];
+        for (int j = 0; j < GH; j++) qv[j] = _mm256_loadu_ps(q + j * 8 * NV + 8 * v);
+        for (int i = 0; i < 4; i++) {
+            const __m256 kv = _mm256_loadu_ps(rows[i] + hoff + 8 * v);
+            for (int j = 0; j < GH; j++) acc[j][i] = _mm256_fmadd_ps(qv[j], kv, acc[j][i]);
+        }
     }
-    return sums_of_8(part);
+    for (int j = 0; j < GH; j++) {
+        const __m128 s = _mm_mul_ps(sums_of_4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]),
+                                    _mm_set1_ps(scale));
+        if (nt == 4) {
+            _mm_storeu_ps(sc + j * n, s);
+        } else {
+            float t[4];
+            _mm_storeu_ps(t, s);
+            for (int i = 0; i < nt; i++) sc[j * n + i] = t[i];
+        }
+    }
 }
 
 /* each row of sc ([rows][n]) -> softmax(row), in place */
 static void softmax_rows(float* sc, int rows, int n) {
     for (int j = 0; j < rows; j++) {
         float* r = sc + (int64_t)j * n;
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        int i = 0;
+        for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(r + i));
+        float mv[8];
+        _mm256_storeu_ps(mv, m8);
         float mx = -INFINITY;
-        for (int i = 0; i < n; i++) mx = r[i] > mx ? r[i] : mx;
+        for (int l = 0; l < 8; l++) mx = mv[l] > mx ? mv[l] : mx;
+        for (; i < n; i++) mx = r[i] > mx ? r[i] : mx;
         const __m256 m = _mm256_set1_ps(mx);
         __m256 tot = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 8 <= n; i += 8) {
+        for (i = 0; i + 8 <= n; i += 8) {
             const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(r + i), m));
             _mm256_storeu_ps(r + i, e);
             tot = _mm256_add_ps(tot, e);
@@ -131,28 +162,27 @@ static void softmax_rows(float* sc, int rows, int n) {
     }
 }
 
-/* out rows of GJ query heads of one KV head: sum over positions of p * v */
-INLINE void values(rows_t vat, int n, int hoff, const float* p, int64_t pstride, float* out,
-                   int hd, const int NV, const int GJ) {
-    __m256 acc[4][MAX_HEAD_DIM / 8]; /* [GJ][NV] used: constants, so registers */
-    for (int j = 0; j < GJ; j++)
-        for (int v = 0; v < NV; v++) acc[j][v] = _mm256_setzero_ps();
-    rows_t ahead = vat;
-    for (int i = 0; i < 32; i++) row_next(&ahead);
-    for (int t = 0; t < n; t++, row_next(&vat), row_next(&ahead)) {
-        const float* vr = row_here(&vat) + hoff;
-        if (t + 32 < n)
-            for (int64_t b = 0; b < (int64_t)hd * 4; b += 64)
-                _mm_prefetch((const char*)(row_here(&ahead) + hoff) + b, _MM_HINT_T0);
-        __m256 w[4];
-        for (int j = 0; j < GJ; j++) w[j] = _mm256_broadcast_ss(p + j * pstride + t);
-        for (int v = 0; v < NV; v++) {
-            const __m256 x = _mm256_loadu_ps(vr + 8 * v);
-            for (int j = 0; j < GJ; j++) acc[j][v] = _mm256_fmadd_ps(w[j], x, acc[j][v]);
-        }
+/* acc (NC vectors of one query head's output, a chunk of head_dim) += sum over `run`
+   positions of p[t] * v[t]; v rows `tok` floats apart (consecutive rows of one block) */
+INLINE void values_run(const float* v, int64_t tok, const float* p, int run, float* out,
+                       const int NC) {
+    __m256 acc[8];
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
+    for (int t = 0; t < run; t++) {
+        const __m256 w = _mm256_broadcast_ss(p + t);
+        const float* vr = v + t * tok;
+        for (int c = 0; c < NC; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
     }
-    for (int j = 0; j < GJ; j++)
-        for (int v = 0; v < NV; v++) _mm256_storeu_ps(out + (int64_t)j * hd + 8 * v, acc[j][v]);
+    for (int c = 0; c < NC; c++)
+        _mm256_storeu_ps(out + 8 * c, _mm256_add_ps(_mm256_loadu_ps(out + 8 * c), acc[c]));
+}
+
+/* the lines of `rows` rows from `r` on, into L2: the stream a pass reads next */
+INLINE void prefetch_rows(rows_t r, int rows, int64_t tok) {
+    for (int i = 0; i < rows; i++, row_next(&r)) {
+        const char* at = (const char*)row_here(&r);
+        for (int64_t l = 0; l < tok * 4; l += 64) _mm_prefetch(at + l, _MM_HINT_T1);
+    }
 }
 
 INLINE int decode(const float* q, const float* kpool, const float* vpool, const int64_t* tables,
@@ -160,8 +190,6 @@ INLINE int decode(const float* q, const float* kpool, const float* vpool, const 
                   int H, int KVH, int bs, float scale, float* scratch, int64_t scratch_elems,
                   float* out, const int NV) {
     const int hd = 8 * NV, g = H / KVH;
-    /* query heads per call of `values`: at most 12 accumulators of AVX2's 16 registers */
-    const int GJ = NV <= 3 ? 4 : NV <= 4 ? 3 : NV <= 6 ? 2 : 1;
     const int64_t tok = (int64_t)KVH * hd; /* floats of one position's row */
     for (int b = 0; b < B; b++) {
         const int c = ctx_lens[b], s0 = starts[b], n = c - s0;
@@ -170,42 +198,68 @@ INLINE int decode(const float* q, const float* kpool, const float* vpool, const 
         const int64_t* tab = tables + (int64_t)b * table_stride;
         const float* qb = q + (int64_t)b * H * hd;
         float* sc = scratch; /* [H][n] */
+        /* pass 1: scores, K's rows in order, AHEAD rows prefetched ahead of them */
         rows_t at = rows_from(kpool, tab, s0, bs, tok), ahead = at;
-        for (int i = 0; i < 8 && s0 + i < c; i++) row_next(&ahead);
-        for (int t0 = s0; t0 < c; t0 += 8) {
-            const int nt = c - t0 < 8 ? c - t0 : 8;
-            const float* rows[8];
-            for (int i = 0; i < 8; i++) {
+        const int first = n < AHEAD ? n : AHEAD;
+        prefetch_rows(at, first, tok);
+        for (int i = 0; i < first; i++) row_next(&ahead);
+        for (int t0 = s0; t0 < c; t0 += 4) {
+            const int nt = c - t0 < 4 ? c - t0 : 4;
+            const float* rows[4];
+            for (int i = 0; i < 4; i++) {
                 rows[i] = row_here(&at);   /* past the end: the last row again */
                 if (i + 1 < nt) row_next(&at);
             }
             row_next(&at);
-            /* the next 8 positions' K and V rows into L2 */
-            for (int i = 0; i < 8 && t0 + 8 + i < c; i++, row_next(&ahead)) {
-                const char* kr = (const char*)row_here(&ahead);
-                for (int64_t l = 0; l < tok * 4; l += 64) {
-                    _mm_prefetch(kr + l, _MM_HINT_T1);
-                    _mm_prefetch((const char*)vpool + (kr - (const char*)kpool) + l, _MM_HINT_T1);
-                }
+            const int more = c - (t0 + AHEAD) < 4 ? c - (t0 + AHEAD) : 4;
+            if (more > 0) {
+                prefetch_rows(ahead, more, tok);
+                for (int i = 0; i < more; i++) row_next(&ahead);
             }
-            for (int h = 0; h < H; h++) {
-                const __m256 s = _mm256_mul_ps(scores8(rows, (h / g) * hd, qb + h * hd, NV),
-                                               _mm256_set1_ps(scale));
-                _mm256_maskstore_ps(sc + (int64_t)h * n + (t0 - s0), lanes(nt), s);
+            for (int h = 0; h < H; h += 3) {
+                /* up to 3 query heads of one KV head at a time */
+                const int kvh = h / g, left = (kvh + 1) * g - h, gh = left < 3 ? left : 3;
+                float* at_sc = sc + (int64_t)h * n + (t0 - s0);
+#define SCORES(GH) scores4(rows, kvh * hd, qb + h * hd, scale, at_sc, n, nt, NV, GH); break;
+                switch (gh) {
+                case 1: SCORES(1) case 2: SCORES(2) default: SCORES(3)
+                }
+#undef SCORES
+                h += gh - 3;
             }
         }
         softmax_rows(sc, H, n);
-        const rows_t vat = rows_from(vpool, tab, s0, bs, tok);
-        for (int h = 0; h < KVH; h++)
-            for (int j = 0; j < g; j += GJ) {
-                const float* p = sc + (int64_t)(h * g + j) * n;
-                float* o = out + ((int64_t)b * H + h * g + j) * hd;
-#define VALUES(R) values(vat, n, h * hd, p, n, o, hd, NV, R); break;
-                switch (g - j < GJ ? g - j : GJ) {
-                case 1: VALUES(1) case 2: VALUES(2) case 3: VALUES(3) default: VALUES(4)
-                }
-#undef VALUES
+        /* pass 2: values, V's rows in order a block's run at a time; each run's rows (in
+           L1 after the first head reads them) serve every head */
+        float* ob = out + (int64_t)b * H * hd;
+        for (int i = 0; i < H * hd; i += 8) _mm256_storeu_ps(ob + i, _mm256_setzero_ps());
+        rows_t vat = rows_from(vpool, tab, s0, bs, tok), vahead = vat;
+        prefetch_rows(vat, first, tok);
+        for (int i = 0; i < first; i++) row_next(&vahead);
+        for (int t0 = s0; t0 < c;) {
+            const int run = bs - vat.off < c - t0 ? bs - vat.off : c - t0;
+            const float* v0 = row_here(&vat);
+            const int more = c - (t0 + AHEAD) < run ? c - (t0 + AHEAD) : run;
+            if (more > 0) {
+                prefetch_rows(vahead, more, tok);
+                for (int i = 0; i < more; i++) row_next(&vahead);
             }
+            for (int h = 0; h < H; h++) {
+                const float* v = v0 + (h / g) * hd;
+                const float* p = sc + (int64_t)h * n + (t0 - s0);
+                for (int c0 = 0; c0 < NV; c0 += 8) {
+                    float* o = ob + (int64_t)h * hd + 8 * c0;
+#define RUN(NC) values_run(v + 8 * c0, tok, p, run, o, NC); break;
+                    switch (NV - c0 < 8 ? NV - c0 : 8) {
+                    case 1: RUN(1) case 2: RUN(2) case 3: RUN(3) case 4: RUN(4)
+                    case 5: RUN(5) case 6: RUN(6) case 7: RUN(7) default: RUN(8)
+                    }
+#undef RUN
+                }
+            }
+            for (int i = 0; i < run; i++) row_next(&vat);
+            t0 += run;
+        }
     }
     return 0;
 }
