@@ -56,6 +56,7 @@ def test_linear_kernel_matches_torch(linear, rows, cols, bias):
     b = torch.randn(rows, generator=g) if bias else None
     packed = linear.pack(w)
     assert torch.equal(linear.unpack(packed, rows), w)
+    assert torch.equal(linear.pack(w.t().contiguous().t()), packed)   # strides of a view
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 13, 33, 48, 85, 130):
         x = torch.randn(m, cols, generator=g)
         torch.testing.assert_close(linear(packed, rows, x, b), want(x), **tol)

@@ -339,7 +339,7 @@ class LinearF32:
         out = huge_page_empty(panels * k * cls.PANEL, torch.float32).view(panels, k, cls.PANEL)
         full = n // cls.PANEL
         if full:
-            out[:full].copy_(weight[:full * cls.PANEL].view(full, cls.PANEL, k).transpose(1, 2))
+            out[:full].copy_(weight[:full * cls.PANEL].reshape(full, cls.PANEL, k).transpose(1, 2))
         if full < panels:
             out[full].zero_()
             out[full, :, :n - full * cls.PANEL].copy_(weight[full * cls.PANEL:].t())
