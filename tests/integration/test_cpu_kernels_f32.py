@@ -40,11 +40,12 @@ def attention(tmp_path_factory):
 
 @needs_avx2
 @pytest.mark.parametrize("rows,cols", [(1280, 768), (37, 64), (768, 2048), (2, 8), (4, 16),
-                                       (20, 12), (33, 520)])
+                                       (20, 12), (33, 520), (9, 777)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_kernel_matches_torch(linear, rows, cols, bias):
-    """Every way a call splits (groups of 1-6 input rows; a last panel of 1-15 columns; a
-    last block of K under 256; at K = 2048 more rows than the input buffer holds, in blocks),
+    """Every way a call splits (groups of 1-6 input rows, one group or two sharing the
+    prefetches, or more; a last panel of 1-15 columns; a last block of K under 256, odd
+    too; at K = 2048 more rows than the input buffer holds, in blocks),
     a strided and a 3-D input: a float64 reference's results within fp32 summation order
     (sums of `cols` unit-scale products: ~1e-7 * sqrt(cols) apart, as torch's own are)."""
     g = torch.Generator().manual_seed(rows + cols)
@@ -57,7 +58,7 @@ def test_linear_kernel_matches_torch(linear, rows, cols, bias):
     packed = linear.pack(w)
     assert torch.equal(linear.unpack(packed, rows), w)
     assert torch.equal(linear.pack(w.t().contiguous().t()), packed)   # strides of a view
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 13, 33, 48, 85, 130):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 33, 48, 85, 130):
         x = torch.randn(m, cols, generator=g)
         torch.testing.assert_close(linear(packed, rows, x, b), want(x), **tol)
     wide = torch.randn(5, 2 * cols, generator=g)[:, ::2]            # a column stride of 2

@@ -14,10 +14,20 @@
    row's x[k]. A call packs its input rows first ([K][rows] per group of rows, into a
    256 KB buffer L2 holds), so the broadcasts read one contiguous stream; rows are grouped
    evenly (8 rows: 4 + 4, not 6 + 2). Panels go in order, K in blocks of 256 (a panel's
-   block is 16 KB: L1 holds it while each group of rows multiplies it); the first group
-   prefetches the stream 4 KB ahead into L2. More rows than the buffer holds at this K (85
-   at K = 768, 32 at K = 2048) are done in blocks of even size, each streaming the weight
-   again.
+   block is 16 KB: L1 holds it while each group of rows multiplies it). More rows than the
+   buffer holds at this K (85 at K = 768, 32 at K = 2048) are done in blocks of even size,
+   each streaming the weight again.
+
+   Prefetches: with one or two groups (1-12 rows, a decode step) the stream is asked for
+   64 KB ahead into L2 all the time, each group a share of a block's lines; with more, the
+   first group 4 KB ahead. Before, the first group alone asked, 4 KB ahead, and at 8 rows
+   (4 + 4) the core read the weight while the first group ran and multiplied without
+   reading while the second did: the two times added up. The panel's line is held in two
+   registers per k (gcc folded its loads into every FMA: 12 loads a k for 4 rows, not 6).
+   Together, alternating with the kernel before on an AMD EPYC Zen 4 core with AVX-512
+   hidden (12 layers of the 82m model from memory, best of 6): 1 row 15-17 -> 13-15 ms,
+   4 rows 15-18 -> 13-15, 6 rows 16-17 -> 13, 8 rows 27-28 -> 17 (44 -> 72 GFLOPS, in
+   quiet stretches); 12-128 rows within the noise.
 
    Before this layout the weight stayed [N, K] row-major and a tile was 3 weight rows by 4
    input rows, dot products along K reduced across lanes at the end: the same at 1-8 rows,
@@ -41,7 +51,8 @@
 #define NR 16                  /* output columns of a panel: two vectors */
 #define MR 6                   /* input rows of a tile at most: 12 accumulators */
 #define KC 256                 /* k per block: a panel's block is 16 KB */
-#define AHEAD 1024             /* floats (4 KB) ahead of the stream the first group prefetches */
+#define AHEAD 1024             /* floats (4 KB) ahead: the first of 3+ groups prefetches there */
+#define FAR 16384              /* floats (64 KB, 4 blocks) ahead: 1-2 groups prefetch there */
 #define XMAX (64 * 1024)       /* floats of packed input rows: 256 KB */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -53,7 +64,8 @@ INLINE __m256i lanes(int n) {
 /* y[0..R-1][0..ncols-1] = (first ? bias or 0 : y) + x @ panel over kc values of k.
    x: [kc][R] packed rows; pw: the panel's kc lines; ncols < 16 only on the last panel. */
 INLINE void tile(const float* x, const float* pw, int kc, float* y, int64_t ldy,
-                 const float* bias, int first, int prefetch, int ncols, const int R) {
+                 const float* bias, int first, const float* pf, int ncols, const int R,
+                 const int PF) {
     __m256 acc[MR][2];
     const __m256i m0 = lanes(ncols), m1 = lanes(ncols - 8);
     const int full = ncols == NR;
@@ -67,8 +79,14 @@ INLINE void tile(const float* x, const float* pw, int kc, float* y, int64_t ldy,
         }
     }
     for (int k = 0; k < kc; k++) {
-        if (prefetch) _mm_prefetch((const char*)(pw + NR * k + AHEAD), _MM_HINT_T1);
-        const __m256 w0 = _mm256_loadu_ps(pw + NR * k), w1 = _mm256_loadu_ps(pw + NR * k + 8);
+        /* PF 1: a line of the stream ahead each k; PF 2: each second k (two groups share
+           a block's prefetches, so the stream is asked for all the time, not by one) */
+        if (PF == 1 || (PF == 2 && !(k & 1)))
+            _mm_prefetch((const char*)(pf + NR * (PF == 1 ? k : k >> 1)), _MM_HINT_T1);
+        __m256 w0 = _mm256_loadu_ps(pw + NR * k), w1 = _mm256_loadu_ps(pw + NR * k + 8);
+        /* keep the panel's line in two registers: gcc would fold the loads into every
+           FMA, R times over, and a tile of 4 rows would wait on 12 loads a k, not 6 */
+        __asm__("" : "+x"(w0), "+x"(w1));
         for (int r = 0; r < R; r++) {
             const __m256 b = _mm256_broadcast_ss(x + k * R + r);
             acc[r][0] = _mm256_fmadd_ps(b, w0, acc[r][0]);
@@ -100,7 +118,13 @@ INLINE int64_t group_end(int64_t rows, int64_t groups, int64_t g) {
 
 static __thread float xbuf[XMAX] __attribute__((aligned(64)));
 
-#define TILE(R) tile(xg, pw, kc, yg, ldy, bp, first, g == 0, ncols, R); break;
+#define TILE(R)                                                                            \
+    if (groups == 1) tile(xg, pw, kc, yg, ldy, bp, first, pw + FAR, ncols, R, 1);          \
+    else if (groups == 2)                                                                  \
+        tile(xg, pw, kc, yg, ldy, bp, first, pw + FAR + g * (kc / 2) * NR, ncols, R, 2);   \
+    else if (g == 0) tile(xg, pw, kc, yg, ldy, bp, first, pw + AHEAD, ncols, R, 1);        \
+    else tile(xg, pw, kc, yg, ldy, bp, first, pw, ncols, R, 0);                            \
+    break;
 
 /* Returns 0, or -1 for a K over the input buffer (65536). */
 int linear_f32(const float* packed, int64_t N, int64_t K, const float* x, int64_t M,
