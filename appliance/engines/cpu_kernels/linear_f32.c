@@ -1,6 +1,6 @@
 /* y = x @ W^T (+ bias) in fp32 with AVX2 and FMA: the matmul kernel of a CPU without
-   AVX-512 (AMD Zen 2/3, Intel client cores), where the bf16 kernels beside this one do not
-   build and a worker holds its weights in fp32.
+   AVX-512 (AMD Zen 2/3, Intel client cores, a VM that hides it), where the bf16 kernels
+   beside this one do not build and a worker holds its weights in fp32.
 
    Why a kernel: there, oneDNN's fp32 linear (packed or not) multiplies a decode step's few
    rows far below what the core can read or compute. Measured on an AMD EPYC Zen 3 core, the
