@@ -118,12 +118,10 @@ INLINE int64_t group_end(int64_t rows, int64_t groups, int64_t g) {
 
 static __thread float xbuf[XMAX] __attribute__((aligned(64)));
 
-#define TILE(R)                                                                            \
-    if (groups == 1) tile(xg, pw, kc, yg, ldy, bp, first, pw + FAR, ncols, R, 1);          \
-    else if (groups == 2)                                                                  \
-        tile(xg, pw, kc, yg, ldy, bp, first, pw + FAR + g * (kc / 2) * NR, ncols, R, 2);   \
-    else if (g == 0) tile(xg, pw, kc, yg, ldy, bp, first, pw + AHEAD, ncols, R, 1);        \
-    else tile(xg, pw, kc, yg, ldy, bp, first, pw, ncols, R, 0);                            \
+#define TILE(R)                                                          \
+    if (pfmode == 1) tile(xg, pw, kc, yg, ldy, bp, first, pf, ncols, R, 1); \
+    else if (pfmode == 2) tile(xg, pw, kc, yg, ldy, bp, first, pf, ncols, R, 2); \
+    else tile(xg, pw, kc, yg, ldy, bp, first, pf, ncols, R, 0);          \
     break;
 
 /* Returns 0, or -1 for a K over the input buffer (65536). */
@@ -153,6 +151,10 @@ int linear_f32(const float* packed, int64_t N, int64_t K, const float* x, int64_
                     const int64_t end = group_end(rows, groups, g);
                     const float* xg = xbuf + m * K + k0 * (end - m);
                     float* yg = y + (m0 + m) * ldy + p * NR;
+                    /* which lines this group prefetches (the comment at the top) */
+                    const int pfmode = groups == 2 ? 2 : groups == 1 || g == 0 ? 1 : 0;
+                    const float* pf = groups == 2 ? pw + FAR + g * (kc / 2) * NR
+                                      : groups == 1 ? pw + FAR : pw + AHEAD;
                     switch (end - m) {
                     case 1: TILE(1) case 2: TILE(2) case 3: TILE(3)
                     case 4: TILE(4) case 5: TILE(5) default: TILE(6)
