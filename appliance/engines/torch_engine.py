@@ -760,39 +760,64 @@ def _use_cpu_kernels(model: LlamaModel, spec):
 
 
 def _use_f32_kernels(model: LlamaModel, spec) -> bool:
-    """A decode or agg worker's decode attention and dense matmuls through
-    `cpu_kernels.PagedDecodeF32` and `LinearF32` on a CPU without AVX-512F (AMD Zen 2/3,
-    Intel client cores). There no bf16 kernel builds, a worker holds fp32 weights and KV,
-    oneDNN's fp32 linear runs a decode step's few rows at a fraction of the core's read rate
-    (linear_f32.c: 8 rows of the 82m model 50-76 -> 36-40 ms on a Zen 3 core), and torch's
-    attention copies every K and V it reads. A prefill worker keeps oneDNN (at a prompt's
+    """The fp32 kernels (`cpu_kernels.LayerGlueF32`, `PagedDecodeF32`, `LinearF32`,
+    `DecodeLayersF32`) on a CPU without AVX-512F (AMD Zen 2/3, Intel client cores, a VM that
+    hides it). There no bf16 kernel builds and a worker holds fp32 weights and KV. Every
+    worker's norms, RoPE with the KV write and activation go through the glue kernel (one
+    call each where torch made ~15 dispatches a layer). A decode or agg worker's decode
+    attention and dense matmuls go through theirs: oneDNN's fp32 linear runs a decode
+    step's few rows at a fraction of the core's read rate (linear_f32.c: 8 rows of the 82m
+    model 50-76 -> 36-40 ms on a Zen 3 core), and torch's attention copies every K and V it
+    reads. With all four, a decode-only step runs every layer in one C call
+    (decode_layers_f32.c). A prefill worker keeps oneDNN for its matmuls (at a prompt's
     rows the two are within the host's noise of each other); so does a CPU with AVX-512,
-    where these kernels were not measured against it. Returns whether the matmuls were taken; what is not is said in one line on stderr."""
+    where these kernels were not measured against it. Returns whether the matmuls were
+    taken; what is not is said in one line on stderr."""
     from appliance.engines import cpu_kernels
 
-    if spec.role == "prefill" or "avx512f" in dtypes.cpu_flags():
+    if "avx512f" in dtypes.cpu_flags():
         return False
     who = f"applianced worker {spec.worker}"
+
+    def say(what: str) -> None:
+        print(f"{who}: {what}", file=sys.stderr, flush=True)
     if torch.get_num_threads() > 1:
-        print(f"{who}: decode attention and matmuls on torch's path (the fp32 kernels are "
-              f"single-threaded; this worker has {torch.get_num_threads()} threads)",
-              file=sys.stderr, flush=True)
+        say(f"norms, decode attention and matmuls on torch's path (the fp32 kernels are "
+            f"single-threaded; this worker has {torch.get_num_threads()} threads)")
+        return False
+    try:
+        glue = cpu_kernels.load_layer_glue_f32(spec.kernel_dir)
+    except cpu_kernels.KernelUnavailable as exc:
+        say(f"norms, RoPE and activation on torch's path ({exc})")
+    else:
+        if not model.set_glue_kernel(glue):
+            say("norms, RoPE and activation on torch's path (this model family's layers "
+                "are not the kernel's)")
+    if spec.role == "prefill":
         return False
     try:
         attention = cpu_kernels.load_paged_decode_f32(spec.kernel_dir)
     except cpu_kernels.KernelUnavailable as exc:
-        print(f"{who}: decode attention on torch's path ({exc})", file=sys.stderr, flush=True)
+        say(f"decode attention on torch's path ({exc})")
     else:
         if not model.attn.set_decode_kernel(attention):
-            print(f"{who}: decode attention on torch's path (the C kernel does not take this "
-                  "model's heads, or its attention sinks)", file=sys.stderr, flush=True)
+            say("decode attention on torch's path (the C kernel does not take this "
+                "model's heads, or its attention sinks)")
     try:
         linear = cpu_kernels.load_linear_f32(spec.kernel_dir)
     except cpu_kernels.KernelUnavailable as exc:
-        print(f"{who}: decode matmuls on oneDNN ({exc})", file=sys.stderr, flush=True)
+        say(f"decode matmuls on oneDNN ({exc})")
         return False
     for layer in dense_linears(model):
         layer.use_kernel(linear)
+    if model.attn.decode_kernel is not None and model.glue_kernel is not None:
+        try:    # a decode step's layers in one call of the kernels above
+            layers = cpu_kernels.load_decode_layers_f32(spec.kernel_dir)
+        except cpu_kernels.KernelUnavailable as exc:
+            say(f"decode layers called one by one from Python ({exc})")
+        else:
+            layers.bind(linear, model.attn.decode_kernel, model.glue_kernel)
+            model.set_decode_layers(layers)     # False for layers it does not fit: one by one
     return True
 
 

@@ -38,6 +38,19 @@ def attention(tmp_path_factory):
     return cpu_kernels.load_paged_decode_f32(str(tmp_path_factory.mktemp("kernels")))
 
 
+@pytest.fixture(scope="module")
+def glue(tmp_path_factory):
+    return cpu_kernels.load_layer_glue_f32(str(tmp_path_factory.mktemp("kernels")))
+
+
+def _within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int = 4) -> None:
+    """fp32 values a few units in the last place apart at most: a norm's sum in another
+    order moves its scale by an ulp and with it most of a row; exp's last ulp."""
+    assert got.shape == want.shape and got.dtype == want.dtype == torch.float32
+    step = torch.finfo(torch.float32).eps * want.abs().clamp_min(1e-30)
+    assert ((got - want).abs() <= ulps * step).all(), float(((got - want).abs() / step).max())
+
+
 @needs_avx2
 @pytest.mark.parametrize("rows,cols", [(1280, 768), (37, 64), (768, 2048), (2, 8), (4, 16),
                                        (20, 12), (33, 520), (9, 777)])
@@ -146,15 +159,26 @@ def _transformers_llama(path):
 
 
 @needs_avx2
-def test_fp32_greedy_parity_with_transformers_through_the_kernels(linear, attention, tmp_path):
+@pytest.mark.parametrize("one_call", [False, True], ids=["one-by-one", "one-call"])
+def test_fp32_greedy_parity_with_transformers_through_the_kernels(linear, attention, glue,
+                                                                  tmp_path, one_call):
     """Five prompts of different lengths, then 12 greedy decode steps of all five in
-    one batch (a tile of 4 rows and one of 1), attention and matmuls through
-    the kernels: transformers' tokens for each, and logits within fp32 summation order."""
+    one batch (a tile of 4 rows and one of 1), attention and matmuls through the kernels
+    (and the glue kernel, each decode step's layers in one call): transformers' tokens for
+    each, and logits within fp32 summation order."""
     ref = _transformers_llama(tmp_path / "m")
-    model = load_model(tmp_path / "m", dtype=torch.float32)
-    assert model.attn.set_decode_kernel(attention)
-    taken = [layer.use_kernel(linear) for layer in dense_linears(model)]
-    assert taken and all(taken)
+    if one_call:
+        one = cpu_kernels.load_decode_layers_f32(str(tmp_path / "kernels"))
+        one.bind(linear, attention, glue)
+        model = _f32_model_on_the_kernels(tmp_path / "m", linear, attention, glue, one)
+        calls = []
+        fn = one._fn
+        one._fn = lambda *a: calls.append(1) or fn(*a)
+    else:
+        model = load_model(tmp_path / "m", dtype=torch.float32)
+        assert model.attn.set_decode_kernel(attention)
+        taken = [layer.use_kernel(linear) for layer in dense_linears(model)]
+        assert taken and all(taken)
     block = 16
     prompts = [[3, 17, 92, 5, 250, 11, 7], list(range(40, 75)), [9, 9, 8], [1],
                list(range(100, 300, 11))]
@@ -185,14 +209,17 @@ def test_fp32_greedy_parity_with_transformers_through_the_kernels(linear, attent
             assert seqs[i] == want.sequences[0].tolist()
             torch.testing.assert_close(torch.stack(logits_ours[i]),
                                        torch.cat(want.logits), rtol=1e-4, atol=1e-4)
+    if one_call:
+        assert len(calls) == 12
 
 
 @needs_avx2
 def test_worker_uses_the_fp32_kernels_where_the_cpu_has_no_avx512(tiny_model, tmp_path,
                                                                    monkeypatch, capfd):
-    """An fp32 decode or agg worker on a CPU without AVX-512F builds both kernels and
-    decodes through them; a prefill worker, a CPU with AVX-512F, `cpu_kernels = off` and
-    a worker of two threads keep torch's path (the last said in one line)."""
+    """An fp32 decode or agg worker on a CPU without AVX-512F builds the four kernels and
+    decodes through them, each decode step's layers in one call; a prefill worker takes the
+    glue kernel alone; a CPU with AVX-512F, `cpu_kernels = off` and a worker of two threads
+    keep torch's path (the last said in one line)."""
     monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx2", "fma"}))
 
     def spec(role: str, where: str, kernels: str = "auto", threads: int = 1) -> WorkerSpec:
@@ -207,20 +234,170 @@ def test_worker_uses_the_fp32_kernels_where_the_cpu_has_no_avx512(tiny_model, tm
         on = [isinstance(layer.kernel, cpu_kernels.LinearF32) for layer in linears]
         assert all(on) or not any(on)
         return isinstance(e.model.attn.decode_kernel, cpu_kernels.PagedDecodeF32) and all(on)
+
+    def glued(e) -> bool:
+        return isinstance(e.model.glue_kernel, cpu_kernels.LayerGlueF32)
     for role in ("decode", "agg"):
-        assert uses_kernels(build_torch_engine(spec(role, "a"), tiny_model))
+        e = build_torch_engine(spec(role, "a"), tiny_model)
+        assert uses_kernels(e) and glued(e)
+        assert isinstance(e.model.decode_layers, cpu_kernels.DecodeLayersF32)
     assert sorted(p.name.split("-")[0] for p in (tmp_path / "a").iterdir()) == [
-        "linear_f32", "paged_decode_f32"]
-    assert not uses_kernels(build_torch_engine(spec("prefill", "p"), tiny_model))
-    assert not uses_kernels(build_torch_engine(spec("decode", "o", kernels="off"), tiny_model))
-    assert not (tmp_path / "p").exists() and not (tmp_path / "o").exists()
+        "decode_layers_f32", "layer_glue_f32", "linear_f32", "paged_decode_f32"]
+    e = build_torch_engine(spec("prefill", "p"), tiny_model)
+    assert not uses_kernels(e) and glued(e) and e.model.decode_layers is None
+    assert [p.name.split("-")[0] for p in (tmp_path / "p").iterdir()] == ["layer_glue_f32"]
+    e = build_torch_engine(spec("decode", "o", kernels="off"), tiny_model)
+    assert not uses_kernels(e) and not glued(e)
+    assert not (tmp_path / "o").exists()
     capfd.readouterr()
     try:
-        assert not uses_kernels(build_torch_engine(spec("decode", "t", threads=2), tiny_model))
+        e = build_torch_engine(spec("decode", "t", threads=2), tiny_model)
+        assert not uses_kernels(e) and not glued(e)
         assert capfd.readouterr().err.strip().splitlines() == [
-            "applianced worker decode0: decode attention and matmuls on torch's path (the fp32 "
-            "kernels are single-threaded; this worker has 2 threads)"]
+            "applianced worker decode0: norms, decode attention and matmuls on torch's path "
+            "(the fp32 kernels are single-threaded; this worker has 2 threads)"]
     finally:
         torch.set_num_threads(1)
     monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx2", "fma", "avx512f"}))
     assert not uses_kernels(build_torch_engine(spec("decode", "x"), tiny_model))
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows,width", [(1, 768), (5, 2048), (33, 40), (3, 17)])
+def test_fp32_layer_glue_matches_the_torch_ops_it_replaces(glue, rows, width):
+    """Residual add + RMSNorm against `layers.glue`'s eager functions, Qwen3's per-head
+    norm against `layers.norm`'s, and SwiGLU's activation against `DenseMLP`'s ops, in
+    fp32: the add exact, the rest within a few ulps, on widths that are and are not
+    multiples of 8; other heads untouched, and bf16 refused."""
+    from appliance.engines.layers.glue import eager_glue
+    from appliance.engines.layers.norm import head_rms_norm_
+    g = torch.Generator().manual_seed(rows * width)
+    h = 3 * torch.randn(rows, width, generator=g)
+    delta = torch.randn(rows, width, generator=g)
+    w = 1 + 0.5 * torch.randn(width, generator=g)
+    want_h, want_x = eager_glue().add_rms_norm(h, delta, w, 1e-5)
+    got_h, got_x = glue.add_rms_norm(h, delta, w, 1e-5)
+    assert torch.equal(got_h, want_h)
+    _within_ulps(got_x, want_x)
+    _within_ulps(glue.rms_norm(h, w, 1e-6), eager_glue().rms_norm(h, w, 1e-6))
+    gate_up = 3 * torch.randn(rows, 2 * width, generator=g)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _within_ulps(glue.silu_mul(gate_up), F.silu(gate).mul_(up))
+    hd = {768: 64, 2048: 128, 40: 48, 17: 12}[width]
+    qkv = torch.randn(rows, 7, hd, generator=g)
+    qw = 1 + 0.1 * torch.randn(hd, generator=g)
+    want_qkv, got_qkv = qkv.clone(), qkv.clone()
+    head_rms_norm_(want_qkv[:, 1:5], qw, 1e-6)
+    glue.head_rms_norm_(got_qkv, 1, 4, qw, 1e-6)
+    _within_ulps(got_qkv, want_qkv)
+    assert torch.equal(got_qkv[:, [0, 5, 6]], qkv[:, [0, 5, 6]])
+    with pytest.raises(ValueError, match="contiguous CPU float32"):
+        glue.rms_norm(h.bfloat16(), w.bfloat16(), 1e-6)
+
+
+@needs_avx2
+@pytest.mark.parametrize("heads,kv_heads,hd", [(12, 4, 64), (4, 4, 16), (8, 1, 128), (2, 1, 24)])
+def test_fp32_rope_kernel_rotates_and_writes_the_cache_as_the_forward_does(glue, heads,
+                                                                          kv_heads, hd):
+    """RoPE on q and k with the K/V write against the forward's fp32 torch ops (`mul_`,
+    `addcmul_`, `index_copy_`): the same bits (half a head of 12 takes a masked tail); a
+    position or slot out of range is refused before anything is written."""
+    T, slots_n = 5, 40
+    ang = torch.rand(4096, hd // 2, generator=torch.Generator().manual_seed(hd)) * 6
+    cos = torch.cat((ang.cos(), ang.cos()), -1)
+    sin = torch.cat((-ang.sin(), ang.sin()), -1)
+    qkv = torch.randn(T, heads + 2 * kv_heads, hd, generator=torch.Generator().manual_seed(heads))
+    positions = torch.tensor([0, 7, 4095, 300, 300])
+    slots = torch.tensor([3, 0, 39, 17, 18])
+    want = qkv.clone()
+    qk = want[:, :heads + kv_heads]
+    swapped = qk.view(T, heads + kv_heads, 2, hd // 2).flip(2).view(T, heads + kv_heads, hd)
+    qk.mul_(cos[positions].unsqueeze(1)).addcmul_(swapped, sin[positions].unsqueeze(1))
+    want_k = torch.zeros(slots_n, kv_heads, hd)
+    want_v = torch.zeros_like(want_k)
+    want_k.index_copy_(0, slots, want[:, heads:heads + kv_heads])
+    want_v.index_copy_(0, slots, want[:, heads + kv_heads:])
+    got, k_cache, v_cache = qkv.clone(), torch.zeros_like(want_k), torch.zeros_like(want_v)
+    glue.rope_kv(got, heads, kv_heads, cos, sin, positions, slots, k_cache, v_cache)
+    assert torch.equal(got, want)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    before = qkv.clone()
+    for pos, slot in (([0, 1, 2, 3, 4096], slots), (positions, [0, 1, 2, 3, 40])):
+        with pytest.raises(ValueError, match="past the"):
+            glue.rope_kv(qkv, heads, kv_heads, cos, sin, torch.as_tensor(pos),
+                         torch.as_tensor(slot), torch.zeros_like(want_k), torch.zeros_like(want_v))
+        assert torch.equal(qkv, before)
+
+
+def _f32_model_on_the_kernels(where, linear, attention, glue, one):
+    model = load_model(where, dtype=torch.float32)
+    assert model.attn.set_decode_kernel(attention)
+    assert not model.set_decode_layers(one)             # no glue kernel yet
+    assert model.set_glue_kernel(glue)
+    assert not model.set_decode_layers(one)             # matmuls not on the kernel yet
+    for layer in dense_linears(model):
+        assert layer.use_kernel(linear)
+    assert model.set_decode_layers(one)
+    return model
+
+
+@needs_avx2
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fp32_decode_layers_in_one_call_match_the_kernels_called_one_by_one(
+        linear, attention, glue, tiny_model, tmp_path, family):
+    """Decode steps of three sequences of different lengths in fp32, every layer in one C
+    call (`cpu_kernels.DecodeLayersF32`) and with the same kernels called one by one from
+    the forward: the same logits and the same KV pool bit for bit (a Qwen3's q/k norms
+    included); prompts never take the one call; a bf16 glue kernel is refused."""
+    from test_cpu_kernels import _tiny_qwen3
+    where = tiny_model if family == "llama" else _tiny_qwen3(tmp_path / family)
+    one = cpu_kernels.load_decode_layers_f32(str(tmp_path / "kernels"))
+    one.bind(linear, attention, glue)
+    model = _f32_model_on_the_kernels(where, linear, attention, glue, one)
+    calls = []
+    fn = one._fn
+    one._fn = lambda *a: calls.append(1) or fn(*a)
+    bs = 16
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9, 10]]
+    kv = allocate_kv_pool(model.shape, 12, bs, dtype=torch.float32)
+    seqs = []
+    for n, table in zip((20, 5, 33), tables):
+        prompt = [3 + (7 * i) % 50 for i in range(n)]
+        slots = torch.tensor([table[i // bs] * bs + i % bs for i in range(n)])
+        logits = model(torch.tensor(prompt), torch.arange(n),
+                       AttnBatch(True, [n], [n], [table], slots), kv)
+        seqs.append(prompt + [int(logits[0].argmax())])
+    assert calls == []
+    pools = {"one by one": kv.clone(), "one call": kv.clone()}
+    for _ in range(5):
+        pos = [len(seq) - 1 for seq in seqs]
+        slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, pos)])
+        out = {}
+        for name, pool in pools.items():
+            assert model.set_decode_layers(one if name == "one call" else None)
+            batch = AttnBatch(False, [1] * 3, [len(seq) for seq in seqs], tables, slots)
+            out[name] = model(torch.tensor([seq[-1] for seq in seqs]), torch.tensor(pos),
+                              batch, pool)
+        assert torch.equal(out["one call"], out["one by one"])
+        for seq, row in zip(seqs, out["one by one"]):
+            seq.append(int(row.argmax()))
+    assert len(calls) == 5
+    assert torch.equal(pools["one call"], pools["one by one"])
+    bf16 = load_model(where, dtype=torch.bfloat16)
+    assert not bf16.set_glue_kernel(glue) and bf16.glue_kernel is None
+
+
+@pytest.mark.skipif(kernel_build.compiler() is None, reason="needs a C compiler")
+def test_a_source_that_includes_another_is_rebuilt_when_that_one_changes(tmp_path, monkeypatch):
+    """decode_layers_f32.c is decode_layers.c with fp32 elements: a change to the file it
+    includes makes another library, as a change to its own text or a header does."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("decode_layers_f32.c", "decode_layers.c"):
+        (src / name).write_text((kernel_build.SOURCE_DIR / name).read_text())
+    monkeypatch.setattr(kernel_build, "SOURCE_DIR", src)
+    first = kernel_build.build("decode_layers_f32", tmp_path / "k")
+    assert kernel_build.build("decode_layers_f32", tmp_path / "k") == first
+    (src / "decode_layers.c").write_text((src / "decode_layers.c").read_text() + "\n/* x */\n")
+    second = kernel_build.build("decode_layers_f32", tmp_path / "k")
+    assert second != first and second.is_file()

@@ -9,9 +9,10 @@
 - `LayerGlue`: a step's residual adds with RMSNorms, RoPE with the KV write, SwiGLU's
   activation and Qwen3's q/k norms, each one call (layer_glue.c);
 - `DecodeLayers`: a decode step's layers in one call of the three above (decode_layers.c);
-- `LinearF32` and `PagedDecodeF32`: a decode step's matmuls and attention in fp32 on a
-  CPU without AVX-512 (AVX2 and FMA), where the kernels above do not build and a worker
-  holds fp32 weights and KV (linear_f32.c, paged_decode_f32.c).
+- `LinearF32`, `PagedDecodeF32`, `LayerGlueF32` and `DecodeLayersF32`: the same jobs in
+  fp32 on a CPU without AVX-512 (AVX2 and FMA), where the kernels above do not build and a
+  worker holds fp32 weights and KV (linear_f32.c, paged_decode_f32.c, layer_glue_f32.c,
+  decode_layers_f32.c).
 
 Torch's ops stay the reference and the fallback: a kernel is only used when it could be
 built and loaded here (`load_paged_decode`, `load_linear_bf16`, `load_causal_prefill`),
@@ -28,8 +29,10 @@ import torch
 
 from appliance.engines.cpu_kernels.builder import KernelUnavailable, build, cache_dir
 
-__all__ = ["CausalPrefill", "DecodeLayers", "KernelUnavailable", "LayerGlue", "LinearBf16",
-           "LinearF32", "PagedDecodeF32", "load_linear_f32", "load_paged_decode_f32",
+__all__ = ["CausalPrefill", "DecodeLayers", "DecodeLayersF32", "KernelUnavailable",
+           "LayerGlue", "LayerGlueF32", "LinearBf16", "LinearF32", "PagedDecodeF32",
+           "load_decode_layers_f32", "load_layer_glue_f32", "load_linear_f32",
+           "load_paged_decode_f32",
            "PagedDecode", "huge_page_empty", "huge_page_zeros", "load_causal_prefill",
            "load_decode_layers", "load_layer_glue", "load_linear_bf16", "load_paged_decode"]
 
@@ -430,31 +433,34 @@ class LayerGlue:
     computes and how it rounds). Its `rms_norm` and `add_rms_norm` are `layers.glue.Glue`'s,
     so a forward calls it in a Glue's place."""
 
+    DTYPE = torch.bfloat16      # of every tensor but positions and slots
+    SUFFIX = "bf16"             # of the library's function names
+
     def __init__(self, path: Path):
         self.path = path
         lib = ctypes.CDLL(str(path))
-        self._norm = lib.add_rms_norm_bf16
+        self._norm = getattr(lib, f"add_rms_norm_{self.SUFFIX}")
         self._norm.restype = None
         self._norm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P, _P]
-        self._rope = lib.rope_kv_bf16
+        self._rope = getattr(lib, f"rope_kv_{self.SUFFIX}")
         self._rope.restype = _I
         self._rope.argtypes = [_P, _L, _L, _I, _I, _P, _P, _P, _L, _I, _P, _P, _P, _L]
-        self._silu = lib.silu_mul_bf16
+        self._silu = getattr(lib, f"silu_mul_{self.SUFFIX}")
         self._silu.restype = None
         self._silu.argtypes = [_P, _L, _L, _P]
-        self._head_norm = lib.head_rms_norm_bf16
+        self._head_norm = getattr(lib, f"head_rms_norm_{self.SUFFIX}")
         self._head_norm.restype = None
         self._head_norm.argtypes = [_P, _L, _L, _I, _I, _P, ctypes.c_float]
 
-    @staticmethod
-    def _rows(what: str, t: torch.Tensor, width: int) -> None:
-        if (t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous()
+    def _rows(self, what: str, t: torch.Tensor, width: int) -> None:
+        if (t.dtype != self.DTYPE or t.device.type != "cpu" or not t.is_contiguous()
                 or t.shape[-1] != width):
-            raise ValueError(f"layer_glue: {what} must be a contiguous CPU bfloat16 tensor "
+            kind = str(self.DTYPE).removeprefix("torch.")
+            raise ValueError(f"layer_glue: {what} must be a contiguous CPU {kind} tensor "
                              f"[..., {width}], got {t.dtype} {tuple(t.shape)}")
 
     def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """F.rms_norm(h, weight) of bf16 rows."""
+        """F.rms_norm(h, weight) of rows."""
         n = weight.numel()
         self._rows("h", h, n)
         self._rows("weight", weight, n)
@@ -516,16 +522,24 @@ class LayerGlue:
         self._rows("weight", weight, hd)
         if first < 0 or heads < 0 or first + heads > width:
             raise ValueError(f"layer_glue: heads {first}..{first + heads - 1} not in {width}")
-        self._head_norm(qkv.data_ptr() + first * hd * 2, T, width * hd, heads, hd,
+        self._head_norm(qkv.data_ptr() + first * hd * self.DTYPE.itemsize, T, width * hd, heads, hd,
                         weight.data_ptr(), eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of rows [..., 2 * inter] (gate first), as `DenseMLP` computes it."""
         inter = gate_up.shape[-1] // 2
         self._rows("gate_up", gate_up, 2 * inter)
-        out = torch.empty(*gate_up.shape[:-1], inter, dtype=torch.bfloat16)
+        out = torch.empty(*gate_up.shape[:-1], inter, dtype=self.DTYPE)
         self._silu(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, out.data_ptr())
         return out
+
+
+class LayerGlueF32(LayerGlue):
+    """``layer_glue_f32`` (layer_glue_f32.c): the same four functions for fp32 tensors, with
+    AVX2 and FMA, rounding as torch's fp32 ops."""
+
+    DTYPE = torch.float32
+    SUFFIX = "f32"
 
 
 class _Layer(ctypes.Structure):
@@ -551,6 +565,8 @@ class DecodeLayers:
     """``decode_layers`` of a loaded library: a decode step's layers in one call, through
     the kernels given to `bind` (decode_layers.c says why and what it runs)."""
 
+    DTYPE = torch.bfloat16      # of the weights, norms, activations and the pool
+
     def __init__(self, path: Path):
         self.path = path
         lib = ctypes.CDLL(str(path))
@@ -561,15 +577,17 @@ class DecodeLayers:
         self._fn.restype = _I
         self._fn.argtypes = [_P, _I, _P]
         self._kernels: tuple = ()
-        self._work = torch.empty(0, dtype=torch.bfloat16)
+        self._work = torch.empty(0, dtype=self.DTYPE)
 
-    def bind(self, linear: LinearBf16, attention: PagedDecode, glue: LayerGlue) -> None:
-        """Call these kernels' functions (the ones the forward calls one by one)."""
-        def addr(fn) -> int:
-            return ctypes.cast(fn, ctypes.c_void_p).value
+    def bind(self, linear, attention: PagedDecode, glue: LayerGlue) -> None:
+        """Call these kernels' functions (the ones the forward calls one by one); a matmul
+        kernel without a helper thread (`LinearF32`) hands over none."""
+        def addr(fn) -> int | None:
+            return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
+        helper = [addr(getattr(linear, name, None))
+                  for name in ("_parallel", "_steal_begin", "_steal_end")]
         self._bind(addr(linear._fn), addr(attention._fn), addr(glue._norm), addr(glue._rope),
-                   addr(glue._silu), addr(glue._head_norm), addr(linear._parallel),
-                   addr(linear._steal_begin), addr(linear._steal_end))
+                   addr(glue._silu), addr(glue._head_norm), *helper)
         self._kernels = (linear, attention, glue)   # kept loaded while bound
 
     @staticmethod
@@ -592,21 +610,21 @@ class DecodeLayers:
                  slots: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor,
                  ctx_lens: torch.Tensor, starts: torch.Tensor,
                  scratch: torch.Tensor) -> None:
-        """Run every layer on the B decode rows of `h` and `x` ([B, D] bf16, updated in
+        """Run every layer on the B decode rows of `h` and `x` ([B, D] `DTYPE`, updated in
         place: h the residual stream, x layer 0's normed input); `kv` the pool
         [2, layers, blocks, block_size, kv_heads, head_dim]; the rest as the forward hands
         them to the kernels one by one."""
         B, D = h.shape
         L = len(layers)
         if kv.dim() != 6 or kv.shape[1] != L or kv.shape[4:] != (kv_heads, head_dim) \
-                or not kv.is_contiguous() or kv.dtype != torch.bfloat16:
+                or not kv.is_contiguous() or kv.dtype != self.DTYPE:
             raise ValueError(f"decode_layers: pool {tuple(kv.shape)} does not fit {L} layers")
-        for name, t, dtype in (("h", h, torch.bfloat16), ("x", x, torch.bfloat16),
+        for name, t, dtype in (("h", h, self.DTYPE), ("x", x, self.DTYPE),
                                ("positions", positions, torch.int64),
                                ("slots", slots, torch.int64), ("tables", tables, torch.int64),
                                ("ctx_lens", ctx_lens, torch.int32),
                                ("starts", starts, torch.int32), ("scratch", scratch, torch.float32),
-                               ("cos", cos, torch.bfloat16), ("sin", sin, torch.bfloat16)):
+                               ("cos", cos, self.DTYPE), ("sin", sin, self.DTYPE)):
             if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"decode_layers: {name} must be a contiguous CPU {dtype} tensor")
         if x.shape != h.shape or positions.numel() != B or slots.numel() != B \
@@ -617,11 +635,11 @@ class DecodeLayers:
         sizes = (W, Q, Q, D, 2 * inter, inter)       # qkv, q, attn, o, gu, act per row
         need = B * sum(sizes) + 32 * len(sizes)
         if self._work.numel() < need:
-            self._work = torch.empty(need + need // 2, dtype=torch.bfloat16)
+            self._work = torch.empty(need + need // 2, dtype=self.DTYPE)
         ptrs, at = [], self._work.data_ptr()
         for n in sizes:                               # 64-byte aligned slices
             ptrs.append(at)
-            at += -(-B * n * 2 // 64) * 64
+            at += -(-B * n * self.DTYPE.itemsize // 64) * 64
         layer_elems = kv[0, 0].numel()
         step = _Step(B, D, inter, heads, kv_heads, head_dim, kv.shape[3], eps, scale,
                      cos.data_ptr(), sin.data_ptr(), cos.shape[0], positions.data_ptr(),
@@ -633,6 +651,13 @@ class DecodeLayers:
         if rc:
             raise ValueError(f"decode_layers: layer {rc - 1} refused the step (a position or "
                              f"slot out of range, or attention it does not take)")
+
+
+class DecodeLayersF32(DecodeLayers):
+    """``decode_layers`` built from decode_layers_f32.c: the same step in fp32, through
+    `LinearF32`, `PagedDecodeF32` and `LayerGlueF32`."""
+
+    DTYPE = torch.float32
 
 
 _loaded: dict[tuple[str, str], object] = {}
@@ -685,3 +710,13 @@ def load_layer_glue(directory: str = "") -> LayerGlue:
 def load_decode_layers(directory: str = "") -> DecodeLayers:
     """The one-call decode layers, built from decode_layers.c if needed."""
     return _load("decode_layers", DecodeLayers, directory)
+
+
+def load_layer_glue_f32(directory: str = "") -> LayerGlueF32:
+    """A step's elementwise kernels in fp32, as `load_paged_decode` (AVX2 and FMA)."""
+    return _load("layer_glue_f32", LayerGlueF32, directory)
+
+
+def load_decode_layers_f32(directory: str = "") -> DecodeLayersF32:
+    """The one-call decode layers in fp32, built from decode_layers_f32.c if needed."""
+    return _load("decode_layers_f32", DecodeLayersF32, directory)

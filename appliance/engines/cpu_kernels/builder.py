@@ -3,7 +3,7 @@
 Why at run time, on the host: the kernels use the processor's vector instructions
 (``-march=native``), and the appliance ships as one binary to boxes whose CPUs the build
 machine never saw. The shared library is cached under a name that hashes the source (and
-the headers beside it), the compiler, its flags and the processor's feature flags, so a box
+the headers beside it, and a source it includes), the compiler, its flags and the processor's feature flags, so a box
 compiles once (well under a second) and a changed CPU or source compiles again. No compiler, or a processor without the
 instructions (the compile fails): the caller gets `KernelUnavailable` with one line, and
 the engine keeps torch's path.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -64,6 +65,9 @@ def build(name: str, directory: Path, cc: str | None = None,
     if cc is None:
         raise KernelUnavailable("no C compiler (cc, gcc or $CC) on this host")
     headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]   # what it includes
+    # a source that includes another (decode_layers_f32.c: decode_layers.c) hashes it too
+    for other in re.findall(rb'^#include "([\w.]+\.c)"', text, re.M):
+        headers.append((SOURCE_DIR / other.decode()).read_bytes())
     cpu = " ".join(sorted(cpu_flags())) or os.uname().machine
     key = hashlib.sha256(b"\0".join([text, *headers, cc.encode(), " ".join(flags).encode(),
                                      cpu.encode()])).hexdigest()[:16]

@@ -10,26 +10,36 @@
 
    The kernels live in their own libraries (the matmul kernel's helper thread is one per
    process); `decode_layers_bind` hands this one their functions' addresses.
+
+   One source for both element types: `elem_t` is bf16's bits here, and fp32 where
+   decode_layers_f32.c defines DECODE_LAYERS_F32 and includes this file (the fp32 kernels
+   of a CPU without AVX-512: linear_f32, paged_decode_f32, layer_glue_f32; no helper).
    Built by appliance/engines/cpu_kernels/builder.py with the host's compiler. */
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
-typedef int (*linear_fn)(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M,
-                         int64_t ldx, const float* bias, uint16_t* y, int64_t ldy);
-typedef int (*attention_fn)(const uint16_t* q, const uint16_t* kpool, const uint16_t* vpool,
+#ifdef DECODE_LAYERS_F32
+typedef float elem_t;
+#else
+typedef uint16_t elem_t;
+#endif
+
+typedef int (*linear_fn)(const elem_t* w, int64_t N, int64_t K, const elem_t* x, int64_t M,
+                         int64_t ldx, const float* bias, elem_t* y, int64_t ldy);
+typedef int (*attention_fn)(const elem_t* q, const elem_t* kpool, const elem_t* vpool,
                             const int64_t* tables, int64_t table_stride, const int32_t* ctx_lens,
                             const int32_t* starts, int B, int H, int KVH, int hd, int bs,
-                            float scale, float* scratch, int64_t scratch_elems, uint16_t* out);
-typedef void (*norm_fn)(const uint16_t* h, const uint16_t* delta, const uint16_t* w, int64_t rows,
-                        int64_t n, float eps, uint16_t* h_out, uint16_t* x_out);
-typedef int (*rope_fn)(uint16_t* x, int64_t T, int64_t ld, int rotate, int hd,
-                       const uint16_t* cos_t, const uint16_t* sin_t, const int64_t* pos,
-                       int64_t table_rows, int kvh, const int64_t* slots, uint16_t* kcache,
-                       uint16_t* vcache, int64_t cache_slots);
-typedef void (*silu_fn)(const uint16_t* gu, int64_t rows, int64_t inter, uint16_t* out);
-typedef void (*head_norm_fn)(uint16_t* x, int64_t T, int64_t ld, int heads, int hd,
-                             const uint16_t* w, float eps);
+                            float scale, float* scratch, int64_t scratch_elems, elem_t* out);
+typedef void (*norm_fn)(const elem_t* h, const elem_t* delta, const elem_t* w, int64_t rows,
+                        int64_t n, float eps, elem_t* h_out, elem_t* x_out);
+typedef int (*rope_fn)(elem_t* x, int64_t T, int64_t ld, int rotate, int hd,
+                       const elem_t* cos_t, const elem_t* sin_t, const int64_t* pos,
+                       int64_t table_rows, int kvh, const int64_t* slots, elem_t* kcache,
+                       elem_t* vcache, int64_t cache_slots);
+typedef void (*silu_fn)(const elem_t* gu, int64_t rows, int64_t inter, elem_t* out);
+typedef void (*head_norm_fn)(elem_t* x, int64_t T, int64_t ld, int heads, int hd,
+                             const elem_t* w, float eps);
 typedef void (*item_fn)(void* ctx, int64_t item, int worker);
 typedef void (*commit_fn)(void* ctx, int64_t item);
 typedef int (*parallel_fn)(item_fn fn, commit_fn commit, void* ctx, int64_t items);
@@ -62,9 +72,9 @@ void decode_layers_bind(void* lin, void* att, void* norm, void* rope, void* silu
 /* One layer's weights: packed for linear_bf16; biases fp32 or NULL; norms bf16;
    q_norm/k_norm NULL unless the family has them (Qwen3); next_norm NULL on the last layer. */
 typedef struct {
-    const uint16_t *qkv, *o, *gate_up, *down;
+    const elem_t *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
-    const uint16_t *mlp_norm, *next_norm, *q_norm, *k_norm;
+    const elem_t *mlp_norm, *next_norm, *q_norm, *k_norm;
 } layer_t;
 
 /* One step: B decoding sequences, one token each. h, x: [B][D] (the residual stream, and
@@ -74,17 +84,17 @@ typedef struct {
     int64_t B, D, inter;
     int32_t H, KVH, hd, bs;
     float eps, scale;
-    const uint16_t *cos_t, *sin_t;
+    const elem_t *cos_t, *sin_t;
     int64_t table_rows;
     const int64_t *pos, *slots;
-    uint16_t* kv;
+    elem_t* kv;
     int64_t layer_elems, kv_elems, cache_slots; /* one layer's K; K to V; slots per layer */
     const int64_t* tables;
     int64_t table_stride;
     const int32_t *ctx_lens, *starts;
     float* scratch;
     int64_t scratch_elems;
-    uint16_t *h, *x, *qkv, *q, *attn, *o, *gu, *act;
+    elem_t *h, *x, *qkv, *q, *attn, *o, *gu, *act;
 } step_t;
 
 /* A layer's attention split by sequences between the caller and the matmul kernel's
@@ -98,7 +108,7 @@ typedef struct {
    with the matmuls shared, 17.2 with the attention too; 8 sequences 10.9 -> 9.8. */
 typedef struct {
     const step_t* s;
-    const uint16_t *k_cache, *v_cache;
+    const elem_t *k_cache, *v_cache;
     int64_t per, half;
     _Atomic int rc;
 } att_job_t;
@@ -110,7 +120,7 @@ typedef struct {
 #define MAX_LAYERS 1024
 #define HELPER_ATTN_ELEMS (1 << 19)
 static att_job_t att_jobs[MAX_LAYERS];
-static uint16_t helper_attn[HELPER_ATTN_ELEMS] __attribute__((aligned(64)));
+static elem_t helper_attn[HELPER_ATTN_ELEMS] __attribute__((aligned(64)));
 
 static void attention_item(void* ctx, int64_t item, int worker) {
     att_job_t* j = (att_job_t*)ctx;
@@ -130,7 +140,7 @@ static void attention_commit(void* ctx, int64_t item) {
     const step_t* s = j->s;
     const int64_t b0 = item * j->per, n = s->B - b0 < j->per ? s->B - b0 : j->per;
     const int64_t qrow = (int64_t)s->H * s->hd;
-    memcpy(s->attn + b0 * qrow, helper_attn, (size_t)(n * qrow) * 2);
+    memcpy(s->attn + b0 * qrow, helper_attn, (size_t)(n * qrow) * sizeof(elem_t));
 }
 
 /* Whether this step's attention may be split: a helper to split with, two sequences or
@@ -145,7 +155,7 @@ static int can_split(const step_t* s, int L) {
            && (s->B + 15) / 16 * (int64_t)s->H * s->hd <= HELPER_ATTN_ELEMS;
 }
 
-static int layer_attention(const step_t* s, const uint16_t* k_cache, const uint16_t* v_cache,
+static int layer_attention(const step_t* s, const elem_t* k_cache, const elem_t* v_cache,
                            int li, int split) {
     if (split) {
         att_job_t* j = &att_jobs[li];
@@ -164,8 +174,8 @@ static int run_layers(const layer_t* layers, int L, const step_t* s, int split) 
     const int64_t Q = (int64_t)s->H * s->hd;
     for (int li = 0; li < L; li++) {
         const layer_t* l = layers + li;
-        uint16_t* k_cache = s->kv + li * s->layer_elems;
-        uint16_t* v_cache = k_cache + s->kv_elems;
+        elem_t* k_cache = s->kv + li * s->layer_elems;
+        elem_t* v_cache = k_cache + s->kv_elems;
         linear(l->qkv, W, D, s->x, B, D, l->qkv_bias, s->qkv, W);
         if (l->q_norm) {
             head_rms_norm(s->qkv, B, W, s->H, s->hd, l->q_norm, s->eps);
@@ -175,7 +185,7 @@ static int run_layers(const layer_t* layers, int L, const step_t* s, int split) 
                     s->table_rows, s->KVH, s->slots, k_cache, v_cache, s->cache_slots))
             return 1 + li;
         for (int64_t b = 0; b < B; b++)  /* the decode kernel takes q rows contiguous */
-            memcpy(s->q + b * Q, s->qkv + b * W, (size_t)Q * 2);
+            memcpy(s->q + b * Q, s->qkv + b * W, (size_t)Q * sizeof(elem_t));
         if (layer_attention(s, k_cache, v_cache, li, split)) return 1 + li;
         linear(l->o, D, Q, s->attn, B, Q, l->o_bias, s->o, D);
         add_rms_norm(s->h, s->o, l->mlp_norm, B, D, s->eps, s->h, s->x);

@@ -245,9 +245,10 @@ class LlamaModel(torch.nn.Module):
     def set_glue_kernel(self, kernel) -> bool:
         """Run every step's residual adds and norms (Qwen3's q/k norms too), RoPE with the
         KV write, and a dense MLP's activation through `kernel` (`engines.cpu_kernels.
-        LayerGlue`, bf16 on the CPU; it rounds as the torch ops it replaces), or torch's
-        ops again with None. False (nothing changed) for a model it does not fit."""
-        if kernel is not None and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
+        LayerGlue` in bf16, `LayerGlueF32` in fp32, on the CPU; it rounds as the torch ops
+        it replaces), or torch's ops again with None. False (nothing changed) for a model it
+        does not fit."""
+        if kernel is not None and (self.device.type != "cpu" or self.dtype != kernel.DTYPE):
             return False
         self.glue_kernel = kernel
         return True
