@@ -670,6 +670,25 @@ def decode_ride_rows(setting: int, role: str, model, amx: bool = False) -> int:
     return setting
 
 
+HEADS = "the C kernel does not take this model's heads, or its attention sinks"
+FAMILY = "this model family's layers are not the kernel's"
+
+
+def _apply_kernel(spec, what: str, loader, apply, why: str) -> None:
+    """`apply` the kernel `loader` builds; where it cannot be built or does not fit, say
+    so in one line (``<what> on torch's path (<why>)``) and leave torch's path."""
+    from appliance.engines import cpu_kernels
+    try:
+        kernel = loader(spec.kernel_dir)
+    except cpu_kernels.KernelUnavailable as exc:
+        why = str(exc)
+    else:
+        if apply(kernel):
+            return
+    print(f"applianced worker {spec.worker}: {what} on torch's path ({why})", file=sys.stderr,
+          flush=True)
+
+
 def _use_cpu_kernels(model: LlamaModel, spec):
     """The C kernels of `engines.cpu_kernels` where this host builds them: a prompt's
     attention and every step's elementwise work (every worker), decode attention (decode
@@ -691,18 +710,11 @@ def _use_cpu_kernels(model: LlamaModel, spec):
             f"single-threaded; this worker has {torch.get_num_threads()} threads)")
         return
 
-    def load(what: str, loader, apply, why: str = "the C kernel does not take this "
-             "model's heads, or its attention sinks") -> None:
-        try:
-            kernel = loader(spec.kernel_dir)
-        except cpu_kernels.KernelUnavailable as exc:
-            say(f"{what} on torch's path ({exc})")
-            return
-        if not apply(kernel):
-            say(f"{what} on torch's path ({why})")
+    def load(what: str, loader, apply, why: str = HEADS) -> None:
+        _apply_kernel(spec, what, loader, apply, why)
     load("prompt attention", cpu_kernels.load_causal_prefill, model.attn.set_prefill_kernel)
     load("norms, RoPE and activation", cpu_kernels.load_layer_glue, model.set_glue_kernel,
-         "this model family's layers are not the kernel's")
+         FAMILY)
     if spec.role != "prefill":
         load("decode attention", cpu_kernels.load_paged_decode, model.attn.set_decode_kernel)
     amx = "amx_bf16" in dtypes.cpu_flags()
@@ -760,11 +772,12 @@ def _use_cpu_kernels(model: LlamaModel, spec):
 
 
 def _use_f32_kernels(model: LlamaModel, spec) -> bool:
-    """The fp32 kernels (`cpu_kernels.LayerGlueF32`, `PagedDecodeF32`, `LinearF32`,
+    """The fp32 kernels (`cpu_kernels.LayerGlueF32`, `CausalPrefillF32`, `PagedDecodeF32`, `LinearF32`,
     `DecodeLayersF32`) on a CPU without AVX-512F (AMD Zen 2/3, Intel client cores, a VM that
     hides it). There no bf16 kernel builds and a worker holds fp32 weights and KV. Every
     worker's norms, RoPE with the KV write and activation go through the glue kernel (one
-    call each where torch made ~15 dispatches a layer). A decode or agg worker's decode
+    call each where torch made ~15 dispatches a layer), and a prompt's causal attention
+    through `CausalPrefillF32` (SDPA computed the masked half of a short prompt's scores). A decode or agg worker's decode
     attention and dense matmuls go through theirs: oneDNN's fp32 linear runs a decode
     step's few rows at a fraction of the core's read rate (linear_f32.c: 8 rows of the 82m
     model 50-76 -> 36-40 ms on a Zen 3 core), and torch's attention copies every K and V it
@@ -782,27 +795,17 @@ def _use_f32_kernels(model: LlamaModel, spec) -> bool:
     def say(what: str) -> None:
         print(f"{who}: {what}", file=sys.stderr, flush=True)
     if torch.get_num_threads() > 1:
-        say(f"norms, decode attention and matmuls on torch's path (the fp32 kernels are "
+        say(f"norms, attention and matmuls on torch's path (the fp32 kernels are "
             f"single-threaded; this worker has {torch.get_num_threads()} threads)")
         return False
-    try:
-        glue = cpu_kernels.load_layer_glue_f32(spec.kernel_dir)
-    except cpu_kernels.KernelUnavailable as exc:
-        say(f"norms, RoPE and activation on torch's path ({exc})")
-    else:
-        if not model.set_glue_kernel(glue):
-            say("norms, RoPE and activation on torch's path (this model family's layers "
-                "are not the kernel's)")
+    _apply_kernel(spec, "norms, RoPE and activation", cpu_kernels.load_layer_glue_f32,
+                  model.set_glue_kernel, FAMILY)
+    _apply_kernel(spec, "prompt attention", cpu_kernels.load_causal_prefill_f32,
+                  model.attn.set_prefill_kernel, HEADS)
     if spec.role == "prefill":
         return False
-    try:
-        attention = cpu_kernels.load_paged_decode_f32(spec.kernel_dir)
-    except cpu_kernels.KernelUnavailable as exc:
-        say(f"decode attention on torch's path ({exc})")
-    else:
-        if not model.attn.set_decode_kernel(attention):
-            say("decode attention on torch's path (the C kernel does not take this "
-                "model's heads, or its attention sinks)")
+    _apply_kernel(spec, "decode attention", cpu_kernels.load_paged_decode_f32,
+                  model.attn.set_decode_kernel, HEADS)
     try:
         linear = cpu_kernels.load_linear_f32(spec.kernel_dir)
     except cpu_kernels.KernelUnavailable as exc:

@@ -19,7 +19,7 @@ from appliance.engines.torch_engine import build_torch_engine, dense_linears
 from appliance.worker.spec import WorkerSpec
 from helpers import bf16_parity
 from test_cpu_kernels import CASES as BF16_CASES
-from test_cpu_kernels import _shape
+from test_cpu_kernels import _attend, _shape
 
 torch.set_num_threads(1)
 
@@ -36,6 +36,11 @@ def linear(tmp_path_factory):
 @pytest.fixture(scope="module")
 def attention(tmp_path_factory):
     return cpu_kernels.load_paged_decode_f32(str(tmp_path_factory.mktemp("kernels")))
+
+
+@pytest.fixture(scope="module")
+def prefill(tmp_path_factory):
+    return cpu_kernels.load_causal_prefill_f32(str(tmp_path_factory.mktemp("kernels")))
 
 
 @pytest.fixture(scope="module")
@@ -161,16 +166,17 @@ def _transformers_llama(path):
 @needs_avx2
 @pytest.mark.parametrize("one_call", [False, True], ids=["one-by-one", "one-call"])
 def test_fp32_greedy_parity_with_transformers_through_the_kernels(linear, attention, glue,
-                                                                  tmp_path, one_call):
+                                                                  prefill, tmp_path, one_call):
     """Five prompts of different lengths, then 12 greedy decode steps of all five in
     one batch (a tile of 4 rows and one of 1), attention and matmuls through the kernels
-    (and the glue kernel, each decode step's layers in one call): transformers' tokens for
-    each, and logits within fp32 summation order."""
+    (and the glue and prompt attention kernels, each decode step's layers in one call):
+    transformers' tokens for each, and logits within fp32 summation order."""
     ref = _transformers_llama(tmp_path / "m")
     if one_call:
         one = cpu_kernels.load_decode_layers_f32(str(tmp_path / "kernels"))
         one.bind(linear, attention, glue)
         model = _f32_model_on_the_kernels(tmp_path / "m", linear, attention, glue, one)
+        assert model.attn.set_prefill_kernel(prefill)
         calls = []
         fn = one._fn
         one._fn = lambda *a: calls.append(1) or fn(*a)
@@ -216,9 +222,9 @@ def test_fp32_greedy_parity_with_transformers_through_the_kernels(linear, attent
 @needs_avx2
 def test_worker_uses_the_fp32_kernels_where_the_cpu_has_no_avx512(tiny_model, tmp_path,
                                                                    monkeypatch, capfd):
-    """An fp32 decode or agg worker on a CPU without AVX-512F builds the four kernels and
+    """An fp32 decode or agg worker on a CPU without AVX-512F builds the five kernels and
     decodes through them, each decode step's layers in one call; a prefill worker takes the
-    glue kernel alone; a CPU with AVX-512F, `cpu_kernels = off` and a worker of two threads
+    glue and prompt attention kernels alone; a CPU with AVX-512F, `cpu_kernels = off` and a worker of two threads
     keep torch's path (the last said in one line)."""
     monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx2", "fma"}))
 
@@ -242,10 +248,13 @@ def test_worker_uses_the_fp32_kernels_where_the_cpu_has_no_avx512(tiny_model, tm
         assert uses_kernels(e) and glued(e)
         assert isinstance(e.model.decode_layers, cpu_kernels.DecodeLayersF32)
     assert sorted(p.name.split("-")[0] for p in (tmp_path / "a").iterdir()) == [
-        "decode_layers_f32", "layer_glue_f32", "linear_f32", "paged_decode_f32"]
+        "causal_prefill_f32", "decode_layers_f32", "layer_glue_f32", "linear_f32",
+        "paged_decode_f32"]
     e = build_torch_engine(spec("prefill", "p"), tiny_model)
     assert not uses_kernels(e) and glued(e) and e.model.decode_layers is None
-    assert [p.name.split("-")[0] for p in (tmp_path / "p").iterdir()] == ["layer_glue_f32"]
+    assert isinstance(e.model.attn.prefill_kernel, cpu_kernels.CausalPrefillF32)
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "p").iterdir()) == [
+        "causal_prefill_f32", "layer_glue_f32"]
     e = build_torch_engine(spec("decode", "o", kernels="off"), tiny_model)
     assert not uses_kernels(e) and not glued(e)
     assert not (tmp_path / "o").exists()
@@ -254,7 +263,7 @@ def test_worker_uses_the_fp32_kernels_where_the_cpu_has_no_avx512(tiny_model, tm
         e = build_torch_engine(spec("decode", "t", threads=2), tiny_model)
         assert not uses_kernels(e) and not glued(e)
         assert capfd.readouterr().err.strip().splitlines() == [
-            "applianced worker decode0: norms, decode attention and matmuls on torch's path "
+            "applianced worker decode0: norms, attention and matmuls on torch's path "
             "(the fp32 kernels are single-threaded; this worker has 2 threads)"]
     finally:
         torch.set_num_threads(1)
@@ -401,3 +410,52 @@ def test_a_source_that_includes_another_is_rebuilt_when_that_one_changes(tmp_pat
     (src / "decode_layers.c").write_text((src / "decode_layers.c").read_text() + "\n/* x */\n")
     second = kernel_build.build("decode_layers_f32", tmp_path / "k")
     assert second != first and second.is_file()
+
+
+@needs_avx2
+@pytest.mark.parametrize("heads,kv_heads,hd", [(12, 4, 64), (4, 4, 16), (8, 1, 128), (2, 2, 48),
+                                              (4, 2, 256)])
+@pytest.mark.parametrize("n", [1, 5, 6, 7, 16, 17, 100, 256])
+def test_fp32_prompt_attention_kernel_matches_sdpa(prefill, heads, kv_heads, hd, n):
+    """A prompt's causal attention against torch's fp32 SDPA, with q, k and v slices of one
+    fused row as the forward hands them: within fp32 summation order, on prompts that fill
+    a tile of 6 rows and a panel of 16 keys and do not, GQA and not, head sizes 16-256."""
+    g = torch.Generator().manual_seed(n * hd + heads)
+    qkv = torch.randn(n, heads + 2 * kv_heads, hd, generator=g)
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    scale = hd ** -0.5
+    got = prefill(q, k, v, scale)
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True, scale=scale)
+    torch.testing.assert_close(got, want[0].transpose(0, 1), rtol=1e-5, atol=2e-6)
+
+
+@needs_avx2
+def test_fp32_prompts_go_through_the_prefill_kernel_only_where_it_applies(prefill):
+    """Through `PagedAttention`: a fresh fp32 prompt is the kernel's; one with a cached
+    prefix, or one a sliding window cuts, stays with SDPA; a bf16 model refuses it."""
+    shape = _shape(4, 2, 64)
+    n = 40
+    kv = torch.randn(2, 1, 8, 16, 2, 64)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(n, 4, 64, generator=g)
+    k = torch.randn(n, 2, 64, generator=g)
+    v = torch.randn(n, 2, 64, generator=g)
+    fresh = AttnBatch(True, [n], [n], [[0, 1, 2]], torch.zeros(n, dtype=torch.long))
+    cached = AttnBatch(True, [8], [48], [[0, 1, 2]], torch.zeros(8, dtype=torch.long))
+    outs = {}
+    for name, kernel in (("sdpa", None), ("kernel", prefill)):
+        attn = PagedAttention(shape, torch.device("cpu"), torch.float32)
+        assert attn.set_prefill_kernel(kernel) is (kernel is not None)
+        outs[name] = [_attend(attn, q, kv, fresh, None, k, v),
+                      _attend(attn, q[:8], kv, cached, None, k[:8], v[:8]),
+                      _attend(attn, q, kv, fresh, 12, k, v)]
+    assert torch.equal(outs["kernel"][0], prefill(q, k, v, 64 ** -0.5).reshape(n, -1))
+    assert not torch.equal(outs["kernel"][0], outs["sdpa"][0])     # not SDPA's bits: the kernel's
+    torch.testing.assert_close(outs["kernel"][0], outs["sdpa"][0], rtol=1e-5, atol=2e-6)
+    assert torch.equal(outs["sdpa"][1], outs["kernel"][1])         # cached prefix: SDPA
+    assert torch.equal(outs["sdpa"][2], outs["kernel"][2])         # a window: SDPA
+    assert not PagedAttention(shape, torch.device("cpu"), torch.bfloat16).set_prefill_kernel(prefill)
+    with pytest.raises(ValueError, match="CPU float32"):
+        prefill(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125)

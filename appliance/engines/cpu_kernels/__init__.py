@@ -9,10 +9,10 @@
 - `LayerGlue`: a step's residual adds with RMSNorms, RoPE with the KV write, SwiGLU's
   activation and Qwen3's q/k norms, each one call (layer_glue.c);
 - `DecodeLayers`: a decode step's layers in one call of the three above (decode_layers.c);
-- `LinearF32`, `PagedDecodeF32`, `LayerGlueF32` and `DecodeLayersF32`: the same jobs in
-  fp32 on a CPU without AVX-512 (AVX2 and FMA), where the kernels above do not build and a
-  worker holds fp32 weights and KV (linear_f32.c, paged_decode_f32.c, layer_glue_f32.c,
-  decode_layers_f32.c).
+- `LinearF32`, `PagedDecodeF32`, `CausalPrefillF32`, `LayerGlueF32` and
+  `DecodeLayersF32`: the same jobs in fp32 on a CPU without AVX-512 (AVX2 and FMA), where
+  the kernels above do not build and a worker holds fp32 weights and KV (linear_f32.c,
+  paged_decode_f32.c, causal_prefill_f32.c, layer_glue_f32.c, decode_layers_f32.c).
 
 Torch's ops stay the reference and the fallback: a kernel is only used when it could be
 built and loaded here (`load_paged_decode`, `load_linear_bf16`, `load_causal_prefill`),
@@ -29,9 +29,9 @@ import torch
 
 from appliance.engines.cpu_kernels.builder import KernelUnavailable, build, cache_dir
 
-__all__ = ["CausalPrefill", "DecodeLayers", "DecodeLayersF32", "KernelUnavailable",
+__all__ = ["CausalPrefill", "CausalPrefillF32", "DecodeLayers", "DecodeLayersF32", "KernelUnavailable",
            "LayerGlue", "LayerGlueF32", "LinearBf16", "LinearF32", "PagedDecodeF32",
-           "load_decode_layers_f32", "load_layer_glue_f32", "load_linear_f32",
+           "load_causal_prefill_f32", "load_decode_layers_f32", "load_layer_glue_f32", "load_linear_f32",
            "load_paged_decode_f32",
            "PagedDecode", "huge_page_empty", "huge_page_zeros", "load_causal_prefill",
            "load_decode_layers", "load_layer_glue", "load_linear_bf16", "load_paged_decode"]
@@ -376,24 +376,28 @@ class CausalPrefill:
     """``causal_prefill_bf16`` of a loaded library: one prompt, no cached prefix, no window."""
 
     MAX_HEAD_DIM = 256
+    DTYPE = torch.bfloat16      # of q, k, v and out
+    SYMBOL = "causal_prefill_bf16"
+    SCRATCH = "causal_prefill_scratch"
 
     def __init__(self, path: Path):
         self.path = path
         lib = ctypes.CDLL(str(path))
-        self._fn = lib.causal_prefill_bf16
+        self._fn = getattr(lib, self.SYMBOL)
         self._fn.restype = _I
         self._fn.argtypes = [_P, _L, _P, _P, _L, _L, _I, _I, _I, ctypes.c_float, _P, _P]
-        self._scratch_bytes = lib.causal_prefill_scratch
+        self._scratch_bytes = getattr(lib, self.SCRATCH)
         self._scratch_bytes.restype = _L
         self._scratch_bytes.argtypes = [_L, _I]
-        self._amx = lib.causal_prefill_amx
-        self._amx.restype = _I
-        self._amx.argtypes = [_I]
+        self._amx = getattr(lib, "causal_prefill_amx", None)
+        if self._amx is not None:
+            self._amx.restype = _I
+            self._amx.argtypes = [_I]
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def amx(self, head_dim: int) -> bool:
         """Whether prompts of this head_dim run on AMX's tiles here (causal_prefill.c)."""
-        return bool(self._amx(head_dim))
+        return self._amx is not None and bool(self._amx(head_dim))
 
     def supports(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return (head_dim <= self.MAX_HEAD_DIM and head_dim % 16 == 0 and num_kv_heads >= 1
@@ -401,14 +405,15 @@ class CausalPrefill:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
-        """q [n, H, hd], k and v [n, KVH, hd], bf16 on the CPU, each row's heads dense
+        """q [n, H, hd], k and v [n, KVH, hd], `DTYPE` on the CPU, each row's heads dense
         (rows may be strided, as slices of a fused qkv are); returns [n, H, hd]."""
         n, H, hd = q.shape
         KVH = k.shape[1]
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.dim() != 3 \
+            if t.dtype != self.DTYPE or t.device.type != "cpu" or t.dim() != 3 \
                     or t.shape[0] != n or t.shape[2] != hd:
-                raise ValueError(f"causal_prefill: {name} must be CPU bfloat16 [{n}, heads, "
+                kind = str(self.DTYPE).removeprefix("torch.")
+                raise ValueError(f"causal_prefill: {name} must be CPU {kind} [{n}, heads, "
                                  f"{hd}], got {t.dtype} {tuple(t.shape)}")
         if v.shape[1] != KVH:
             raise ValueError("causal_prefill: k and v differ in heads")
@@ -419,13 +424,22 @@ class CausalPrefill:
         need = self._scratch_bytes(n, hd)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need + need // 2, dtype=torch.uint8)
-        out = torch.empty(n, H, hd, dtype=torch.bfloat16)
+        out = torch.empty(n, H, hd, dtype=self.DTYPE)
         rc = self._fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), n, H,
                       KVH, hd, scale, self._scratch.data_ptr(), out.data_ptr())
         if rc != 0:
             raise ValueError(f"causal_prefill: unsupported shape (heads {H}, kv heads {KVH}, "
                              f"head_dim {hd})")
         return out
+
+
+class CausalPrefillF32(CausalPrefill):
+    """``causal_prefill_f32`` (causal_prefill_f32.c): the same job in fp32 with AVX2 and FMA,
+    for a CPU without AVX-512, whose workers hold fp32 KV."""
+
+    DTYPE = torch.float32
+    SYMBOL = "causal_prefill_f32"
+    SCRATCH = "causal_prefill_f32_scratch"
 
 
 class LayerGlue:
@@ -710,6 +724,11 @@ def load_layer_glue(directory: str = "") -> LayerGlue:
 def load_decode_layers(directory: str = "") -> DecodeLayers:
     """The one-call decode layers, built from decode_layers.c if needed."""
     return _load("decode_layers", DecodeLayers, directory)
+
+
+def load_causal_prefill_f32(directory: str = "") -> CausalPrefillF32:
+    """The prompt attention kernel in fp32, as `load_paged_decode` (AVX2 and FMA)."""
+    return _load("causal_prefill_f32", CausalPrefillF32, directory)
 
 
 def load_layer_glue_f32(directory: str = "") -> LayerGlueF32:

@@ -103,16 +103,9 @@ INLINE void scores4(const float* const* rows, int hoff, const float* q, float sc
 static void softmax_rows(float* sc, int rows, int n) {
     for (int j = 0; j < rows; j++) {
         float* r = sc + (int64_t)j * n;
-        __m256 m8 = _mm256_set1_ps(-INFINITY);
-        int i = 0;
-        for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(r + i));
-        float mv[8];
-        _mm256_storeu_ps(mv, m8);
-        float mx = -INFINITY;
-        for (int l = 0; l < 8; l++) mx = mv[l] > mx ? mv[l] : mx;
-        for (; i < n; i++) mx = r[i] > mx ? r[i] : mx;
-        const __m256 m = _mm256_set1_ps(mx);
+        const __m256 m = _mm256_set1_ps(row_max(r, n));
         __m256 tot = _mm256_setzero_ps();
+        int i;
         for (i = 0; i + 8 <= n; i += 8) {
             const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(r + i), m));
             _mm256_storeu_ps(r + i, e);

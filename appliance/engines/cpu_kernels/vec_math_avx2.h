@@ -3,6 +3,8 @@
 #ifndef APPLIANCED_VEC_MATH_AVX2_H
 #define APPLIANCED_VEC_MATH_AVX2_H
 #include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
 
 /* exp of 8 floats: Cephes' expf, 2^n * p(r) with r = x - n ln2 (vec_math.h's exp_ps), within
    ~1 ulp of expf */
@@ -34,6 +36,19 @@ static inline __attribute__((always_inline)) __m256 exp8(__m256 x) {
 static inline __attribute__((always_inline)) __m256i lanes(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n > 8 ? 8 : (int)n),
                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* the largest of r[0..n) (-inf for none) */
+static inline float row_max(const float* r, int64_t n) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(r + i));
+    float mv[8];
+    _mm256_storeu_ps(mv, m8);
+    float mx = -INFINITY;
+    for (int l = 0; l < 8; l++) mx = mv[l] > mx ? mv[l] : mx;
+    for (; i < n; i++) mx = r[i] > mx ? r[i] : mx;
+    return mx;
 }
 
 /* the sum of 8 lanes, in a fixed order */

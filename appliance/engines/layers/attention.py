@@ -365,6 +365,7 @@ class PagedAttention:
                  scale: float | None = None) -> None:
         self.shape = shape
         self.device = device
+        self.dtype = dtype
         # Scores are q.k times this (None: 1/sqrt(head_dim); Gemma 3: query_pre_attn_scalar^-0.5).
         self.scale = scale
         # Decode gathers K and V into this buffer, kept between steps and layers: a fresh
@@ -376,8 +377,8 @@ class PagedAttention:
         self.budget = attention_backends.DEFAULT_TEMP_BYTES
         self._flashinfer: attention_backends.FlashInferAttention | None = None
         # C kernels on the CPU (`set_decode_kernel`, `set_prefill_kernel`): decode rows
-        # (bf16, or fp32 without AVX-512), and bf16 prompts with no cached prefix or
-        # window; None: torch's path.
+        # and prompts with no cached prefix or window (bf16, or fp32 without AVX-512);
+        # None: torch's path.
         self.decode_kernel: Any = None
         self.prefill_kernel: Any = None
         self._scratch = torch.empty(0, dtype=torch.float32)
@@ -391,10 +392,12 @@ class PagedAttention:
         return self.decode_kernel is not None
 
     def set_prefill_kernel(self, kernel: Any) -> bool:
-        """Use `kernel` (a `cpu_kernels.CausalPrefill`) for a bf16 prompt's causal attention
-        over its own K/V on the CPU (no cached prefix, no window hiding keys), or SDPA with
-        None. Returns whether it is used (see `set_decode_kernel`)."""
-        self.prefill_kernel = kernel if self._takes(kernel) else None
+        """Use `kernel` (a `cpu_kernels.CausalPrefill` in bf16, `CausalPrefillF32` in fp32)
+        for a prompt's causal attention over its own K/V on the CPU (no cached prefix, no
+        window hiding keys), or SDPA with None. Returns whether it is used (see
+        `set_decode_kernel`); a kernel of another dtype is not."""
+        ok = self._takes(kernel) and kernel.DTYPE == self.dtype
+        self.prefill_kernel = kernel if ok else None
         return self.prefill_kernel is not None
 
     def _takes(self, kernel: Any) -> bool:
@@ -479,7 +482,9 @@ class PagedAttention:
         out = torch.empty(q.shape[0], s.q_size, device=q.device, dtype=q.dtype)
         # 4-d inputs: with 3-d ones torch 2.13's CPU SDPA falls back to the math kernel
         # (materialized scores), 3-5x slower on long prompts than the fused kernel.
-        kernel = (self.prefill_kernel if sinks is None and q.dtype == torch.bfloat16 else None)
+        kernel = self.prefill_kernel
+        if kernel is not None and (sinks is not None or q.dtype != kernel.DTYPE):
+            kernel = None
         for start, end, ctx_slots, mask in plan.prefill:
             if kernel is not None and ctx_slots is None and mask is None:   # plain causal
                 o = kernel(q[start:end], k[start:end], v[start:end], self.score_scale())
