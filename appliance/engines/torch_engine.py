@@ -772,16 +772,17 @@ def _use_cpu_kernels(model: LlamaModel, spec):
 
 
 def _use_f32_kernels(model: LlamaModel, spec) -> bool:
-    """The fp32 kernels (`cpu_kernels.LayerGlueF32`, `CausalPrefillF32`, `PagedDecodeF32`, `LinearF32`,
-    `DecodeLayersF32`) on a CPU without AVX-512F (AMD Zen 2/3, Intel client cores, a VM that
-    hides it). There no bf16 kernel builds and a worker holds fp32 weights and KV. Every
-    worker's norms, RoPE with the KV write and activation go through the glue kernel (one
-    call each where torch made ~15 dispatches a layer), and a prompt's causal attention
-    through `CausalPrefillF32` (SDPA computed the masked half of a short prompt's scores). A decode or agg worker's decode
-    attention and dense matmuls go through theirs: oneDNN's fp32 linear runs a decode
-    step's few rows at a fraction of the core's read rate (linear_f32.c: 8 rows of the 82m
-    model 50-76 -> 36-40 ms on a Zen 3 core), and torch's attention copies every K and V it
-    reads. With all four, a decode-only step runs every layer in one C call
+    """The fp32 kernels (`cpu_kernels.LayerGlueF32`, `CausalPrefillF32`, `PagedDecodeF32`,
+    `LinearF32`, `DecodeLayersF32`) on a CPU without AVX-512F (AMD Zen 2/3, Intel client
+    cores, a VM that hides it). There no bf16 kernel builds and a worker holds fp32 weights
+    and KV. Every worker's norms, RoPE with the KV write and activation go through the glue
+    kernel (one call each where torch made ~15 dispatches a layer), and a prompt's causal
+    attention through `CausalPrefillF32` (SDPA computed the masked half of a short prompt's
+    scores too). A decode or agg worker's decode attention and dense matmuls go through
+    theirs: oneDNN's fp32 linear runs a decode step's few rows at a fraction of the core's
+    read rate (linear_f32.c: 8 rows of the 82m model 50-76 -> 36-40 ms on a Zen 3 core),
+    and torch's attention copies every K and V it reads. With the glue, decode attention
+    and matmul kernels, a decode-only step runs every layer in one C call
     (decode_layers_f32.c). A prefill worker keeps oneDNN for its matmuls (at a prompt's
     rows the two are within the host's noise of each other); so does a CPU with AVX-512,
     where these kernels were not measured against it. Returns whether the matmuls were
