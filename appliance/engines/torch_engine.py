@@ -689,6 +689,23 @@ def _apply_kernel(spec, what: str, loader, apply, why: str) -> None:
           flush=True)
 
 
+def _one_call_decode(model: LlamaModel, spec, loader, linear) -> None:
+    """A decode step's layers in one call (`loader`'s `DecodeLayers`) of the matmul kernel
+    `linear` and the model's decode attention and glue kernels, where it has both; what
+    cannot be is said in one line and the layers are called one by one."""
+    from appliance.engines import cpu_kernels
+    if model.attn.decode_kernel is None or model.glue_kernel is None:
+        return
+    try:
+        layers = loader(spec.kernel_dir)
+    except cpu_kernels.KernelUnavailable as exc:
+        print(f"applianced worker {spec.worker}: decode layers called one by one from Python "
+              f"({exc})", file=sys.stderr, flush=True)
+        return
+    layers.bind(linear, model.attn.decode_kernel, model.glue_kernel)
+    model.set_decode_layers(layers)     # False for layers it does not fit: one by one
+
+
 def _use_cpu_kernels(model: LlamaModel, spec):
     """The C kernels of `engines.cpu_kernels` where this host builds them: a prompt's
     attention and every step's elementwise work (every worker), decode attention (decode
@@ -734,14 +751,7 @@ def _use_cpu_kernels(model: LlamaModel, spec):
         layer.use_kernel(linear)
     if spec.role == "prefill":
         return None
-    if model.attn.decode_kernel is not None and model.glue_kernel is not None:
-        try:    # a decode step's layers in one call of the kernels above
-            layers = cpu_kernels.load_decode_layers(spec.kernel_dir)
-        except cpu_kernels.KernelUnavailable as exc:
-            say(f"decode layers called one by one from Python ({exc})")
-        else:
-            layers.bind(linear, model.attn.decode_kernel, model.glue_kernel)
-            model.set_decode_layers(layers)     # False for layers it does not fit: one by one
+    _one_call_decode(model, spec, cpu_kernels.load_decode_layers, linear)
     if spec.role != "decode":
         return None
     if spec.cpu_helper_core < 0:
@@ -814,14 +824,7 @@ def _use_f32_kernels(model: LlamaModel, spec) -> bool:
         return False
     for layer in dense_linears(model):
         layer.use_kernel(linear)
-    if model.attn.decode_kernel is not None and model.glue_kernel is not None:
-        try:    # a decode step's layers in one call of the kernels above
-            layers = cpu_kernels.load_decode_layers_f32(spec.kernel_dir)
-        except cpu_kernels.KernelUnavailable as exc:
-            say(f"decode layers called one by one from Python ({exc})")
-        else:
-            layers.bind(linear, model.attn.decode_kernel, model.glue_kernel)
-            model.set_decode_layers(layers)     # False for layers it does not fit: one by one
+    _one_call_decode(model, spec, cpu_kernels.load_decode_layers_f32, linear)
     return True
 
 
