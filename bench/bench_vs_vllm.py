@@ -56,7 +56,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from daemon_process import ROOT, free_port, pct, start_daemon, wait_ready  # noqa: E402
+from daemon_process import ROOT, free_port, pct, start_daemon, wait_populated, wait_ready  # noqa: E402
 
 
 def make_model(cache: Path) -> Path:
@@ -479,6 +479,11 @@ def main() -> None:
                                              extra=tuple(shlex.split(args.vllm_args)))
         else:
             print(f"vLLM not found at {args.vllm!r}: measuring applianced alone")
+        for name in names:      # (vLLM's pool is touched in its start, before /health)
+            if name != "vLLM CPU":
+                waited = wait_populated(servers[name][1])
+                print(f"{name}: KV pools faulted in ({waited:.1f} s more after the servers' "
+                      "starts)")
         ledgers = {name: tmp / f"state-{i}" for i, (name, _, _) in enumerate(configs)
                    if args.ledger}
         rows = []

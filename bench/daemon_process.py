@@ -58,6 +58,26 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, path: str = "/ready"
     raise SystemExit(f"{url} did not become ready")
 
 
+def wait_populated(url: str, timeout: float = 300) -> float:
+    """Wait until every worker's KV pool is faulted in (`kv_populated` in the status: a
+    CPU worker's fills at idle priority after it starts, `cpu_heap.PoolPopulator`), so a
+    measurement starts from the steady state, as a server that touches its pool at start
+    does; returns the seconds waited. Gives up (and says so) after `timeout`."""
+    import json
+    t0 = time.monotonic()
+    while True:
+        with urllib.request.urlopen(f"{url}/admin/v1/status", timeout=10) as r:
+            workers = json.loads(r.read())["workers"]
+        if all((w.get("kv_populated") or 0.0) >= 1.0 for w in workers):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            print(f"{url}: KV pools still faulting in after {timeout:.0f} s: "
+                  + ", ".join(f"{w['worker']} {w.get('kv_populated')}" for w in workers),
+                  file=sys.stderr)
+            return time.monotonic() - t0
+        time.sleep(0.2)
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")

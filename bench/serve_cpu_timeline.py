@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_vs_vllm as vs  # noqa: E402
-from daemon_process import ROOT, start_daemon  # noqa: E402
+from daemon_process import ROOT, start_daemon, wait_populated  # noqa: E402
 
 
 def processes(root_pid: int) -> dict[int, str]:
@@ -81,6 +81,7 @@ def main() -> None:
     proc, url = start_daemon(state, ["--model", str(model), "--engine", "torch",
                                      "--config", str(state / "config.toml")], root=ROOT)
     try:
+        print(f"KV pools faulted in {wait_populated(url):.1f} s after /ready", file=sys.stderr)
         names = processes(proc.pid)
         samples: list[tuple[float, dict[str, float]]] = []
         done = threading.Event()

@@ -269,6 +269,7 @@ class WorkerLink:
             "kv_blocks_total": s.kv_blocks_total if s else None,
             "kv_blocks_free": s.kv_blocks_free if s else None,
             "kv_blocks_handed_off": s.kv_blocks_handed_off if s else None,
+            "kv_populated": s.kv_populated if s else None,
             "waiting": s.waiting if s else None, "running": s.running if s else None,
             "queued_prefill_tokens": s.queued_prefill_tokens if s else None,
             "iterations": s.iterations if s else None, "busy_s": s.busy_s if s else None,

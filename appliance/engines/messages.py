@@ -317,6 +317,9 @@ class WorkerStats:
     # Handed-off requests recomputed here instead of imported (deadline passed, or the
     # source died or restarted): a sign of decode workers too full for the handoff timeout.
     kv_recomputes: int = 0
+    # How much of the KV pool's memory is faulted in, 0 to 1: a CPU worker's fills in the
+    # background after it starts (`cpu_heap.PoolPopulator`); elsewhere it is all there.
+    kv_populated: float = 1.0
     # A CPU decode worker that borrows the prefill worker's core while that one idles
     # (`engine.cpu_decode_helper`): the core (-1: none), the steps that had it, and those
     # that did not because the lender was running (a worker without the shared page) or

@@ -92,6 +92,9 @@ class TorchEngine(BatchEngine):
             from appliance.engines import cpu_kernels
             self.kv = cpu_kernels.huge_page_zeros(math.prod(shape), model.dtype).view(shape)
         self.kv[:, :, -1] = canary_pattern(self.kv[:, :, -1].shape, model.dtype, model.device)
+        # A CPU pool's pages are faulted in behind the steps' back (`cpu_heap.PoolPopulator`)
+        self.kv_populator = (cpu_heap.PoolPopulator(self.kv) if self.kv.device.type == "cpu"
+                             else None)
         self._layout = layout_tag(s, bs, model.dtype)
         self._handle = handoff.export_pool(self.kv) if share_pool else None
         self._pool_id = pool_id_of(self._handle)
@@ -294,6 +297,8 @@ class TorchEngine(BatchEngine):
 
     def stats(self) -> WorkerStats:
         stats = super().stats()
+        if self.kv_populator is not None:
+            stats.kv_populated = self.kv_populator.share
         if self.helper_gate is not None:
             stats.borrowed_core = self.helper_gate.cpu
             stats.borrowed_core_steps = self.helper_gate.stats.steps_with

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.memory_maps import resident_bytes
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
@@ -49,3 +50,29 @@ def test_steps_reuse_freed_scratch_memory():
     assert keep["ok"] is True and keep["again"] is True
     assert keep["faults"][0] > 15_000       # 80 MiB really was touched: ~20,000 pages
     assert sum(keep["faults"][4:]) < 100    # ... and later steps found it still mapped
+
+
+def test_pool_populator_faults_pages_in_and_keeps_what_they_hold():
+    """MADV_POPULATE_WRITE commits the pages without writing them: what the worker wrote
+    before and while the thread ran stays, and the whole range is resident after."""
+    import torch
+
+    from appliance.engines import cpu_kernels
+    from appliance.engines.cpu_heap import PoolPopulator
+
+    pool = cpu_kernels.huge_page_zeros(32 << 20, torch.float32)       # 128 MiB, untouched
+    pool[:4096] = 7.0
+    PoolPopulator.CHUNK, chunk = 1 << 20, PoolPopulator.CHUNK          # many calls
+    try:
+        populator = PoolPopulator(pool)
+        pool[-4096:] = 3.0                                             # meanwhile
+        assert populator.finished.wait(120)
+    finally:
+        PoolPopulator.CHUNK = chunk
+    if populator.error is not None:
+        pytest.skip(f"this kernel has no MADV_POPULATE_WRITE: {populator.error}")
+    assert populator.share == 1.0 and populator.cpu_s > 0
+    assert bool(pool[:4096].eq(7.0).all()) and bool(pool[-4096:].eq(3.0).all())
+    assert float(pool[4096:-4096].abs().sum()) == 0.0
+    # resident: the mapping the pool lies in holds it all in memory
+    assert (resident_bytes(pool.data_ptr()) or 0) >= 128 << 20

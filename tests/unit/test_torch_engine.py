@@ -16,7 +16,7 @@ from appliance.engines.messages import (
 from appliance.engines.sequence import Role, Sequence
 from appliance.engines.torch_engine import TorchEngine, build_torch_engine
 from appliance.worker.spec import WorkerSpec
-from helpers.memory_maps import vm_flags
+from helpers.memory_maps import resident_bytes, vm_flags
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
@@ -227,6 +227,26 @@ def test_only_a_prefill_workers_pool_is_shared(tiny_model):
         if hasattr(mmap, "MADV_HUGEPAGE"):
             flags = vm_flags(eng.kv.data_ptr())
             assert flags is not None and " hg" in flags, (role, flags)
+
+
+def test_cpu_pools_are_faulted_in_behind_the_steps(tiny_model):
+    """A fresh worker's first write to each block page-faults (on a decode worker's
+    huge-page pool, zeroing 2 MB a fault); its pool is faulted in by a background thread
+    instead, which leaves what the pool holds alone, and the stats say when it is done."""
+    for role in ("prefill", "decode"):
+        eng = make_engine(tiny_model, f"{role}0", role=role, num_blocks=1024)
+        populator = eng.kv_populator
+        assert populator is not None and populator.finished.wait(120), role
+        if populator.error is not None:
+            pytest.skip(f"this kernel has no MADV_POPULATE_WRITE: {populator.error}")
+        assert eng.stats().kv_populated == 1.0, role
+        # resident before any block was written (only the canary block past the ids was)
+        size = eng.kv.numel() * eng.kv.element_size()
+        assert size > 8 << 20 and resident_bytes(eng.kv.data_ptr()) >= size - 4096, role
+        # the canary, written before the thread started, is still there, the rest zero
+        ref = make_engine(tiny_model, "ref", role=role, num_blocks=4)
+        assert torch.equal(eng.kv[:, :, -1], ref.kv[:, :, -1]), role
+        assert float(eng.kv[:, :, :-1].abs().sum()) == 0.0, role
 
 
 def _fragment(eng: TorchEngine, seed: int) -> list[Sequence]:
