@@ -13,6 +13,9 @@ serves the same weights as a Qwen3 (`make_qwen3_model`: q/k norms added). vLLM r
 own venv (`--vllm`, the `vllm` script there; skipped when absent); both servers are up
 at once and are measured ALTERNATELY (A B A B ...: `--rounds`), so load from other jobs
 on the machine falls on both alike; the table gives each cell's median over the rounds.
+The first cell starts once applianced's workers have faulted in their KV pools
+(`kv_populated`, which they do at idle priority after start), as vLLM's start touches its
+pool before it answers `/health`.
 
 Per cell, the client (aiohttp, this process) keeps C requests in flight until C ×
 `--requests` have finished, after two warm-up requests:
