@@ -30,8 +30,10 @@ import sys
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
