@@ -482,11 +482,9 @@ def main() -> None:
                                              extra=tuple(shlex.split(args.vllm_args)))
         else:
             print(f"vLLM not found at {args.vllm!r}: measuring applianced alone")
-        for name in names:      # (vLLM's pool is touched in its start, before /health)
-            if name != "vLLM CPU":
-                waited = wait_populated(servers[name][1])
-                print(f"{name}: KV pools faulted in ({waited:.1f} s more after the servers' "
-                      "starts)")
+        for name, _, _ in configs:  # (vLLM's pool is touched in its start, before /health)
+            waited = wait_populated(servers[name][1])
+            print(f"{name}: KV pools faulted in ({waited:.1f} s more after the servers' starts)")
         ledgers = {name: tmp / f"state-{i}" for i, (name, _, _) in enumerate(configs)
                    if args.ledger}
         rows = []

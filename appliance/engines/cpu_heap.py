@@ -110,8 +110,7 @@ class PoolPopulator:
         self.cpu_s = 0.0               # the thread's CPU time
         self.error: str | None = None  # why it stopped early (None: it has not)
         self.finished = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-pool-populate", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="kv-pool-populate", daemon=True).start()
 
     @property
     def share(self) -> float:
