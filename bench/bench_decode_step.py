@@ -265,10 +265,15 @@ def compare_kernels(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     plain = load_model(d, device=torch.device("cpu"), dtype=dtype)
     fast = load_model(d, device=torch.device("cpu"), dtype=dtype)
-    attention = cpu_kernels.load_paged_decode()
-    linear = cpu_kernels.load_linear_bf16()
-    glue = cpu_kernels.load_layer_glue()
-    layers = cpu_kernels.load_decode_layers()
+    try:
+        attention = cpu_kernels.load_paged_decode()
+        linear = cpu_kernels.load_linear_bf16()
+        glue = cpu_kernels.load_layer_glue()
+        layers = cpu_kernels.load_decode_layers()
+    except cpu_kernels.KernelUnavailable:
+        # (the compiler's own message is many lines of intrinsics that do not build here)
+        raise SystemExit("--compare-kernels times the bf16 kernels, which need AVX512-BF16; "
+                         "on this CPU the fp32 ones run: bench/bench_f32_kernels.py") from None
     layers.bind(linear, attention, glue)
     if not fast.attn.set_decode_kernel(attention) or \
             not all(layer.use_kernel(linear) for layer in dense_linears(fast)):

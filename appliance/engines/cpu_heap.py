@@ -94,8 +94,15 @@ class PoolPopulator:
     `madvise(MADV_POPULATE_WRITE)` faults pages in writable without touching what they
     hold, so the worker may write blocks meanwhile. A few MB a call: the call holds the
     process's memory-map lock, which an allocation that maps memory waits for. The thread
-    holds the pool only weakly (a worker that drops its engine frees it), and stops
-    quietly where the kernel lacks the advice (before 5.14): pages then fault as before.
+    never holds the pool: it stops at the next call once the pool is freed (or the
+    interpreter exits), and stops quietly where the kernel lacks the advice (before 5.14):
+    pages then fault as before. Holding it, even for the length of a call, made the thread
+    the one to free a pool its worker had dropped. Freeing a tensor over an `mmap`
+    releases the GIL and takes it again to give the buffer back; a thread that takes the
+    GIL while the interpreter finalizes is made to exit, here inside a C++ destructor, and
+    the process aborted (SIGABRT at exit, seen with several engines in one process). A
+    call over a range freed meanwhile only fails (ENOMEM) or prefaults pages that are not
+    the pool's: the advice never changes what a page holds.
     """
 
     CHUNK = 4 << 20
@@ -105,7 +112,9 @@ class PoolPopulator:
         start = pool.data_ptr()
         self._first = -(-start // page) * page                 # whole pages only
         self._end = (start + pool.numel() * pool.element_size()) // page * page
-        self._pool = weakref.ref(pool)
+        self._freed = threading.Event()
+        # (called where the pool's last reference goes, or at exit: never in the thread)
+        weakref.finalize(pool, self._freed.set)
         self.done = 0                  # bytes faulted in so far
         self.cpu_s = 0.0               # the thread's CPU time
         self.error: str | None = None  # why it stopped early (None: it has not)
@@ -129,15 +138,14 @@ class PoolPopulator:
             madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
             madvise.restype = ctypes.c_int
             for at in range(self._first, self._end, self.CHUNK):
-                pool = self._pool()
-                if pool is None:
+                if self._freed.is_set():
                     self.error = "the pool was freed"
                     return
                 span = min(self.CHUNK, self._end - at)
                 if madvise(at, span, _MADV_POPULATE_WRITE) != 0:
-                    self.error = os.strerror(ctypes.get_errno())
+                    self.error = ("the pool was freed" if self._freed.is_set()
+                                  else os.strerror(ctypes.get_errno()))
                     return
-                del pool
                 self.done += span
         except OSError as exc:        # no C library to call
             self.error = str(exc)

@@ -76,3 +76,35 @@ def test_pool_populator_faults_pages_in_and_keeps_what_they_hold():
     assert float(pool[4096:-4096].abs().sum()) == 0.0
     # resident: the mapping the pool lies in holds it all in memory
     assert (resident_bytes(pool.data_ptr()) or 0) >= 128 << 20
+
+
+def test_a_pool_dropped_while_it_populates_is_freed_where_it_was_dropped():
+    """The thread never holds the pool: the worker that drops it frees it there and then,
+    and the thread stops at its next call. (Held by the thread for the length of a call,
+    the pool was mostly freed by the thread; as the interpreter finalized, that aborted
+    the process.)"""
+    import threading
+    import weakref
+
+    import torch
+
+    from appliance.engines import cpu_kernels
+    from appliance.engines.cpu_heap import PoolPopulator
+
+    pool = cpu_kernels.huge_page_zeros(64 << 20, torch.float32)       # 256 MiB, untouched
+    freed_in: list[str] = []
+    weakref.finalize(pool, lambda: freed_in.append(threading.current_thread().name))
+    PoolPopulator.CHUNK, chunk = 1 << 20, PoolPopulator.CHUNK          # a call at a time
+    try:
+        populator = PoolPopulator(pool)
+        while populator.done == 0 and not populator.finished.is_set():
+            threading.Event().wait(0.001)                              # the thread is under way
+        if populator.error is not None:
+            pytest.skip(f"this kernel has no MADV_POPULATE_WRITE: {populator.error}")
+        del pool
+        assert freed_in == [threading.current_thread().name]           # here, at once
+        assert populator.finished.wait(30)
+    finally:
+        PoolPopulator.CHUNK = chunk
+    assert populator.error == "the pool was freed" and populator.share < 1.0
+
