@@ -91,20 +91,29 @@ def test_a_pool_dropped_while_it_populates_is_freed_where_it_was_dropped():
     from appliance.engines import cpu_kernels
     from appliance.engines.cpu_heap import PoolPopulator
 
-    pool = cpu_kernels.huge_page_zeros(64 << 20, torch.float32)       # 256 MiB, untouched
-    freed_in: list[str] = []
-    weakref.finalize(pool, lambda: freed_in.append(threading.current_thread().name))
+    size = 256 << 20
     PoolPopulator.CHUNK, chunk = 1 << 20, PoolPopulator.CHUNK          # a call at a time
     try:
-        populator = PoolPopulator(pool)
-        while populator.done == 0 and not populator.finished.is_set():
-            threading.Event().wait(0.001)                              # the thread is under way
-        if populator.error is not None:
-            pytest.skip(f"this kernel has no MADV_POPULATE_WRITE: {populator.error}")
-        del pool
-        assert freed_in == [threading.current_thread().name]           # here, at once
+        for _attempt in range(5):
+            pool = cpu_kernels.huge_page_zeros(size // 4, torch.float32)   # untouched
+            freed_in: list[str] = []
+            weakref.finalize(pool, lambda: freed_in.append(threading.current_thread().name))
+            populator = PoolPopulator(pool)
+            while populator.done == 0 and not populator.finished.is_set():
+                threading.Event().wait(0.001)                          # the thread is under way
+            if populator.error is not None:
+                pytest.skip(f"this kernel has no MADV_POPULATE_WRITE: {populator.error}")
+            del pool
+            assert freed_in == [threading.current_thread().name]       # here, at once
+            # The drop came with at least one call still to come, which must see it (on a
+            # loaded machine this thread can stall until the pool is all but faulted in:
+            # then the case did not happen, and it is tried again).
+            if populator.done <= size - 2 * PoolPopulator.CHUNK:
+                break
+            assert populator.finished.wait(30)
+        else:
+            pytest.fail("the populator faulted the whole pool in before it was dropped, 5 times")
         assert populator.finished.wait(30)
     finally:
         PoolPopulator.CHUNK = chunk
     assert populator.error == "the pool was freed" and populator.share < 1.0
-
