@@ -93,11 +93,10 @@ int main(int argc, char** argv) {
         }
         printf("a neighbour streams its own weights at 4 rows on CPU %s\n", argv[2]);
     }
-    double bytes = 0, flops_per_row = 0;
-    for (int s = 0; s < 4; s++) {
-        bytes += LAYERS * 2.0 * SHAPES[s][0] * SHAPES[s][1];
-        flops_per_row += LAYERS * 2.0 * SHAPES[s][0] * SHAPES[s][1];
-    }
+    double weights = 0;
+    for (int s = 0; s < 4; s++) weights += (double)LAYERS * SHAPES[s][0] * SHAPES[s][1];
+    /* bf16: two bytes a weight; a multiply-add a weight per row */
+    const double bytes = 2 * weights, flops_per_row = 2 * weights;
     const int64_t rows[] = {1, 3, 5, 8, 512};
     for (int r = 0; r < 5; r++) {
         const int n = rows[r] > 16 ? (passes + 9) / 10 + 2 : passes;
