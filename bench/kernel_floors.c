@@ -14,6 +14,8 @@
    them; every pass multiplies every matrix once, in a forward pass's order. With a CPU
    number as the second argument, a neighbour thread pinned there streams its own copy of
    the weights at 4 rows the whole time, as a decode worker beside a prefill worker does.
+   Where the CPU has AMX it runs on AMX's tiles, as the engine does (it asks Linux for the
+   tile state at load); without asking, the same calls take the AVX512-BF16 path.
 
        gcc -O3 -march=native -ffp-contract=off -o /tmp/kernel_floors bench/kernel_floors.c -lpthread
        taskset -c 1 /tmp/kernel_floors 30          # passes per row count
@@ -77,6 +79,7 @@ int main(int argc, char** argv) {
     if (passes < 1) { fprintf(stderr, "kernel_floors: passes must be >= 1\n"); return 2; }
     struct model m;
     model_init(&m, 512);
+    printf("path: %s\n", linear_bf16_amx() ? "AMX tiles" : "AVX512-BF16 (no AMX here)");
     if (argc > 2) {
         static struct model other;
         model_init(&other, 4);
@@ -97,8 +100,8 @@ int main(int argc, char** argv) {
     for (int s = 0; s < 4; s++) weights += (double)LAYERS * SHAPES[s][0] * SHAPES[s][1];
     /* bf16: two bytes a weight; a multiply-add a weight per row */
     const double bytes = 2 * weights, flops_per_row = 2 * weights;
-    const int64_t rows[] = {1, 3, 5, 8, 512};
-    for (int r = 0; r < 5; r++) {
+    const int64_t rows[] = {1, 3, 5, 8, 32, 512};
+    for (int r = 0; r < 6; r++) {
         const int n = rows[r] > 16 ? (passes + 9) / 10 + 2 : passes;
         double* t = malloc(sizeof(double) * n);
         pass(&m, rows[r]); /* warm: first touch, the kernel's paths */
