@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
     /* bf16: two bytes a weight; a multiply-add a weight per row */
     const double bytes = 2 * weights, flops_per_row = 2 * weights;
     const int64_t rows[] = {1, 3, 5, 8, 32, 512};
-    for (int r = 0; r < 6; r++) {
+    for (size_t r = 0; r < sizeof rows / sizeof *rows; r++) {
         const int n = rows[r] > 16 ? (passes + 9) / 10 + 2 : passes;
         double* t = malloc(sizeof(double) * n);
         pass(&m, rows[r]); /* warm: first touch, the kernel's paths */
