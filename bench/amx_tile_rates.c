@@ -1,6 +1,7 @@
 /* How fast one core's AMX tiles multiply where their operands lie, and what a prompt-sized
    matmul in linear_bf16.c's order loses to storing its accumulators: the probe behind
-   docs/benchmarks.md's session 39 (why the prompt matmuls run at ~1 TFLOP/s).
+   docs/benchmarks.md's sessions 39 (why the prompt matmuls run at ~1 TFLOP/s) and 58 (the
+   ceiling a block's stores leave, and an order that places the operands).
 
    ring KB: 32 x 32 blocks of TDPBF16PS (two A tiles, two B tiles, four accumulators, as
    the kernel multiplies), the A tiles in L1, the B tiles streamed through a ring of KB
@@ -16,13 +17,25 @@
    - deferred: the same products, a chunk's rounding and writing spread over the next
      chunk's k-steps (the same output, checked);
    - nostore: the products without any accumulator store, an upper bound (no output).
+   - blocked (session 58): N in chunks of 128 columns whose weights stay in L2 over all
+     rows (the next chunk asked into L2 meanwhile), rows 32 at a time, K in slices of 256
+     so that a block's slice of x (packed into 1 KB tiles first) stays in L1 across the
+     chunk's groups, the accumulators kept between K slices in an fp32 buffer (the same
+     output, checked).
    Prints the best of 15 passes in TFLOP/s. Not built by the project; needs AMX and
    Linux >= 5.16.
+
+   blocks KB P STORE [OFFSET] (session 58): the ring, but every P k-steps the accumulators
+   are stored (STORE 1) or not (0) and zeroed, as at a GEMM block's end: what a block
+   boundary costs with the operands where the ring keeps them. The stores go to a buffer
+   OFFSET bytes (default 0) into a 4 KB page, the A tiles starting on one: some offsets
+   make the next block's loads wait on the stores (4K aliasing).
 
        cc -O3 -march=native bench/amx_tile_rates.c -o /tmp/amx_tile_rates
        for kb in 32 256 1024 8192; do taskset -c 1 /tmp/amx_tile_rates ring $kb; done
        taskset -c 1 /tmp/amx_tile_rates gemm 256 4096 768 4     # the 82m model's gate_up
        taskset -c 1 /tmp/amx_tile_rates gemm 256 768 2048 4     # its down
+       for o in 0 1024 2048 3072; do taskset -c 1 /tmp/amx_tile_rates blocks 256 24 1 $o; done
 */
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -74,8 +87,14 @@ static void ahead(const uint16_t* wk) {
     for (int l = 0; l < 2048; l += 64) _mm_prefetch((const char*)wk + 2048 + l, _MM_HINT_T0);
 }
 
-static int ring(long kb) {
-    static uint16_t a[32 * 512] __attribute__((aligned(64)));
+/* the ring; with P > 0, every P k-steps the accumulators are stored (store) or not, and
+   zeroed, as at a GEMM block's end. The buffer they are stored to starts `off` bytes into
+   a 4 KB page (the A tiles start on one): where a store and a later load share their
+   address's low 12 bits the load may wait for the store (4K aliasing). */
+static int ring(long kb, long P, int store, long off) {
+    static uint16_t a[32 * 512] __attribute__((aligned(4096)));
+    static float accbuf[1024 + 1024] __attribute__((aligned(4096)));
+    float* acc = accbuf + off / 4;
     const long chunks = kb * 1024 / 2048, iters = 4000000;
     uint16_t* b = huge((size_t)kb * 1024 + 8192);
     fill(a, 32 * 512);
@@ -88,11 +107,21 @@ static int ring(long kb) {
         for (int l = 0; l < 2048; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
         KSTEP(a, a + 16 * 512, (i & 7) * 32, 512, wk);
         if (++j == chunks) j = 0;
+        if (P > 0 && (i + 1) % P == 0) {
+            if (store) {
+                _tile_stored(0, acc, 64); _tile_stored(1, acc + 256, 64);
+                _tile_stored(2, acc + 512, 64); _tile_stored(3, acc + 768, 64);
+            }
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        }
     }
     t = now() - t;
-    printf("ring %ld KB: %.2f TFLOP/s, B read at %.0f GB/s\n", kb,
-           iters * 4.0 * 16 * 16 * 32 * 2 / t / 1e12, iters * 2048.0 / t / 1e9);
-    return 0;
+    printf("ring %ld KB", kb);
+    if (P > 0) printf(", blocks of %ld k-steps, accumulators %s", P, store ? "stored" : "not stored");
+    if (P > 0 && store) printf(" %ld bytes into a page", off);
+    printf(": %.2f TFLOP/s, B read at %.0f GB/s\n", iters * 4.0 * 16 * 16 * 32 * 2 / t / 1e12,
+           iters * 2048.0 / t / 1e9);
+    return acc[3] == 12345.0f;
 }
 
 /* a chunk's 32 x 32 fp32 accumulators (4 tiles of 16 x 16) -> bf16 rows r0..r1-1 of the
@@ -148,9 +177,64 @@ static void gemm(int mode, const uint16_t* w, int64_t N, int64_t K, const uint16
     if (pend) write_rows(pend, 0, 64, py, N, pn);
 }
 
+#define NC 128  /* blocked: columns whose weights stay in L2 over all rows */
+#define KC 256  /* blocked: the slice of K whose x stays in L1 across a chunk's groups */
+static float part[NC / 32][1024] __attribute__((aligned(64)));
+static uint16_t* xtiles;
+
+/* mode 3: see the header; x [M][K] is first packed into tiles of 16 rows x 32 columns
+   (1 KB each; tile (r, c) at (r * K / 32 + c) * 512) */
+static void gemm_blocked(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x,
+                         int64_t M, uint16_t* y) {
+    const int64_t kt = K / 32;
+    for (int64_t r = 0; r < M / 16; r++)
+        for (int64_t c = 0; c < kt; c++)
+            for (int i = 0; i < 16; i++)
+                memcpy(xtiles + (r * kt + c) * 512 + i * 32, x + (r * 16 + i) * K + c * 32, 64);
+    for (int64_t n0 = 0; n0 < N; n0 += NC) {
+        const int64_t groups = (N - n0 < NC ? N - n0 : NC) / 32;
+        const char* next = (const char*)(w + (n0 + NC) * K);
+        const int64_t next_bytes = n0 + NC < N ? (N - n0 - NC < NC ? N - n0 - NC : NC) * K * 2 : 0;
+        const int64_t per = next_bytes / ((M / 32) * ((K + KC - 1) / KC) * groups) / 64 + 1;
+        int64_t pf = 0;
+        for (int64_t m0 = 0; m0 < M; m0 += 32) {
+            const uint16_t* a0 = xtiles + (m0 / 16) * kt * 512, *a1 = a0 + kt * 512;
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                const int64_t k1 = k0 + KC < K ? k0 + KC : K;
+                for (int64_t g = 0; g < groups; g++) {
+                    const uint16_t* wt = w + (n0 / 32 + g) * K * 32;
+                    float* acc = part[g];
+                    if (k0 == 0) {
+                        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    } else {
+                        _tile_loadd(0, acc, 64); _tile_loadd(1, acc + 256, 64);
+                        _tile_loadd(2, acc + 512, 64); _tile_loadd(3, acc + 768, 64);
+                    }
+                    for (int64_t k = k0; k < k1; k += 32) {
+                        const uint16_t* wk = wt + (k / 2) * 64;
+                        ahead(wk);
+                        _tile_loadd(4, a0 + (k / 32) * 512, 64); _tile_loadd(6, wk, 128);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_loadd(7, wk + 32, 128); _tile_dpbf16ps(1, 4, 7);
+                        _tile_loadd(5, a1 + (k / 32) * 512, 64); _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    for (int64_t i = 0; i < per && pf < next_bytes; i++, pf += 64)
+                        _mm_prefetch(next + pf, _MM_HINT_T1);
+                    _tile_stored(0, acc, 64); _tile_stored(1, acc + 256, 64);
+                    _tile_stored(2, acc + 512, 64); _tile_stored(3, acc + 768, 64);
+                    if (k1 == K) write_rows(acc, 0, 64, y + m0 * N, N, n0 + g * 32);
+                }
+            }
+        }
+    }
+}
+
 int main(int argc, char** argv) {
-    if (argc < 3 || (strcmp(argv[1], "gemm") == 0 && argc < 6)) {
-        fprintf(stderr, "usage: %s ring KB | gemm M N K COPIES\n", argv[0]);
+    if (argc < 3 || (strcmp(argv[1], "gemm") == 0 && argc < 6) ||
+        (strcmp(argv[1], "blocks") == 0 && argc < 5)) {
+        fprintf(stderr, "usage: %s ring KB | blocks KB P STORE [OFFSET] | gemm M N K COPIES\n",
+                argv[0]);
         return 2;
     }
     if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) {
@@ -162,7 +246,15 @@ int main(int argc, char** argv) {
     c.palette = 1;
     for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
     _tile_loadconfig(&c);
-    if (strcmp(argv[1], "ring") == 0) return ring(atol(argv[2]));
+    if (strcmp(argv[1], "ring") == 0) return ring(atol(argv[2]), 0, 0, 0);
+    if (strcmp(argv[1], "blocks") == 0) {
+        const long off = argc > 5 ? atol(argv[5]) : 0;
+        if (atol(argv[3]) < 1 || off < 0 || off > 4096 - 64 || off % 64) {
+            fprintf(stderr, "P: 1 or more k-steps; OFFSET: a multiple of 64 below 4096\n");
+            return 2;
+        }
+        return ring(atol(argv[2]), atol(argv[3]), atoi(argv[4]), off);
+    }
     const int64_t M = atol(argv[2]), N = atol(argv[3]), K = atol(argv[4]);
     const int copies = atoi(argv[5]);
     if (M % 32 || N % 32 || K % 32 || copies < 1 || copies > 64) {
@@ -171,24 +263,29 @@ int main(int argc, char** argv) {
     }
     uint16_t* ws[64];
     for (int i = 0; i < copies; i++) fill(ws[i] = huge((size_t)N * K * 2), (size_t)N * K);
-    uint16_t* x = huge((size_t)M * K * 2), *y[3];
+    uint16_t* x = huge((size_t)M * K * 2), *y[4];
+    xtiles = huge((size_t)M * K * 2);
     fill(x, (size_t)M * K);
-    for (int m = 0; m < 3; m++) y[m] = huge((size_t)M * N * 2);
-    const char* names[3] = {"kernel", "deferred", "nostore"};
-    double best[3] = {1e9, 1e9, 1e9};
+    for (int m = 0; m < 4; m++) y[m] = huge((size_t)M * N * 2);
+    const char* names[4] = {"kernel", "deferred", "nostore", "blocked"};
+    double best[4] = {1e9, 1e9, 1e9, 1e9};
     for (int r = 0; r < 15; r++)
-        for (int m = 0; m < 3; m++) {
+        for (int m = 0; m < 4; m++) {
             const double t = now();
-            for (int i = 0; i < copies; i++) gemm(m, ws[i], N, K, x, M, y[m]);
+            for (int i = 0; i < copies; i++) {
+                if (m == 3) gemm_blocked(ws[i], N, K, x, M, y[m]);
+                else gemm(m, ws[i], N, K, x, M, y[m]);
+            }
             const double dt = now() - t;
             if (dt < best[m]) best[m] = dt;
         }
     const double flops = 2.0 * M * N * K * copies;
     printf("M=%ld N=%ld K=%ld x%d (%.1f MB of weights):", (long)M, (long)N, (long)K, copies,
            copies * N * K * 2 / 1e6);
-    for (int m = 0; m < 3; m++) printf(" %s %.2f TFLOP/s%s", names[m], flops / best[m] / 1e12,
-                                       m < 2 ? "," : "\n");
-    printf("deferred wrote the kernel's output: %s\n",
-           memcmp(y[0], y[1], (size_t)M * N * 2) == 0 ? "yes" : "NO");
+    for (int m = 0; m < 4; m++) printf(" %s %.2f TFLOP/s%s", names[m], flops / best[m] / 1e12,
+                                       m < 3 ? "," : "\n");
+    printf("deferred wrote the kernel's output: %s; blocked: %s\n",
+           memcmp(y[0], y[1], (size_t)M * N * 2) == 0 ? "yes" : "NO",
+           memcmp(y[0], y[3], (size_t)M * N * 2) == 0 ? "yes" : "NO");
     return 0;
 }
