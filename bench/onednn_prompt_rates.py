@@ -15,7 +15,8 @@ model's shapes (hidden 768, intermediate 2,048, 4 KV heads of 64), bf16:
    output would stay in L2.
 
     taskset -c 1 .venv/bin/python bench/onednn_prompt_rates.py
-    taskset -c 1 .venv/bin/python bench/onednn_prompt_rates.py --rows 512 --mlp-rows 512,1024 --slices 1024,256
+    taskset -c 1 .venv/bin/python bench/onednn_prompt_rates.py --rows 512 \
+        --mlp-rows 512,1024 --slices 1024,256
 """
 from __future__ import annotations
 
@@ -47,10 +48,9 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def packed(n: int, k: int, g: torch.Generator, hint: int | None = None) -> torch.Tensor:
+def packed(n: int, k: int, g: torch.Generator) -> torch.Tensor:
     w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
-    return torch.ops.mkldnn._reorder_linear_weight(w, hint) if hint else \
-        torch.ops.mkldnn._reorder_linear_weight(w)
+    return torch.ops.mkldnn._reorder_linear_weight(w)
 
 
 def per_weight(m: int, g: torch.Generator, repeats: int, rounds: int) -> None:
@@ -108,15 +108,15 @@ def mlp_slices(rows: list[int], slices: list[int], g: torch.Generator, repeats: 
 
         def mlp(rows_at_once: int) -> None:
             for gate_up, down in weights:
-                if rows_at_once >= t:
-                    LINEAR(glue.silu_mul(LINEAR(x, gate_up, None, "none", [], "")), down,
-                           None, "none", [], "")
+                def rows(xr: torch.Tensor) -> torch.Tensor:
+                    gu = LINEAR(xr, gate_up, None, "none", [], "")
+                    return LINEAR(glue.silu_mul(gu), down, None, "none", [], "")
+                if rows_at_once >= t:       # as DenseMLP runs a step under MLP_ROWS
+                    rows(x)
                     continue
                 out = torch.empty_like(x)
                 for a in range(0, t, rows_at_once):
-                    out[a:a + rows_at_once] = LINEAR(glue.silu_mul(LINEAR(
-                        x[a:a + rows_at_once], gate_up, None, "none", [], "")), down,
-                        None, "none", [], "")
+                    out[a:a + rows_at_once] = rows(x[a:a + rows_at_once])
         seen: dict[int, list[float]] = {min(s, t): [] for s in slices}
         for _ in range(rounds):
             for s in seen:
