@@ -420,9 +420,10 @@ def boxes(tiny_model):
         engine("agg1", "agg", nixl=False)
 
 
-def _remote_decode(pre, rid, prompt, params, ttl=10.0):
+def _remote_decode(pre, rid, prompt, params, ttl=600.0):
     """Prefill rid on `pre` and the Decode message a decode box gets for it (a RemoteKv
-    handle, as the front sends)."""
+    handle, as the front sends). The TTL is long unless a test is about expiry: a CI
+    machine paused for a minute must not turn a held READ into a recompute."""
     from appliance.engines.messages import Decode, KvHandle, PrefillDone, Prefill, RemoteKv
     from appliance.kv.nixl_transport import NixlKvHandle, to_json
     out = pre.add(Prefill(rid, prompt, params, True))
@@ -437,6 +438,15 @@ def _remote_decode(pre, rid, prompt, params, ttl=10.0):
     kv = KvHandle(f"peer:{info['agent']}", rid, h.block_ids, h.num_tokens, h.layout,
                   payload=RemoteKv(pool, to_json(nh)), expires_at=time.monotonic() + ttl)
     return done.first_token, Decode(rid, prompt, done.first_token, params, kv)
+
+
+def _drain(dec, *rids):
+    """Abort what a test left on the shared decode engine (a no-op when it passed) and let
+    its READs end, so one failure does not fail the tests after it."""
+    for rid in rids:
+        dec.abort(rid)
+    while dec.has_work():
+        dec.step()
 
 
 def _tokens(events, rid):
@@ -500,6 +510,7 @@ def test_running_sequences_keep_decoding_while_a_pull_from_another_box_is_in_fli
         assert [first] + _tokens(events, "idle") == want and dec.kv_recomputes == 1
     finally:
         dec.nixl._agent = link.real
+        _drain(dec, "run", "slow", "idle")
         pre.release("slow")
         pre.release("idle")
     assert dec.blocks.num_free == dec.blocks.num_blocks, "every block came back"
@@ -528,6 +539,7 @@ def test_a_request_aborted_while_its_pull_is_in_flight_frees_its_blocks_when_it_
             assert dec.step() == []                       # nothing for a gone request
     finally:
         dec.nixl._agent = link.real
+        _drain(dec, "gone")
         pre.release("gone")
     assert dec.blocks.num_free == dec.blocks.num_blocks
 
