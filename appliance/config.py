@@ -73,6 +73,8 @@ class EngineConfig:
     fair_queuing: bool = True         # tenants share prefill steps by [tenants] weight, not arrival order
     decode_kv_gate: bool = False      # disagg: prefill a request only when the decode side has its KV room
     decode_kv_gate_wait_s: float = 10.0  # ...but hold none longer than this (then it goes on ungated)
+    decode_max_seqs: int = 0          # disagg: >0: prefill a request only while fewer than this many
+                                      # per decode worker are placed and unfinished; 0 = off
     conditional_disagg_tokens: int = 0  # >0: prompts shorter than this skip the prefill worker
     conditional_disagg_queue_tokens: int = -1  # >0: while this many prompt tokens wait for the
                                       # prefill workers, a decode worker prefills one itself;
@@ -365,6 +367,9 @@ def validate(cfg: Config) -> Config:
     for key in ("cpu_idle_w_per_core", "cpu_busy_w_per_core"):
         if getattr(t, key) < 0:
             raise ConfigError(f"config: telemetry.{key} must be 0 or more, got {getattr(t, key)}")
+    if cfg.engine.decode_max_seqs < 0:
+        raise ConfigError(f"config: engine.decode_max_seqs must be 0 (off) or more, "
+                          f"got {cfg.engine.decode_max_seqs}")
     if cfg.engine.decode_kv_gate_wait_s < 0:
         raise ConfigError(f"config: engine.decode_kv_gate_wait_s must be 0 or more, "
                           f"got {cfg.engine.decode_kv_gate_wait_s}")

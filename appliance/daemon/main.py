@@ -110,7 +110,7 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
     router = Router(pool, setup.plan.mode, e.conditional_disagg_tokens, cfg.tenants,
                     fair_queuing=e.fair_queuing, role=c.role, peers=peers,
                     model_name=lambda: state.model.name, decode_kv_gate=e.decode_kv_gate,
-                    decode_kv_gate_wait_s=e.decode_kv_gate_wait_s,
+                    decode_kv_gate_wait_s=e.decode_kv_gate_wait_s, decode_max_seqs=e.decode_max_seqs,
                     queue_tokens=queue_tokens(e.conditional_disagg_queue_tokens, setup.specs),
                     prefill_share=e.conditional_disagg_prefill_share)
     t = cfg.telemetry

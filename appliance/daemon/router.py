@@ -106,7 +106,7 @@ class Router:
                  role: str = "both", peers: Peers | None = None,
                  model_name: Callable[[], str] = lambda: "", decode_kv_gate: bool = False,
                  decode_kv_gate_wait_s: float = 10.0, queue_tokens: int = 0,
-                 prefill_share: float = 1.0):
+                 prefill_share: float = 1.0, decode_max_seqs: int = 0):
         self.pool = pool
         self._model_name = model_name   # what the decode boxes are told the request is for
         self.role = role            # cluster.role: both | prefill (decodes go to peers) | decode
@@ -122,7 +122,18 @@ class Router:
         # theirs to refuse): not gated here. No request waits there longer than
         # `decode_kv_gate_wait_s`: it then goes on as it would ungated (the decode
         # worker's own admission decides), so long answers can delay others, never block them.
-        self.gated = decode_kv_gate and mode == "disagg" and role != "prefill"
+        on_decode_side = mode == "disagg" and role != "prefill"
+        self.kv_gated = decode_kv_gate and on_decode_side
+        # The sequences-in-decode cap (`engine.decode_max_seqs`, off by default), in the same
+        # place and with the same bound on a wait: a request goes to a prefill worker (or a
+        # decode worker prefilling it itself) only while fewer than so many per ready
+        # decode worker are placed and unfinished. A decode step's time grows with its
+        # batch, and every running sequence waits for the whole step: past a host's point
+        # (~28 sequences for the 82M bench model on a 2-core Xeon with AMX, session 59 of
+        # docs/benchmarks.md) a bigger batch adds little to the rate and all to each
+        # token's wait, so the requests beyond wait for their first token instead.
+        self.max_seqs = decode_max_seqs if on_decode_side else 0
+        self.gated = self.kv_gated or self.max_seqs > 0
         # Conditional disaggregation by queue (`engine.conditional_disagg_queue_tokens`,
         # Dynamo's rule): while so many prompt tokens wait for the prefill workers, a
         # decode worker with no prompt of its own under way prefills the next request
@@ -131,7 +142,7 @@ class Router:
         # each on more sequences; with one prompt at a time it never stops for long, and
         # its prompts take at most `prefill_share` of its time (`_decode_for_a_while`).
         self.queue_tokens = (queue_tokens if mode == "disagg" and role == "both"
-                             and not self.gated else 0)
+                             and not self.kv_gated else 0)
         self.prefill_share = prefill_share
         self._decodes_until: dict[str, float] = {}    # decode worker -> no prompt before
         self.dispatch = DispatchQueue(
@@ -183,10 +194,10 @@ class Router:
         """A first-stage worker for the request, claimed (its channel open, its prompt
         counted, its `need` decode KV blocks committed): at once when one has room and
         nobody waits, else in fair order."""
-        if not self.dispatch.queue:
+        if not self.dispatch.queue and (not need or self._decode_room(need)):
             w = ((self.queue_tokens and self._local_prefill(tokens))
                  or pick_with_room(self._first(), tokens))
-            if w is not None and (not need or self._decode_room(need)):
+            if w is not None:
                 queue = w.open(rid)
                 w.pending_prefill_tokens += tokens
                 self._commit(rid, need)
@@ -241,8 +252,23 @@ class Router:
             self.decode_committed -= need
             self._pump()
 
+    def decode_admission(self) -> dict:
+        """What holds prompts back before their prefill, as applied, and how many it holds:
+        the sequences-in-decode cap per ready decode worker (0: off), the decode-KV gate,
+        the requests counted against them (placed, not ended) and those waiting at the
+        router for any worker or room."""
+        return {"max_seqs_per_decode_worker": self.max_seqs, "kv_gate": self.kv_gated,
+                "counted": len(self._committed), "kv_blocks_counted": self.decode_committed,
+                "waiting": len(self.dispatch)}
+
     def _decode_room(self, need: int) -> bool:
-        return decode_room([w for w in self.decode if w.ready], self.decode_committed, need)
+        if self.max_seqs:
+            # (no decode worker ready: nothing to judge by, held back no more than ungated)
+            ready = sum(1 for w in self.decode if w.ready)
+            if ready and len(self._committed) >= self.max_seqs * ready:
+                return False
+        return not self.kv_gated or decode_room(
+            [w for w in self.decode if w.ready], self.decode_committed, need)
 
     def ready(self) -> bool:
         """Whether a request can be served: on a decode box, when a decode worker is
@@ -363,7 +389,7 @@ class Router:
                     need = self._decode_need(len(prompt), params.max_tokens)
                     largest = self._largest_decode()
                     floor = self._decode_need(len(prompt), 0)
-                    if largest and floor > largest:
+                    if self.kv_gated and largest and floor > largest:
                         # no decode worker here could ever import it: say so, never wait
                         raise EngineError(
                             f"the prompt's KV ({floor} blocks of "

@@ -256,6 +256,8 @@ class Service:
             "conditional_disagg": {"prompt_tokens": self.router.conditional_tokens,
                                    "queue_tokens": self.router.queue_tokens,
                                    "prefill_share": self.router.prefill_share},
+            # engine.decode_max_seqs and engine.decode_kv_gate, as applied, and what they hold
+            "decode_admission": self.router.decode_admission(),
             **inv,
             "partition": split_of(self.plan),
             "workers": workers,

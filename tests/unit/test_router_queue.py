@@ -16,7 +16,7 @@ from appliance.daemon.workers import WorkerGone, WorkerPool
 from appliance.engines.messages import (
     Hello, KvHandle, Prefill, PrefillDone, SamplingParams, Tokens, WorkerStats,
 )
-from appliance.config import TenantConfig
+from appliance.config import ConfigError, TenantConfig, parse
 from appliance.worker.spec import WorkerSpec
 
 
@@ -527,6 +527,95 @@ def test_the_decode_kv_gate_never_holds_a_request_past_its_wait():
         assert router.decode_committed == 0
 
     asyncio.run(scenario())
+
+
+def test_the_decode_seq_cap_holds_requests_in_fair_order_per_ready_decode_worker():
+    """`decode_max_seqs`: no more requests placed and unfinished than so many per ready
+    decode worker; those beyond wait in the fair queue, before any prefill, and go as
+    requests end; no KV accounting is needed for it (no stats report, any prompt)."""
+    async def scenario():
+        pool = _pool(_spec("p0", role="prefill", max_seqs=100, max_batch_tokens=10 ** 6),
+                     _spec("d0", role="decode"), _spec("d1", role="decode"))
+        pool.workers["d1"].state = "starting"
+        router = Router(pool, "disagg", decode_max_seqs=2)
+        assert router.gated and not router.kv_gated
+        flood = [Client(router, f"f{i}", "flood", tokens=32) for i in range(6)]
+        await _settle()
+        assert _sent(pool) == ["f0", "f1"] and router.depth("flood") == 4
+        polite = Client(router, "q", "polite", tokens=16 * 40)    # larger than any pool
+        await _settle()
+        assert router.depth("polite") == 1
+        _done(pool, "f0")
+        await _settle()
+        assert _sent(pool) == ["f0", "f1", "q"] and router.depth("flood") == 4
+        # a second decode worker ready: room for two more at once
+        pool.workers["d1"].state = "ready"
+        router._pump()
+        await _settle()
+        assert _sent(pool) == ["f0", "f1", "q", "f2", "f3"] and router.depth("flood") == 2
+        assert router.decode_admission() == {
+            "max_seqs_per_decode_worker": 2, "kv_gate": False, "counted": 4,
+            "kv_blocks_counted": sum(router._committed.values()), "waiting": 2}
+        # no decode worker ready: nothing to judge by, nothing held back
+        for w in ("d0", "d1"):
+            pool.workers[w].state = "starting"
+        router._pump()
+        await _settle()
+        assert _sent(pool)[-2:] == ["f4", "f5"] and len(router.dispatch) == 0
+        for rid in ("f1", "q", "f2", "f3", "f4", "f5"):
+            _done(pool, rid)
+        await asyncio.gather(*(c.task for c in (*flood, polite)))
+        assert router._committed == {} and router.decode_committed == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_decode_seq_cap_counts_a_prompt_the_decode_worker_prefills_itself():
+    """Unlike the KV gate, the cap leaves conditional disaggregation on: a prompt the
+    decode worker prefills itself is one more sequence in decode, counted like one
+    handed off; and a request held past `decode_kv_gate_wait_s` goes on uncounted."""
+    async def scenario():
+        pool = _pool(_spec("p0", role="prefill", max_seqs=3, max_batch_tokens=100),
+                     _spec("d0", role="decode", max_seqs=100))
+        router = Router(pool, "disagg", queue_tokens=1000, decode_max_seqs=2,
+                        decode_kv_gate_wait_s=0.3)
+        assert router.queue_tokens == 1000
+        a = Client(router, "a", "t", tokens=10, max_tokens=4)
+        await _settle()
+        b = Client(router, "b", "t", tokens=10, max_tokens=4)     # p0 busy: empty d0 takes it
+        await _settle()
+        assert _placed(pool) == {"a": ("p0", True), "b": ("d0", False)}
+        c = Client(router, "c", "t", tokens=10, max_tokens=4)
+        await _settle()
+        assert set(_placed(pool)) == {"a", "b"} and router.depth("t") == 1
+        pool.workers["d0"].channels["b"].put(Tokens("b", [8], "length"))
+        await b.task
+        await _settle()
+        assert _placed(pool)["c"] == ("d0", False) and sorted(router._committed) == ["a", "c"]
+        late = Client(router, "late", "t", tokens=10, max_tokens=4)
+        t0 = asyncio.get_running_loop().time()
+        while "late" not in _placed(pool):
+            assert asyncio.get_running_loop().time() - t0 < 5, "held past its wait"
+            await asyncio.sleep(0.02)
+        assert asyncio.get_running_loop().time() - t0 >= 0.2
+        assert _placed(pool)["late"] == ("p0", True) and sorted(router._committed) == ["a", "c"]
+        for client in (a, c, late):
+            client.task.cancel()
+        await asyncio.gather(a.task, c.task, late.task, return_exceptions=True)
+        assert router._committed == {} and len(router.dispatch) == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_decode_seq_cap_is_off_where_no_decode_worker_shares_the_router():
+    assert parse("[engine]\ndecode_max_seqs = 28\n", "t.toml").engine.decode_max_seqs == 28
+    with pytest.raises(ConfigError) as err:
+        parse("[engine]\ndecode_max_seqs = -1\n", "t.toml")
+    assert str(err.value) == "t.toml: config: engine.decode_max_seqs must be 0 (off) or more, got -1"
+    pool = _pool(_spec("p0", role="prefill"), _spec("d0", role="decode"))
+    assert not Router(_pool(_spec("a0")), "agg", decode_max_seqs=4).gated
+    assert not Router(pool, "disagg", decode_max_seqs=4, role="prefill").gated
+    assert not Router(pool, "disagg").gated
 
 
 # ---- conditional disaggregation by queue length ---------------------------------------

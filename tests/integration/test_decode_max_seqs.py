@@ -1,0 +1,66 @@
+"""The sequences-in-decode cap (`engine.decode_max_seqs`), end to end on `sim:2xH100`
+(one prefill, one decode worker): a burst of requests larger than the cap is held at
+the router before its prefill, never more than the cap in decode at once, and every
+request is answered in full; `/admin/v1/status` says what the cap holds."""
+from __future__ import annotations
+
+import asyncio
+
+from helpers.daemons import http
+
+MODEL = "llama-3.1-8b"
+CAP = 2
+REQUESTS = 6
+ANSWER = 200
+
+
+def test_a_burst_past_the_cap_waits_at_the_router_and_is_answered_in_full(
+        daemon_factory, tiny_model):
+    import openai
+    d = daemon_factory("--devices", "sim:2xH100", "--model-spec", MODEL, "--sim-speed", "4",
+                       model=tiny_model, config=f"[engine]\ndecode_max_seqs = {CAP}\n")
+    assert d.status()["decode_admission"] == {
+        "max_seqs_per_decode_worker": CAP, "kv_gate": False, "counted": 0,
+        "kv_blocks_counted": 0, "waiting": 0}
+    model = d.status()["model"]
+
+    def admission() -> tuple[dict, int]:
+        code, _, body = http("GET", d.url + "/admin/v1/status")
+        assert code == 200, body
+        running = next(w["running"] for w in body["workers"] if w["worker"] == "decode0")
+        return body["decode_admission"], running or 0
+
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0,
+                                    timeout=120)
+        seen: list[tuple[dict, int]] = []
+        stop = asyncio.Event()
+
+        async def watch() -> None:
+            while not stop.is_set():
+                seen.append(await asyncio.to_thread(admission))
+                await asyncio.sleep(0.02)
+
+        async def one(i: int):
+            return await client.completions.create(
+                model=model, prompt=f"request {i}: " + "tokens " * 40, max_tokens=ANSWER,
+                extra_body={"ignore_eos": True})
+
+        watcher = asyncio.create_task(watch())
+        try:
+            results = await asyncio.gather(*(one(i) for i in range(REQUESTS)))
+        finally:
+            stop.set()
+            await watcher
+            await client.close()
+        return results, seen
+
+    results, seen = asyncio.run(scenario())
+    assert [r.usage.completion_tokens for r in results] == [ANSWER] * REQUESTS
+    assert seen, "the watcher read no status"
+    assert max(a["counted"] for a, _ in seen) <= CAP
+    assert max(running for _, running in seen) <= CAP
+    # the burst was held back (waited for: the watcher saw it while it lasted)
+    assert max(a["waiting"] for a, _ in seen) >= 1
+    assert admission()[0] == {"max_seqs_per_decode_worker": CAP, "kv_gate": False,
+                              "counted": 0, "kv_blocks_counted": 0, "waiting": 0}
