@@ -121,7 +121,7 @@ async def build_service(cfg: Config, setup: Setup, journal: Journal, state_dir: 
         sample_interval_s=t.sample_interval_s, retain_s=t.retain_s, rapl_dir=t.rapl_dir,
         cpu_idle_w_per_core=t.cpu_idle_w_per_core, cpu_busy_w_per_core=t.cpu_busy_w_per_core)
     metrics = Metrics(pool, served, setup.simulated, telemetry=telemetry, site=cfg.site.name,
-                      appliance=telemetry.appliance)
+                      appliance=telemetry.appliance, admission=router.decode_admission)
     try:
         accounting = await start_accounting(cfg, setup, state, pool,
                                             labelled_tenants(cfg) | auth.tenants,

@@ -152,9 +152,32 @@ class WorkerCollector:
         return [up, restarts, kv, queued, running, borrowed, unborrowed, taken_back]
 
 
+class AdmissionCollector:
+    """The router's queue, read at scrape time from `admission()` (`Router.decode_admission`):
+    a fleet sees requests held before their prefill, which no worker's own queue shows."""
+
+    def __init__(self, admission, simulated: bool):
+        self.admission = admission
+        self.sim = "true" if simulated else "false"
+
+    def collect(self):
+        a = self.admission()
+        waiting = GaugeMetricFamily(
+            "applianced_router_waiting_requests", "Requests waiting at the router for a "
+            "first-stage worker with room, or for room on the decode side "
+            "(engine.decode_max_seqs, engine.decode_kv_gate)", labels=["simulated"])
+        waiting.add_metric([self.sim], a["waiting"])
+        counted = GaugeMetricFamily(
+            "applianced_decode_admission_counted_requests", "Requests placed and unfinished "
+            "that count against engine.decode_max_seqs and engine.decode_kv_gate (0 when "
+            "both are off)", labels=["simulated"])
+        counted.add_metric([self.sim], a["counted"])
+        return [waiting, counted]
+
+
 class Metrics:
     def __init__(self, pool, served, simulated: bool, *, telemetry=None,
-                 site: str = "local", appliance: str = ""):
+                 site: str = "local", appliance: str = "", admission=None):
         """`served`: the served model (`state.ServedModel`), whose name labels the series."""
         self.registry = CollectorRegistry()
         self._view = SiteLabels(self.registry, site, appliance)
@@ -193,6 +216,8 @@ class Metrics:
             "(sim = modelled time)", ["transport", "simulated"],
             buckets=KV_TRANSFER_BUCKETS, registry=r)
         r.register(WorkerCollector(pool, simulated))
+        if admission is not None:
+            r.register(AdmissionCollector(admission, simulated))
         if telemetry is not None:
             r.register(TelemetryCollector(telemetry, simulated))
         # Label children, looked up once per label set: `labels()` costs more than the

@@ -30,15 +30,30 @@ def test_a_burst_past_the_cap_waits_at_the_router_and_is_answered_in_full(
         running = next(w["running"] for w in body["workers"] if w["worker"] == "decode0")
         return body["decode_admission"], running or 0
 
+    def gauges() -> dict[str, float]:
+        """The router's two gauges on /metrics (one sample each: site labels aside)."""
+        code, _, body = http("GET", d.url + "/metrics")
+        assert code == 200
+        out = {}
+        for line in body.decode().splitlines():
+            name = line.split("{", 1)[0]
+            if name in ("applianced_router_waiting_requests",
+                        "applianced_decode_admission_counted_requests"):
+                assert 'simulated="true"' in line, line
+                out[name] = float(line.rsplit(" ", 1)[1])
+        return out
+
     async def scenario():
         client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0,
                                     timeout=120)
         seen: list[tuple[dict, int]] = []
+        scraped: list[dict[str, float]] = []
         stop = asyncio.Event()
 
         async def watch() -> None:
             while not stop.is_set():
                 seen.append(await asyncio.to_thread(admission))
+                scraped.append(await asyncio.to_thread(gauges))
                 await asyncio.sleep(0.02)
 
         async def one(i: int):
@@ -53,14 +68,19 @@ def test_a_burst_past_the_cap_waits_at_the_router_and_is_answered_in_full(
             stop.set()
             await watcher
             await client.close()
-        return results, seen
+        return results, seen, scraped
 
-    results, seen = asyncio.run(scenario())
+    results, seen, scraped = asyncio.run(scenario())
     assert [r.usage.completion_tokens for r in results] == [ANSWER] * REQUESTS
     assert seen, "the watcher read no status"
     assert max(a["counted"] for a, _ in seen) <= CAP
     assert max(running for _, running in seen) <= CAP
     # the burst was held back (waited for: the watcher saw it while it lasted)
     assert max(a["waiting"] for a, _ in seen) >= 1
+    # and on /metrics, for a fleet: the same counts while the burst lasted, none after
+    assert max(g["applianced_router_waiting_requests"] for g in scraped) >= 1
+    assert max(g["applianced_decode_admission_counted_requests"] for g in scraped) == CAP
+    assert gauges() == {"applianced_router_waiting_requests": 0.0,
+                        "applianced_decode_admission_counted_requests": 0.0}
     assert admission()[0] == {"max_seqs_per_decode_worker": CAP, "kv_gate": False,
                               "counted": 0, "kv_blocks_counted": 0, "waiting": 0}
