@@ -12,7 +12,7 @@ pytest.importorskip("textual")
 from appliance.tui.views.carbon import carbon_from_json  # noqa: E402
 from appliance.tui.views.fleet import fleet_ratio  # noqa: E402
 from appliance.tui.views.overview import (History, overview_from_status,  # noqa: E402
-                                          render_overview_text)
+                                          rates_line, render_overview_text)
 from appliance.tui.views.tenants import (filter_tenants, merge_tenants,  # noqa: E402
                                          sort_tenants, tenants_from_usage)
 
@@ -45,6 +45,16 @@ def test_main_status_groups_devices_from_the_plan_and_leaves_live_figures_na():
     assert [w.state for w in ov.workers] == ["up", "restarting", "up"]
     text = render_overview_text(ov)
     assert "GPU-s n/a" in text and "restarts 3" in text and "(prefill1 restarting)" in text
+
+
+def test_requests_held_at_the_router_show_beside_those_in_flight():
+    held = {**MAIN_STATUS, "inflight": 9, "decode_admission": {"waiting": 3, "counted": 6}}
+    ov = overview_from_status(held)
+    assert rates_line(ov).endswith("  3 held at the router")
+    assert "3 held at the router" in render_overview_text(ov)
+    for quiet in (MAIN_STATUS, {**held, "decode_admission": {"waiting": 0}},
+                  {**held, "decode_admission": "x"}):
+        assert "held at the router" not in render_overview_text(overview_from_status(quiet))
 
 
 @pytest.mark.parametrize("junk", [

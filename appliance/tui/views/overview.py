@@ -103,6 +103,9 @@ class Overview:
     groups: tuple[GroupView, ...]
     workers: tuple[WorkerRow, ...]
     cluster: ClusterView | None = None   # the Peers panel; None: a single box
+    # requests waiting at the router before their prefill (a worker with room, or the
+    # decode side's: engine.decode_max_seqs / decode_kv_gate); None: not reported
+    held: int | None = None
 
     def group(self, name: str) -> GroupView | None:
         return next((g for g in self.groups if g.name == name), None)
@@ -220,7 +223,8 @@ def overview_from_status(status: dict, history: "History | None" = None) -> Over
         ttft_p50=num(latency.get("ttft_p50_s")), ttft_p99=num(latency.get("ttft_p99_s")),
         itl_p50=num(latency.get("itl_p50_s")), itl_p99=num(latency.get("itl_p99_s")),
         groups=tuple(groups), workers=workers,
-        cluster=cluster_from_status(status, history.peers if history is not None else None))
+        cluster=cluster_from_status(status, history.peers if history is not None else None),
+        held=as_int(as_dict(status.get("decode_admission")).get("waiting")))
 
 
 @dataclass
@@ -308,7 +312,8 @@ def ratio_line(ov: Overview) -> str:
 def rates_line(ov: Overview) -> str:
     return (f"req/s {fmt_num(ov.requests_per_s)}  TTFT p50 {fmt_seconds(ov.ttft_p50)} "
             f"p99 {fmt_seconds(ov.ttft_p99)}  ITL p50 {fmt_seconds(ov.itl_p50)} "
-            f"p99 {fmt_seconds(ov.itl_p99)}")
+            f"p99 {fmt_seconds(ov.itl_p99)}"
+            + (f"  {ov.held} held at the router" if ov.held else ""))
 
 
 def group_line(g: GroupView) -> str:
