@@ -252,6 +252,17 @@ class Router:
             self.decode_committed -= need
             self._pump()
 
+    def _refuse_what_never_fits(self, prompt: int) -> None:
+        """A prompt whose KV no decode worker here could import even empty: an error at
+        once, never a wait at the gate."""
+        largest = self._largest_decode()
+        floor = self._decode_need(prompt, 0)
+        if largest and floor > largest:
+            raise EngineError(
+                f"the prompt's KV ({floor} blocks of {self.decode[0].spec.block_size} "
+                f"tokens) is larger than any decode worker's KV pool (the largest holds "
+                f"{largest})", "kv_capacity")
+
     def decode_admission(self) -> dict:
         """What holds prompts back before their prefill, as applied, and how many it holds:
         the sequences-in-decode cap per ready decode worker (0: off), the decode-KV gate,
@@ -387,15 +398,8 @@ class Router:
                 need = 0
                 if self.gated:      # (no bookkeeping on the request path when ungated)
                     need = self._decode_need(len(prompt), params.max_tokens)
-                    largest = self._largest_decode()
-                    floor = self._decode_need(len(prompt), 0)
-                    if self.kv_gated and largest and floor > largest:
-                        # no decode worker here could ever import it: say so, never wait
-                        raise EngineError(
-                            f"the prompt's KV ({floor} blocks of "
-                            f"{self.decode[0].spec.block_size} tokens) is larger than any "
-                            f"decode worker's KV pool (the largest holds {largest})",
-                            "kv_capacity")
+                    if self.kv_gated:
+                        self._refuse_what_never_fits(len(prompt))
                 gen = self._run_disagg(trace, prompt, params, share, need)
             async for item in gen:
                 yield item
