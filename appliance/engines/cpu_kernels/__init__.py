@@ -9,10 +9,13 @@
 - `LayerGlue`: a step's residual adds with RMSNorms, RoPE with the KV write, SwiGLU's
   activation and Qwen3's q/k norms, each one call (layer_glue.c);
 - `DecodeLayers`: a decode step's layers in one call of the three above (decode_layers.c);
-- `LinearF32`, `PagedDecodeF32`, `CausalPrefillF32`, `LayerGlueF32` and
-  `DecodeLayersF32`: the same jobs in fp32 on a CPU without AVX-512 (AVX2 and FMA), where
-  the kernels above do not build and a worker holds fp32 weights and KV (linear_f32.c,
-  paged_decode_f32.c, causal_prefill_f32.c, layer_glue_f32.c, decode_layers_f32.c).
+- `MoeExperts`: a step's mixture-of-experts SwiGLU experts in one call of the matmul and
+  glue kernels (moe_experts.c);
+- `LinearF32`, `PagedDecodeF32`, `CausalPrefillF32`, `LayerGlueF32`, `DecodeLayersF32`
+  and `MoeExpertsF32`: the same jobs in fp32 on a CPU without AVX-512 (AVX2 and FMA),
+  where the kernels above do not build and a worker holds fp32 weights and KV
+  (linear_f32.c, paged_decode_f32.c, causal_prefill_f32.c, layer_glue_f32.c,
+  decode_layers_f32.c, moe_experts_f32.c).
 
 Torch's ops stay the reference and the fallback: a kernel is only used when it could be
 built and loaded here (`load_paged_decode`, `load_linear_bf16`, `load_causal_prefill`),
@@ -30,7 +33,8 @@ import torch
 from appliance.engines.cpu_kernels.builder import KernelUnavailable, build, cache_dir
 
 __all__ = ["CausalPrefill", "CausalPrefillF32", "DecodeLayers", "DecodeLayersF32", "KernelUnavailable",
-           "LayerGlue", "LayerGlueF32", "LinearBf16", "LinearF32", "PagedDecodeF32",
+           "LayerGlue", "LayerGlueF32", "LinearBf16", "LinearF32", "MoeExperts", "MoeExpertsF32",
+           "PagedDecodeF32", "load_moe_experts", "load_moe_experts_f32",
            "load_causal_prefill_f32", "load_decode_layers_f32", "load_layer_glue_f32", "load_linear_f32",
            "load_paged_decode_f32",
            "PagedDecode", "huge_page_empty", "huge_page_zeros", "load_causal_prefill",
@@ -674,6 +678,85 @@ class DecodeLayersF32(DecodeLayers):
     DTYPE = torch.float32
 
 
+class MoeExperts:
+    """``moe_experts`` of a loaded library: a step's SwiGLU experts in one call through the
+    matmul and glue kernels given to `bind` (moe_experts.c says why and how it rounds)."""
+
+    DTYPE = torch.bfloat16      # of x, the experts' packed weights and the output
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        self._bind = lib.moe_experts_bind
+        self._bind.restype = None
+        self._bind.argtypes = [_P, _P]
+        self._fn = lib.moe_experts
+        self._fn.restype = _I
+        self._fn.argtypes = [_P, _P, _L, _L, _L, _P, _L, _L, _P, _P, _I, _P, _P, _P, _P, _P]
+        lib.moe_experts_work.restype = _L
+        lib.moe_experts_work.argtypes = [_L, _L]
+        self._work_elems = lib.moe_experts_work
+        self._kernels: tuple = ()
+
+    def bind(self, linear, glue) -> None:
+        """Multiply through `linear`'s function and activate through `glue`'s (the kernels
+        the experts' `Linear`s and the dense MLP use)."""
+        self._bind(ctypes.cast(linear._fn, ctypes.c_void_p).value,
+                   ctypes.cast(glue._silu, ctypes.c_void_p).value)
+        self._kernels = (linear, glue)      # kept loaded while bound
+
+    @staticmethod
+    def experts(packed: list[torch.Tensor]) -> ctypes.Array:
+        """The experts' packed weights as the array of addresses moe_experts reads; the
+        caller keeps the tensors alive as long as the array is used."""
+        arr = (_P * len(packed))()
+        for i, t in enumerate(packed):
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("moe_experts: packed expert weights must be contiguous on the CPU")
+            arr[i] = t.data_ptr()
+        return arr
+
+    def __call__(self, gate_up: ctypes.Array, down: ctypes.Array, hidden: int, inter: int,
+                 x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] `DTYPE`; experts [T, k] ids; weights [T, k] fp32 or `DTYPE` ->
+        [T, hidden]: each token's k experts' outputs, weighed and summed."""
+        E = len(gate_up)
+        if len(down) != E:
+            raise ValueError(f"moe_experts: {E} gate/up and {len(down)} down weights")
+        if x.dtype != self.DTYPE or x.dim() != 2 or x.shape[1] != hidden or x.device.type != "cpu":
+            raise ValueError(f"moe_experts: x must be CPU {self.DTYPE} [T, {hidden}], got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        if weights.dtype not in (torch.float32, self.DTYPE) or weights.shape != experts.shape \
+                or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
+            raise ValueError("moe_experts: weights and experts must both be [T, k]")
+        x = x.contiguous()
+        experts = experts.to(torch.int64).contiguous()
+        weights = weights.contiguous()
+        T, k = experts.shape
+        out = torch.empty_like(x)
+        if T == 0:
+            return out
+        work = torch.empty(self._work_elems(hidden, inter), dtype=self.DTYPE)
+        acc = torch.empty(T * hidden if self.DTYPE != torch.float32 else 0, dtype=torch.float32)
+        order = torch.empty(T * k, dtype=torch.int32)
+        starts = torch.empty(2 * (E + 1), dtype=torch.int64)
+        rc = self._fn(ctypes.addressof(gate_up), ctypes.addressof(down), E, hidden, inter,
+                      x.data_ptr(), T, k, experts.data_ptr(), weights.data_ptr(),
+                      int(weights.dtype == torch.float32), out.data_ptr(), work.data_ptr(),
+                      acc.data_ptr(), order.data_ptr(), starts.data_ptr())
+        if rc:
+            raise ValueError(f"moe_experts: refused the step (code {rc}: an expert id out of "
+                             f"range, or a matmul the kernel does not take)")
+        return out
+
+
+class MoeExpertsF32(MoeExperts):
+    """``moe_experts`` built from moe_experts_f32.c: the same in fp32, through `LinearF32`
+    and `LayerGlueF32`."""
+
+    DTYPE = torch.float32
+
+
 _loaded: dict[tuple[str, str], object] = {}
 
 
@@ -739,3 +822,14 @@ def load_layer_glue_f32(directory: str = "") -> LayerGlueF32:
 def load_decode_layers_f32(directory: str = "") -> DecodeLayersF32:
     """The one-call decode layers in fp32, built from decode_layers_f32.c if needed."""
     return _load("decode_layers_f32", DecodeLayersF32, directory)
+
+
+def load_moe_experts(directory: str = "") -> MoeExperts:
+    """A step's mixture-of-experts experts in one call, built from moe_experts.c if needed
+    (AVX-512F)."""
+    return _load("moe_experts", MoeExperts, directory)
+
+
+def load_moe_experts_f32(directory: str = "") -> MoeExpertsF32:
+    """The same in fp32, built from moe_experts_f32.c if needed (AVX2 and FMA)."""
+    return _load("moe_experts_f32", MoeExpertsF32, directory)
