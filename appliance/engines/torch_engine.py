@@ -694,21 +694,55 @@ def _apply_kernel(spec, what: str, loader, apply, why: str) -> None:
           flush=True)
 
 
+def _load_kernel(spec, loader, instead: str):
+    """The kernel `loader` builds, or None where this host cannot build it, said in one
+    line (``<instead> (<why>)``) so the worker's log tells what runs in its place."""
+    from appliance.engines import cpu_kernels
+    try:
+        return loader(spec.kernel_dir)
+    except cpu_kernels.KernelUnavailable as exc:
+        print(f"applianced worker {spec.worker}: {instead} ({exc})", file=sys.stderr,
+              flush=True)
+        return None
+
+
 def _one_call_decode(model: LlamaModel, spec, loader, linear) -> None:
     """A decode step's layers in one call (`loader`'s `DecodeLayers`) of the matmul kernel
     `linear` and the model's decode attention and glue kernels, where it has both; what
     cannot be is said in one line and the layers are called one by one."""
-    from appliance.engines import cpu_kernels
     if model.attn.decode_kernel is None or model.glue_kernel is None:
         return
-    try:
-        layers = loader(spec.kernel_dir)
-    except cpu_kernels.KernelUnavailable as exc:
-        print(f"applianced worker {spec.worker}: decode layers called one by one from Python "
-              f"({exc})", file=sys.stderr, flush=True)
+    layers = _load_kernel(spec, loader, "decode layers called one by one from Python")
+    if layers is None:
         return
     layers.bind(linear, model.attn.decode_kernel, model.glue_kernel)
     model.set_decode_layers(layers)     # False for layers it does not fit: one by one
+
+
+def _experts_in_c(model: LlamaModel, spec, linear, loader) -> None:
+    """A mixture of experts' matrices on the matmul kernel `linear` too, and each MoE
+    layer's experts in one C call of it (`loader`'s `MoeExperts`, cpu_kernels/moe_experts.c)
+    where the glue kernel runs the activation. Why: a decode step reads a few rows through
+    each of tens of experts a layer; on oneDNN, in Python's loop over them, the experts'
+    weights streamed at 7-8 GB/s on an AMD EPYC Zen 4 core, on the kernel in that loop at
+    12-15, in one call at 23-28 (12 layers of 128 experts of 256, hidden 768, bf16,
+    `bench/bench_torch_moe.py`). Experts the call does not take (gpt-oss's: biases and a
+    clamped activation) keep the kernel for their matmuls and Python's loop."""
+    from appliance.engines.layers.moe import SparseMoE
+
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    for moe in moes:
+        for lin in moe.gate_up + moe.down:
+            lin.use_kernel(linear)
+    if not moes or model.glue_kernel is None:
+        return
+    kernel = _load_kernel(spec, loader,
+                          "mixture-of-experts layers loop over their experts in Python")
+    if kernel is None:
+        return
+    kernel.bind(linear, model.glue_kernel)
+    for moe in moes:
+        moe.use_kernel(kernel)      # False for experts it does not take: Python's loop
 
 
 def _use_cpu_kernels(model: LlamaModel, spec):
@@ -754,6 +788,7 @@ def _use_cpu_kernels(model: LlamaModel, spec):
         return None
     for layer in dense_linears(model):
         layer.use_kernel(linear)
+    _experts_in_c(model, spec, linear, cpu_kernels.load_moe_experts)
     if spec.role == "prefill":
         return None
     _one_call_decode(model, spec, cpu_kernels.load_decode_layers, linear)
@@ -829,6 +864,7 @@ def _use_f32_kernels(model: LlamaModel, spec) -> bool:
         return False
     for layer in dense_linears(model):
         layer.use_kernel(linear)
+    _experts_in_c(model, spec, linear, cpu_kernels.load_moe_experts_f32)
     _one_call_decode(model, spec, cpu_kernels.load_decode_layers_f32, linear)
     return True
 
@@ -852,7 +888,7 @@ def _core_lender(spec):
 def dense_linears(model: LlamaModel) -> list:
     """The `Linear`s a decode step streams once each: every layer's attention projections
     and dense MLP, and the LM head (unwrapped from a soft-cap or bias). A mixture of
-    experts' matrices are left to oneDNN: a step reads few of them, each for few rows."""
+    experts' matrices are not among them: `_experts_in_c` takes those."""
     from appliance.engines.layers.linear import Linear
 
     def unwrap(obj):

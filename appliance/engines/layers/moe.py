@@ -11,7 +11,9 @@ sorted by the expert they chose, so each expert with work multiplies one contigu
 block of rows, reading its weights once per step however many tokens chose it. The only
 Python loop is over the experts (at most ``num_experts`` matmul pairs a layer); decode
 at batch B touches at most ``B * k`` of them. Each expert's matrices are `Linear`s, so
-on the CPU they are packed for oneDNN like every other weight.
+on the CPU they are packed for oneDNN like every other weight, or for the C matmul kernel
+where a worker runs its weights on it; then the loop itself runs in C too
+(`SparseMoE.use_kernel`, cpu_kernels/moe_experts.c), the same numbers.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class TopKSoftmaxRouter:
 class SparseMoE:
     """``x [T, hidden] -> [T, hidden]``: each token's k experts' SwiGLU outputs, weighted."""
 
-    __slots__ = ("router", "gate_up", "down", "act")
+    __slots__ = ("router", "gate_up", "down", "act", "kernel", "_packed")
 
     def __init__(self, router: Router | TopKSoftmaxRouter, gate_up: list[Linear],
                  down: list[Linear], act: Activation = swiglu) -> None:
@@ -91,6 +93,29 @@ class SparseMoE:
         self.act = act           # (gate, up) -> the input of down
         self.gate_up = gate_up   # per expert, [2 * intermediate, hidden] (gate rows first)
         self.down = down         # per expert, [hidden, intermediate]
+        self.kernel = None       # `cpu_kernels.MoeExperts`: the experts in one C call
+        self._packed = None      # its arrays of the experts' packed weights
+
+    def use_kernel(self, kernel) -> bool:
+        """Run the experts in one call of `kernel` (`cpu_kernels.MoeExperts` or
+        `MoeExpertsF32`, bound to the matmul kernel the experts' `Linear`s already use),
+        the router staying here; or in this module's loop again with None. False (nothing
+        changed) for experts it does not take: biases, an activation other than SwiGLU,
+        a weight not on that matmul kernel."""
+        if kernel is None:
+            self.kernel, self._packed = None, None
+            return True
+        lins = self.gate_up + self.down
+        if self.act is not swiglu or any(lin.pairs is None or lin.bias is not None
+                                          for lin in lins):
+            return False
+        inter = self.gate_up[0].rows // 2
+        if any(g.rows != 2 * inter for g in self.gate_up):
+            return False
+        self._packed = (kernel.experts([g.pairs for g in self.gate_up]),
+                        kernel.experts([d.pairs for d in self.down]), inter)
+        self.kernel = kernel
+        return True
 
     @property
     def num_experts(self) -> int:
@@ -98,6 +123,9 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.router(x)
+        if self.kernel is not None:
+            gate_up, down, inter = self._packed
+            return self.kernel(gate_up, down, x.shape[-1], inter, x, weights, experts)
         k = experts.shape[1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)            # (token, slot) pairs by expert
