@@ -9,7 +9,9 @@ table (and --json writes it).
 
 The checkpoint is `applianced model init-tiny --preset 82m` (random Llama, hidden 768,
 12 layers, 81.8M parameters, fp32 on disk) unless --model names one; `--shape qwen3`
-serves the same weights as a Qwen3 (`make_qwen3_model`: q/k norms added). vLLM runs from its
+serves the same weights as a Qwen3 (`make_qwen3_model`: q/k norms added), `--shape
+qwen3-moe` a Qwen3-MoE of the same width with Qwen3-30B-A3B's expert layout
+(`make_qwen3_moe_model`: 0.93B parameters, 80M active, bf16 on disk). vLLM runs from its
 own venv (`--vllm`, the `vllm` script there; skipped when absent); both servers are up
 at once and are measured ALTERNATELY (A B A B ...: `--rounds`), so load from other jobs
 on the machine falls on both alike; the table gives each cell's median over the rounds.
@@ -70,21 +72,30 @@ def make_model(cache: Path) -> Path:
     return target
 
 
+def _beside(base: Path, name: str) -> tuple[Path, dict | None]:
+    """A checkpoint derived from `base`, in a folder `name` beside it: the folder, and
+    base's config to edit (None where the folder already holds its weights); every file
+    but the config and the weights (the tokenizer's) copied over."""
+    target = base.parent / name
+    if (target / "model.safetensors").exists():
+        return target, None
+    target.mkdir(parents=True, exist_ok=True)
+    for f in base.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, target / f.name)
+    return target, json.loads((base / "config.json").read_text())
+
+
 def make_qwen3_model(base: Path) -> Path:
     """The Qwen3-shaped cell's checkpoint: the 82m Llama's weights and tokenizer under a
     Qwen3 config (Qwen3ForCausalLM: per-head RMSNorm on q and k, head_dim 64, rope theta
     1e6, no attention bias), with seeded random q/k norm weights (1 + 0.1 N(0, 1)): the
     same 81.8M parameters (+1.5k), so the cells compare the families' step costs."""
-    target = base.parent / "bench-82m-qwen3"
-    if (target / "model.safetensors").exists():
+    target, config = _beside(base, "bench-82m-qwen3")
+    if config is None:
         return target
     import torch
     from safetensors.torch import load_file, save_file
-    target.mkdir(parents=True, exist_ok=True)
-    for f in base.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, target / f.name)
-    config = json.loads((base / "config.json").read_text())
     head_dim = config["head_dim"]
     config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rope_theta=1e6,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6},
@@ -103,12 +114,69 @@ def make_qwen3_model(base: Path) -> Path:
     return target
 
 
+def make_qwen3_moe_model(base: Path) -> Path:
+    """The MoE cell's checkpoint: Qwen3-30B-A3B's expert layout (128 experts, top 8,
+    renormalized; experts a third of the hidden size wide) at the 82m shape's width and
+    depth (hidden 768, 12 layers, 12 heads, 4 KV heads, head_dim 64, experts of 256): 0.93B
+    parameters, 80M active a token, so a token's weights are the 82m model's but a decode
+    step at B sequences reads up to 8 B experts a layer. bf16 on disk, as Qwen3's are;
+    seeded random weights (N(0, 0.02), norms 1 + 0.1 N(0, 1)) and the 82m's tokenizer."""
+    target, config = _beside(base, "bench-a3b-qwen3-moe")
+    if config is None:
+        return target
+    import torch
+    from safetensors.torch import save_file
+    for key in ("mlp_bias", "pretraining_tp", "intermediate_size"):
+        config.pop(key, None)
+    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                  rope_theta=1e6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                  rms_norm_eps=1e-6, attention_bias=False, use_sliding_window=False,
+                  sliding_window=None, max_window_layers=config["num_hidden_layers"],
+                  intermediate_size=2048, num_experts=128, num_experts_per_tok=8,
+                  moe_intermediate_size=256, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[], output_router_logits=False, router_aux_loss_coef=0.001,
+                  torch_dtype="bfloat16", dtype="bfloat16")
+    D, V, L = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    H, KVH, hd, E, I = (config["num_attention_heads"], config["num_key_value_heads"],
+                        config["head_dim"], 128, 256)
+    g = torch.Generator().manual_seed(1)
+
+    def w(*shape: int) -> torch.Tensor:
+        return (0.02 * torch.randn(*shape, generator=g)).bfloat16()
+
+    def norm(n: int) -> torch.Tensor:
+        return (1.0 + 0.1 * torch.randn(n, generator=g)).bfloat16()
+    weights = {"model.embed_tokens.weight": w(V, D), "lm_head.weight": w(V, D),
+               "model.norm.weight": norm(D)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        weights.update({p + "input_layernorm.weight": norm(D),
+                        p + "post_attention_layernorm.weight": norm(D),
+                        p + "self_attn.q_proj.weight": w(H * hd, D),
+                        p + "self_attn.k_proj.weight": w(KVH * hd, D),
+                        p + "self_attn.v_proj.weight": w(KVH * hd, D),
+                        p + "self_attn.o_proj.weight": w(D, H * hd),
+                        p + "self_attn.q_norm.weight": norm(hd),
+                        p + "self_attn.k_norm.weight": norm(hd),
+                        p + "mlp.gate.weight": w(E, D)})
+        for e in range(E):
+            x = f"{p}mlp.experts.{e}."
+            weights.update({x + "gate_proj.weight": w(I, D), x + "up_proj.weight": w(I, D),
+                            x + "down_proj.weight": w(D, I)})
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
+
+
 def checkpoint(model: Path | None, shape: str) -> Path:
-    """`--model`, else the 82m preset under the user's cache, as a Qwen3 for `--shape qwen3`."""
+    """`--model`, else the 82m preset under the user's cache, as a Qwen3 for `--shape
+    qwen3`; `--shape qwen3-moe`: a Qwen3-MoE of the same width (`make_qwen3_moe_model`)."""
     if model:
         return model
     base = make_model(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                       / "applianced-bench")
+    if shape == "qwen3-moe":
+        return make_qwen3_moe_model(base)
     return make_qwen3_model(base) if shape == "qwen3" else base
 
 
@@ -417,8 +485,9 @@ def parse_variant(text: str) -> tuple[str, Path, dict[str, dict[str, str]]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, help="checkpoint dir (default: the 82m preset)")
-    ap.add_argument("--shape", choices=("llama", "qwen3"), default="llama",
-                    help="without --model: the 82m Llama, or the same weights as a Qwen3")
+    ap.add_argument("--shape", choices=("llama", "qwen3", "qwen3-moe"), default="llama",
+                    help="without --model: the 82m Llama, the same weights as a Qwen3, or "
+                         "a Qwen3-MoE of that width (128 experts, top 8: 0.93B, 80M active)")
     ap.add_argument("--vllm", default="/work/wt/_vllm-venv/bin/vllm",
                     help="vLLM's `vllm` script in its own venv ('' to skip)")
     ap.add_argument("--vllm-url", default="",
