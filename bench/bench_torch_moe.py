@@ -19,9 +19,13 @@ experts), with the experts' matmuls on the C matmul kernel in that loop, and wit
 layer's experts in one C call (cpu_kernels/moe_experts.c), on `--shape a3b`: Qwen3-30B-A3B's
 expert layout (128 experts, top 8, experts a third of the hidden size wide) at the 82m
 benchmark's width (hidden 768, 12 layers, experts of 256: 0.93B parameters, 80M active),
-and the rate at which each reads the experts its steps route to:
+and the rate at which each reads the experts its steps route to. `--dtype float32` times
+the same in fp32, as a worker on a CPU without AVX-512 holds it (the fp32 kernels: AVX2
+and FMA; on a host with AVX-512 the worker is told its CPU has only AVX2 and FMA, as the
+tests do, since there it would hold bf16 and take the bf16 kernels).
 
     .venv/bin/python bench/bench_torch_moe.py --kernels --batches 1,8,32     # ~3 min
+    .venv/bin/python bench/bench_torch_moe.py --kernels --batches 1,8,32 --dtype float32
 """
 from __future__ import annotations
 
@@ -106,13 +110,13 @@ def _hf_decode(ref, prompts: list[list[int]], steps: int) -> float:
     return len(prompts) * (steps - 1) / max(1e-9, run(steps) - run(1))
 
 
-def _worker_model(path: Path, kernels: str, kernel_dir: Path):
-    """The model as a bf16 decode worker of the daemon holds it."""
+def _worker_model(path: Path, kernels: str, kernel_dir: Path, dtype: str):
+    """The model as a decode worker of the daemon holds it in `dtype`."""
     from appliance.engines.torch_engine import build_torch_engine
     from appliance.worker.spec import WorkerSpec
     spec = WorkerSpec(worker="decode0", role="decode", engine="torch", devices=["cpu"],
                       device_kind="cpu", model_dir=str(path), block_size=BLOCK,
-                      kv_cache_bytes=64 << 20, max_batch_tokens=4096, dtype="bfloat16",
+                      kv_cache_bytes=64 << 20, max_batch_tokens=4096, dtype=dtype,
                       cpu_kernels=kernels, kernel_dir=str(kernel_dir))
     return build_torch_engine(spec, path).model
 
@@ -145,25 +149,31 @@ def _expert_bytes(model, prompts: list[list[int]], steps: int) -> float:
     B = len(prompts)
     distinct = sum(len(set(e.flatten().tolist())) for e in calls if e.shape[0] == B)
     s = model.shape
-    return distinct * 3 * s.hidden_size * s.moe_intermediate_size * 2
+    return distinct * 3 * s.hidden_size * s.moe_intermediate_size * model.dtype.itemsize
 
 
 def kernels_main(args) -> None:
-    print(f"decode step, bf16, as a decode worker holds the model, 1 thread, "
+    if args.dtype == "float32":
+        from appliance.engines import dtypes
+        flags = dtypes.cpu_flags()
+        dtypes.cpu_flags = lambda *a: flags - {f for f in flags if f.startswith("avx512")}
+    print(f"decode step, {args.dtype}, as a decode worker holds the model, 1 thread, "
           f"prompt {PROMPT}, {args.steps} steps")
     print(f"{'shape':<6} {'batch':>5} {'experts':<22} {'ms/step':>8} {'tok/s':>7} "
           f"{'expert GB/s':>11}")
     from appliance.engines.layers.moe import SparseMoE
     with tempfile.TemporaryDirectory() as d:
-        path, _ = _checkpoint(args.shape, args.layers, Path(d) / "ckpt", torch.bfloat16)
+        path, _ = _checkpoint(args.shape, args.layers, Path(d) / "ckpt",
+                              getattr(torch, args.dtype))
         variants = {}
-        off = _worker_model(path, "off", Path(d) / "k")
+        off = _worker_model(path, "off", Path(d) / "k", args.dtype)
         variants["oneDNN, Python loop"] = off
-        on = _worker_model(path, "auto", Path(d) / "k")
+        on = _worker_model(path, "auto", Path(d) / "k", args.dtype)
         moes = [layer.mlp for layer in on.layers if isinstance(layer.mlp, SparseMoE)]
         if not moes or moes[0].kernel is None:
             raise SystemExit("bench_torch_moe: no MoE one call here (the kernels need a C "
-                             "compiler and AVX512-BF16)")
+                             "compiler, and AVX512-BF16 for bfloat16, AVX2 and FMA for "
+                             "float32)")
         kernel = moes[0].kernel
         variants["C matmuls, Python loop"] = on
         variants["one C call"] = on
@@ -194,6 +204,8 @@ def main() -> None:
                          "matmuls on the C kernel, the experts in one C call")
     ap.add_argument("--shape", choices=("a3b", "qwen3_moe", "mixtral"), default="a3b",
                     help="the checkpoint --kernels times")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the weights' type --kernels times (float32: the AVX2 kernels)")
     args = ap.parse_args()
     if args.kernels:
         args.layers = args.layers or 12
