@@ -366,19 +366,28 @@ def lend_prefill_cores(specs: list[WorkerSpec]) -> None:
 # kept off the decode core (`daemon.affinity`, session 25): the prefill core then carries
 # the daemon too, and 1536 against 1024 traded 4-9% of the rate at 8 clients for 20-23%
 # lower ITL (both shapes, the rate still >2x vLLM's), at 32 clients within the noise.
+# All of that on an AMD EPYC without AMX; with AMX auto is off (`queue_tokens`).
 CPU_QUEUE_TOKENS = 1536
 
 
-def queue_tokens(setting: int, specs: list[WorkerSpec]) -> int:
+def queue_tokens(setting: int, specs: list[WorkerSpec], amx: bool | None = None) -> int:
     """`engine.conditional_disagg_queue_tokens` as applied: auto (-1) is on only where
-    it was measured, torch decode workers on the CPU, whose prefill worker is the bound
-    and whose decode core has time to give; on GPUs (and the simulator) it stays off
-    unless set: there a decode GPU's prefill would take its own turn from its decodes."""
+    it was measured to pay, torch decode workers on a CPU without AMX, whose prefill worker
+    is the bound and whose decode core has time to give. With AMX (`amx`; None: this
+    host's flags) the prefill core runs a 256-token prompt in ~60 ms and keeps up, and a
+    decode worker's own prompts only lengthen its steps: measured there, off against
+    1536, the ITL p50 at 32 clients 15% lower at the same rate, 8 clients unchanged
+    (docs/benchmarks.md, session 62). On GPUs (and the simulator) it stays off unless
+    set: there a decode GPU's prefill would take its own turn from its decodes."""
     if setting >= 0:
         return setting
     cpu_decode = any(s.role == "decode" and s.engine == "torch" and s.device_kind == "cpu"
                      for s in specs)
-    return CPU_QUEUE_TOKENS if cpu_decode else 0
+    if not cpu_decode:
+        return 0
+    if amx is None:
+        amx = "amx_bf16" in host_devices.cpu_flags()
+    return 0 if amx else CPU_QUEUE_TOKENS
 
 
 def cluster_worker_roles(cfg: Config) -> set[str]:

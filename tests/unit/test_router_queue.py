@@ -794,7 +794,7 @@ def test_queue_tokens_apply_only_where_prompts_and_decodes_share_the_router():
     assert Router(pool, "disagg", queue_tokens=10, role="prefill").queue_tokens == 0
 
 
-def test_queue_tokens_auto_is_on_for_torch_decode_workers_on_the_cpu_only():
+def test_queue_tokens_auto_is_on_for_torch_decode_workers_on_a_cpu_without_amx():
     import dataclasses
     from pathlib import Path
 
@@ -810,9 +810,11 @@ def test_queue_tokens_auto_is_on_for_torch_decode_workers_on_the_cpu_only():
         return worker_specs(cfg, inv, plan, engine, Path("/m"), [0, 1])
 
     assert Config().engine.conditional_disagg_queue_tokens == -1       # auto by default
-    assert queue_tokens(-1, specs("torch")) == CPU_QUEUE_TOKENS
-    assert queue_tokens(-1, specs("sim")) == 0        # a simulated GPU's decode is its own
-    assert queue_tokens(-1, specs("torch", "agg")) == 0
+    assert queue_tokens(-1, specs("torch"), amx=False) == CPU_QUEUE_TOKENS
+    assert queue_tokens(-1, specs("torch"), amx=True) == 0    # the prefill core keeps up
+    assert queue_tokens(-1, specs("sim"), amx=False) == 0  # a simulated GPU's decode is its own
+    assert queue_tokens(-1, specs("torch", "agg"), amx=False) == 0
+    assert queue_tokens(1536, specs("torch"), amx=True) == 1536   # set: on with AMX too
     assert queue_tokens(0, specs("torch")) == 0        # off, as set
     assert queue_tokens(300, specs("sim")) == 300      # set: wherever
     assert Config().engine.conditional_disagg_prefill_share == 0.5
