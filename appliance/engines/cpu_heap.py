@@ -76,6 +76,30 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+def release_freed() -> bool:
+    """Give the heap's free pages back to the system, once a worker's model is loaded.
+
+    Why: with `keep_freed_memory` the freed heap stays with the process, and a load frees
+    about as much as it keeps: each weight as read, then cast or packed into the layout its
+    kernel reads. Every matrix under ``MMAP_THRESHOLD`` lives on the heap, so those copies
+    stay resident for the worker's life. Measured on a Qwen3-MoE checkpoint of 0.93B
+    parameters in bf16 (3,072 expert matrices of 0.4-0.8 MB): a decode worker held 4.3 GB
+    of anonymous memory after its load where its tensors held 1.9 GB, and two such servers
+    beside vLLM on a 24 GiB box had their decode workers killed for memory; after
+    ``malloc_trim(0)`` it held 2.05 GB. The steps' own scratch is allocated after this,
+    and stays kept as before. Returns whether glibc released anything (False where the C
+    library is not glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return trim(0) == 1
+
+
 _MADV_POPULATE_WRITE = 23     # <linux/mman.h>, Linux 5.14+
 
 

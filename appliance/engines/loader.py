@@ -131,7 +131,14 @@ class _Tensors:
         if tuple(t.shape) != expected:
             raise ModelLoadError(f"tensor {name!r} in {self.model_dir} has shape "
                                  f"{tuple(t.shape)}, expected {expected}")
-        return t if raw else t.to(device=self.device, dtype=self.dtype)
+        if raw:
+            return t
+        out = t.to(device=self.device, dtype=self.dtype)
+        # A tensor that needed no conversion is still a slice of the checkpoint's mapping
+        # (safetensors maps the whole file), and one such slice kept (a norm's weight) keeps
+        # the whole file mapped, with every page the load read counted in the worker's
+        # memory: 1.7 GiB for a 0.93B-parameter bf16 checkpoint. A copy lets it go.
+        return out.clone() if out.data_ptr() == t.data_ptr() else out
 
 
 def load_model(

@@ -607,6 +607,8 @@ def build_torch_engine(spec, model_dir: Path) -> TorchEngine:
         gate = _use_cpu_kernels(model, spec)
     elif device.type == "cpu" and dtype == torch.float32 and spec.cpu_kernels != "off":
         _use_f32_kernels(model, spec)
+    if device.type == "cpu":
+        cpu_heap.release_freed()        # the load's discarded copies (see there)
     plan = None
     if device.type == "cuda":
         plan = _profile_memory_plan(model, spec, backend)

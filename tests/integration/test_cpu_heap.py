@@ -117,3 +117,39 @@ def test_a_pool_dropped_while_it_populates_is_freed_where_it_was_dropped():
     finally:
         PoolPopulator.CHUNK = chunk
     assert populator.error == "the pool was freed" and populator.share < 1.0
+
+
+RELEASE = r"""
+import json
+import torch
+from appliance.engines.cpu_heap import keep_freed_memory, release_freed
+
+def anon():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) << 10 for l in f if l.startswith("RssAnon:"))
+
+keep_freed_memory()
+# A load's pattern: each weight read (1 MiB), then a copy kept in another layout; the
+# reads are freed between the kept copies, so no free heap top is left to trim.
+kept, read = [], []
+for _ in range(96):
+    read.append(torch.ones(1 << 18))
+    kept.append(torch.ones(1 << 18))
+del read
+before = anon()
+released = release_freed()
+after = anon()
+print(json.dumps(dict(released=released, freed=before - after,
+                      kept=float(sum(t.sum() for t in kept)))))
+"""
+
+
+def test_release_freed_gives_a_loads_freed_heap_back():
+    """With freed memory kept (as a worker keeps it), what a load freed stays resident
+    until `release_freed`, which the worker calls once its model is built."""
+    r = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True,
+                       timeout=120, check=True, cwd=Path(__file__).resolve().parents[2])
+    out = json.loads(r.stdout)
+    assert out["released"] is True
+    assert out["freed"] > 64 << 20          # most of the 96 MiB freed went back
+    assert out["kept"] == 96 * (1 << 18)    # and the kept copies are whole

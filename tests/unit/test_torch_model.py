@@ -161,6 +161,32 @@ def _prompts(lengths, seed):
 # --------------------------------------------------------------------------- numerics
 
 
+def test_a_loaded_model_keeps_nothing_of_the_checkpoints_mapping(llama, tmp_path):
+    """Checkpoint and model in the same dtype: no tensor needs converting, and one uncopied
+    slice of safetensors' mapping (a norm's weight) would keep the whole file mapped, every
+    page the load read counted in the worker's memory. The model holds copies, equal to
+    the checkpoint's tensors."""
+    import gc
+
+    from safetensors.torch import load_file
+
+    path = shutil.copytree(llama[0], tmp_path / "ckpt")   # the fixture's own file: mapped by
+    weights = path / "model.safetensors"                 # its transformers reference
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as f:
+            return any(str(weights) in line for line in f)
+    model = load_model(path, dtype=torch.float32)
+    gc.collect()
+    assert not mapped()
+    saved = load_file(str(weights))
+    assert saved["model.norm.weight"].dtype == torch.float32    # so no cast copied it
+    assert mapped()                                             # the check sees a mapping
+    torch.testing.assert_close(model.norm, saved["model.norm.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(model.layers[0].attn_norm,
+                               saved["model.layers.0.input_layernorm.weight"], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("group_blocks,lengths", [
     (None, [5, 17, 33]), (1, [5, 17, 33]), (6, [5, 17, 33]), (None, [17, 150, 5])])
 def test_prefill_then_decode_matches_transformers(llama, group_blocks, lengths, monkeypatch):
