@@ -46,6 +46,19 @@ TOP_PAD = 64 << 20
 _done: bool | None = None
 
 
+def _malloc_function(name: str, argtypes: tuple):
+    """glibc's malloc tunable `name` (`mallopt`, `malloc_trim`), typed; None off Linux or
+    where the C library has none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
 def keep_freed_memory() -> bool:
     """Set glibc's malloc to reuse freed memory rather than unmap it (once per process).
 
@@ -56,15 +69,10 @@ def keep_freed_memory() -> bool:
     if _done is not None:
         return _done
     _done = False
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _malloc_function("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None:
         log.debug("no mallopt in this C library; heap left at its defaults")
         return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     ok = all(mallopt(param, value) == 1 for param, value in (
         (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
         (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
@@ -89,15 +97,8 @@ def release_freed() -> bool:
     ``malloc_trim(0)`` it held 2.05 GB. The steps' own scratch is allocated after this,
     and stays kept as before. Returns whether glibc released anything (False where the C
     library is not glibc)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    return trim(0) == 1
+    trim = _malloc_function("malloc_trim", (ctypes.c_size_t,))
+    return trim is not None and trim(0) == 1
 
 
 _MADV_POPULATE_WRITE = 23     # <linux/mman.h>, Linux 5.14+
