@@ -336,6 +336,12 @@ def helper_wanted(setting: str) -> bool:
     (docs/engines/torch.md, "Borrowing the prefill core")."""
     if setting != "auto":
         return setting == "on"
+    return host_has_amx()
+
+
+def host_has_amx() -> bool:
+    """This CPU has AMX's bf16 tiles: the host class where the `auto` settings above and
+    below were measured to differ."""
     return "amx_bf16" in host_devices.cpu_flags()
 
 
@@ -385,9 +391,7 @@ def queue_tokens(setting: int, specs: list[WorkerSpec], amx: bool | None = None)
                      for s in specs)
     if not cpu_decode:
         return 0
-    if amx is None:
-        amx = "amx_bf16" in host_devices.cpu_flags()
-    return 0 if amx else CPU_QUEUE_TOKENS
+    return 0 if (host_has_amx() if amx is None else amx) else CPU_QUEUE_TOKENS
 
 
 def cluster_worker_roles(cfg: Config) -> set[str]:
