@@ -828,17 +828,18 @@ def _use_f32_kernels(model: LlamaModel, spec) -> bool:
     `LinearF32`, `DecodeLayersF32`) on a CPU without AVX-512F (AMD Zen 2/3, Intel client
     cores, a VM that hides it). There no bf16 kernel builds and a worker holds fp32 weights
     and KV. Every worker's norms, RoPE with the KV write and activation go through the glue
-    kernel (one call each where torch made ~15 dispatches a layer), and a prompt's causal
+    kernel (one call each where torch made ~15 dispatches a layer), a prompt's causal
     attention through `CausalPrefillF32` (SDPA computed the masked half of a short prompt's
-    scores too). A decode or agg worker's decode attention and dense matmuls go through
-    theirs: oneDNN's fp32 linear runs a decode step's few rows at a fraction of the core's
-    read rate (linear_f32.c: 8 rows of the 82m model 50-76 -> 36-40 ms on a Zen 3 core),
-    and torch's attention copies every K and V it reads. With the glue, decode attention
-    and matmul kernels, a decode-only step runs every layer in one C call
-    (decode_layers_f32.c). A prefill worker keeps oneDNN for its matmuls (at a prompt's
-    rows the two are within the host's noise of each other); so does a CPU with AVX-512,
-    where these kernels were not measured against it. Returns whether the matmuls were
-    taken; what is not is said in one line on stderr."""
+    scores too), and its dense matmuls through `LinearF32`: a decode step's few rows, where
+    oneDNN's fp32 linear runs at a fraction of the core's read rate (linear_f32.c: 8 rows of
+    the 82m model 50-76 -> 36-40 ms on a Zen 3 core), and a prompt's hundreds, where the
+    kernel's tiles run at the core's FMA peak and oneDNN's packed fp32 some 12% below it
+    (256 rows of the 82m model 440-467 against 499-532 ms on a Zen 3 core, session 63). A
+    decode or agg worker's decode attention goes through its kernel too (torch's copies
+    every K and V it reads), and with the glue, decode attention and matmul kernels a
+    decode-only step runs every layer in one C call (decode_layers_f32.c). A CPU with
+    AVX-512 keeps torch's path, where these kernels were not measured against it. Returns
+    whether the matmuls were taken; what is not is said in one line on stderr."""
     from appliance.engines import cpu_kernels
 
     if "avx512f" in dtypes.cpu_flags():
@@ -855,19 +856,19 @@ def _use_f32_kernels(model: LlamaModel, spec) -> bool:
                   model.set_glue_kernel, FAMILY)
     _apply_kernel(spec, "prompt attention", cpu_kernels.load_causal_prefill_f32,
                   model.attn.set_prefill_kernel, HEADS)
-    if spec.role == "prefill":
-        return False
-    _apply_kernel(spec, "decode attention", cpu_kernels.load_paged_decode_f32,
-                  model.attn.set_decode_kernel, HEADS)
+    if spec.role != "prefill":      # a prefill worker never decodes
+        _apply_kernel(spec, "decode attention", cpu_kernels.load_paged_decode_f32,
+                      model.attn.set_decode_kernel, HEADS)
     try:
         linear = cpu_kernels.load_linear_f32(spec.kernel_dir)
     except cpu_kernels.KernelUnavailable as exc:
-        say(f"decode matmuls on oneDNN ({exc})")
+        say(f"{'decode ' if spec.role == 'decode' else ''}matmuls on oneDNN ({exc})")
         return False
     for layer in dense_linears(model):
         layer.use_kernel(linear)
     _experts_in_c(model, spec, linear, cpu_kernels.load_moe_experts_f32)
-    _one_call_decode(model, spec, cpu_kernels.load_decode_layers_f32, linear)
+    if spec.role != "prefill":
+        _one_call_decode(model, spec, cpu_kernels.load_decode_layers_f32, linear)
     return True
 
 

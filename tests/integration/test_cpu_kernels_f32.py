@@ -61,7 +61,7 @@ def _within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int = 4) -> None:
                                        (20, 12), (33, 520), (9, 777)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_kernel_matches_torch(linear, rows, cols, bias):
-    """Every way a call splits (groups of 1-6 input rows, one group or two sharing the
+    """Every way a call splits (groups of 1-6 input rows, one to six groups sharing the
     prefetches, or more; a last panel of 1-15 columns; a last block of K under 256, odd
     too; at K = 2048 more rows than the input buffer holds, in blocks),
     a strided and a 3-D input: a float64 reference's results within fp32 summation order
@@ -76,7 +76,7 @@ def test_linear_kernel_matches_torch(linear, rows, cols, bias):
     packed = linear.pack(w)
     assert torch.equal(linear.unpack(packed, rows), w)
     assert torch.equal(linear.pack(w.t().contiguous().t()), packed)   # strides of a view
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 33, 48, 85, 130):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 19, 25, 33, 48, 85, 130):
         x = torch.randn(m, cols, generator=g)
         torch.testing.assert_close(linear(packed, rows, x, b), want(x), **tol)
     wide = torch.randn(5, 2 * cols, generator=g)[:, ::2]            # a column stride of 2
@@ -224,8 +224,9 @@ def test_worker_uses_the_fp32_kernels_where_the_cpu_has_no_avx512(tiny_model, tm
                                                                    monkeypatch, capfd):
     """An fp32 decode or agg worker on a CPU without AVX-512F builds the five kernels and
     decodes through them, each decode step's layers in one call; a prefill worker takes the
-    glue and prompt attention kernels alone; a CPU with AVX-512F, `cpu_kernels = off` and a worker of two threads
-    keep torch's path (the last said in one line)."""
+    glue, prompt attention and matmul kernels (it never decodes); a CPU with AVX-512F,
+    `cpu_kernels = off` and a worker of two threads keep torch's path (the last said in
+    one line)."""
     monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx2", "fma"}))
 
     def spec(role: str, where: str, kernels: str = "auto", threads: int = 1) -> WorkerSpec:
@@ -235,11 +236,13 @@ def test_worker_uses_the_fp32_kernels_where_the_cpu_has_no_avx512(tiny_model, tm
                           cpu_kernels=kernels, kernel_dir=str(tmp_path / where),
                           cpu_threads=threads)
 
-    def uses_kernels(e) -> bool:
-        linears = dense_linears(e.model)
-        on = [isinstance(layer.kernel, cpu_kernels.LinearF32) for layer in linears]
+    def matmuls_in_c(e) -> bool:
+        on = [isinstance(layer.kernel, cpu_kernels.LinearF32) for layer in dense_linears(e.model)]
         assert all(on) or not any(on)
-        return isinstance(e.model.attn.decode_kernel, cpu_kernels.PagedDecodeF32) and all(on)
+        return all(on)
+
+    def uses_kernels(e) -> bool:
+        return isinstance(e.model.attn.decode_kernel, cpu_kernels.PagedDecodeF32) and matmuls_in_c(e)
 
     def glued(e) -> bool:
         return isinstance(e.model.glue_kernel, cpu_kernels.LayerGlueF32)
@@ -251,24 +254,25 @@ def test_worker_uses_the_fp32_kernels_where_the_cpu_has_no_avx512(tiny_model, tm
         "causal_prefill_f32", "decode_layers_f32", "layer_glue_f32", "linear_f32",
         "paged_decode_f32"]
     e = build_torch_engine(spec("prefill", "p"), tiny_model)
-    assert not uses_kernels(e) and glued(e) and e.model.decode_layers is None
+    assert matmuls_in_c(e) and glued(e) and e.model.decode_layers is None
+    assert e.model.attn.decode_kernel is None
     assert isinstance(e.model.attn.prefill_kernel, cpu_kernels.CausalPrefillF32)
     assert sorted(p.name.split("-")[0] for p in (tmp_path / "p").iterdir()) == [
-        "causal_prefill_f32", "layer_glue_f32"]
+        "causal_prefill_f32", "layer_glue_f32", "linear_f32"]
     e = build_torch_engine(spec("decode", "o", kernels="off"), tiny_model)
-    assert not uses_kernels(e) and not glued(e)
+    assert not matmuls_in_c(e) and not glued(e)
     assert not (tmp_path / "o").exists()
     capfd.readouterr()
     try:
         e = build_torch_engine(spec("decode", "t", threads=2), tiny_model)
-        assert not uses_kernels(e) and not glued(e)
+        assert not matmuls_in_c(e) and not glued(e)
         assert capfd.readouterr().err.strip().splitlines() == [
             "applianced worker decode0: norms, attention and matmuls on torch's path "
             "(the fp32 kernels are single-threaded; this worker has 2 threads)"]
     finally:
         torch.set_num_threads(1)
     monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx2", "fma", "avx512f"}))
-    assert not uses_kernels(build_torch_engine(spec("decode", "x"), tiny_model))
+    assert not matmuls_in_c(build_torch_engine(spec("decode", "x"), tiny_model))
 
 
 @needs_avx2

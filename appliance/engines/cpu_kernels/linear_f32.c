@@ -18,25 +18,32 @@
    buffer holds at this K (85 at K = 768, 32 at K = 2048) are done in blocks of even size,
    each streaming the weight again.
 
-   Prefetches: with one or two groups (1-12 rows, a decode step) the stream is asked for
-   64 KB ahead into L2 all the time, each group a share of a block's lines; with more, the
-   first group 4 KB ahead. Before, the first group alone asked, 4 KB ahead, and at 8 rows
-   (4 + 4) the core read the weight while the first group ran and multiplied without
-   reading while the second did: the two times added up. The panel's line is held in two
-   registers per k (gcc folded its loads into every FMA: 12 loads a k for 4 rows, not 6).
-   Together, alternating with the kernel before on an AMD EPYC Zen 4 core with AVX-512
-   hidden (12 layers of the 82m model from memory, best of 6): 1 row 15-17 -> 13-15 ms,
-   4 rows 15-18 -> 13-15, 6 rows 16-17 -> 13, 8 rows 27-28 -> 17 (44 -> 72 GFLOPS, in
-   quiet stretches); 12-128 rows within the noise.
+   Prefetches: with one to six groups (1-36 rows, a decode step) the stream is asked for
+   64 KB ahead into L2 all the time, each group a share of a block's lines (n groups: a
+   line every n-th k); with more (a prompt, whose rows reuse each block from L1 long
+   enough for the hardware's prefetcher), the first group 4 KB ahead. Before, the first
+   group alone asked, 4 KB ahead, and at 8 rows (4 + 4) the core read the weight while the
+   first group ran and multiplied without reading while the second did: the two times
+   added up. The panel's line is held in two registers per k (gcc folded its loads into
+   every FMA: 12 loads a k for 4 rows, not 6). Together, alternating with the kernel
+   before on an AMD EPYC Zen 4 core with AVX-512 hidden (12 layers of the 82m model from
+   memory, best of 6): 1 row 15-17 -> 13-15 ms, 4 rows 15-18 -> 13-15, 6 rows 16-17 -> 13,
+   8 rows 27-28 -> 17 (44 -> 72 GFLOPS, in quiet stretches). Sharing among three to six
+   groups came later (session 63, an AMD EPYC Zen 3 core, the same measure, two runs
+   alternating): 16 rows 35-37 -> 29 ms (65-69 -> 82-83 GFLOPS), 24 rows 49 -> 41-43,
+   32 rows 62-80 -> 56-57, 48 rows 91-98 -> 88; 1-12 rows, whose code is the same, within
+   the noise. Without any prefetch 8 rows took 27-30 ms there against 18-19.
 
    Before this layout the weight stayed [N, K] row-major and a tile was 3 weight rows by 4
    input rows, dot products along K reduced across lanes at the end: the same at 1-8 rows,
    but at 16-48 rows its input rows came from L2 for every tile. Against it, alternating
    call by call on the Zen 3 core (12 layers of the 82m model, best of 8; noisy host):
    1/4/8 rows x1.00/1.04/0.99, 16 rows x1.19-1.43, 32 x1.11-1.17, 48 x1.44-1.52. At a
-   prompt's rows (64-512) this runs at 53-80 GFLOPS, within the host's noise of oneDNN's
-   packed fp32 (x0.7-1.17 across runs), so prefill workers keep oneDNN; a decode worker's
-   own prompts take this kernel where they took MKL's unpacked sgemm (~55 GFLOPS).
+   prompt's rows (64-512) it ran at 53-80 GFLOPS there, within that host's noise of
+   oneDNN's packed fp32 (x0.7-1.17 across runs). On session 63's quieter Zen 3 core it ran
+   at 82-89 GFLOPS from 128 rows on (the core's FMA peak) against oneDNN's 72-77, x1.12-1.16
+   in every run, so prefill workers take it too (a 256-token prompt's step 517 -> 465-505
+   ms, 4 prompts 2043-2117 -> 1755-1801).
 
    The numbers: each output is bias + sum over k of x[k] * w[k] in fp32, in order of k
    (one FMA each, so products are not rounded apart from the sum): within fp32 summation
@@ -51,8 +58,9 @@
 #define NR 16                  /* output columns of a panel: two vectors */
 #define MR 6                   /* input rows of a tile at most: 12 accumulators */
 #define KC 256                 /* k per block: a panel's block is 16 KB */
-#define AHEAD 1024             /* floats (4 KB) ahead: the first of 3+ groups prefetches there */
-#define FAR 16384              /* floats (64 KB, 4 blocks) ahead: 1-2 groups prefetch there */
+#define AHEAD 1024             /* floats (4 KB) ahead: the first of 7+ groups prefetches there */
+#define FAR 16384              /* floats (64 KB, 4 blocks) ahead: 1-6 groups prefetch there */
+#define SHARED 6               /* up to this many groups share a block's prefetches */
 #define XMAX (64 * 1024)       /* floats of packed input rows: 256 KB */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -79,10 +87,10 @@ INLINE void tile(const float* x, const float* pw, int kc, float* y, int64_t ldy,
         }
     }
     for (int k = 0; k < kc; k++) {
-        /* PF 1: a line of the stream ahead each k; PF 2: each second k (two groups share
+        /* PF 1: a line of the stream ahead each k; PF n > 1: each n-th k (n groups share
            a block's prefetches, so the stream is asked for all the time, not by one) */
-        if (PF == 1 || (PF == 2 && !(k & 1)))
-            _mm_prefetch((const char*)(pf + NR * (PF == 1 ? k : k >> 1)), _MM_HINT_T1);
+        if (PF == 1 || (PF > 1 && k % PF == 0))
+            _mm_prefetch((const char*)(pf + NR * (k / PF)), _MM_HINT_T1);
         __m256 w0 = _mm256_loadu_ps(pw + NR * k), w1 = _mm256_loadu_ps(pw + NR * k + 8);
         /* keep the panel's line in two registers: gcc would fold the loads into every
            FMA, R times over, and a tile of 4 rows would wait on 12 loads a k, not 6 */
@@ -118,10 +126,13 @@ INLINE int64_t group_end(int64_t rows, int64_t groups, int64_t g) {
 
 static __thread float xbuf[XMAX] __attribute__((aligned(64)));
 
+#define TILE_PF(R, PF) tile(xg, pw, kc, yg, ldy, bp, first, pf, ncols, R, PF); break;
 #define TILE(R)                                                          \
-    if (pfmode == 1) tile(xg, pw, kc, yg, ldy, bp, first, pf, ncols, R, 1); \
-    else if (pfmode == 2) tile(xg, pw, kc, yg, ldy, bp, first, pf, ncols, R, 2); \
-    else tile(xg, pw, kc, yg, ldy, bp, first, pf, ncols, R, 0);          \
+    switch (pfmode) {                                                    \
+    case 1: TILE_PF(R, 1) case 2: TILE_PF(R, 2) case 3: TILE_PF(R, 3)   \
+    case 4: TILE_PF(R, 4) case 5: TILE_PF(R, 5) case 6: TILE_PF(R, 6)   \
+    default: TILE_PF(R, 0)                                               \
+    }                                                                    \
     break;
 
 /* Returns 0, or -1 for a K over the input buffer (65536). */
@@ -152,9 +163,10 @@ int linear_f32(const float* packed, int64_t N, int64_t K, const float* x, int64_
                     const float* xg = xbuf + m * K + k0 * (end - m);
                     float* yg = y + (m0 + m) * ldy + p * NR;
                     /* which lines this group prefetches (the comment at the top) */
-                    const int pfmode = groups == 2 ? 2 : groups == 1 || g == 0 ? 1 : 0;
-                    const float* pf = groups == 2 ? pw + FAR + g * (kc / 2) * NR
-                                      : groups == 1 ? pw + FAR : pw + AHEAD;
+                    const int shared = groups <= SHARED;
+                    const int pfmode = shared ? (int)groups : g == 0 ? 1 : 0;
+                    const float* pf = shared ? pw + FAR + g * ((kc + groups - 1) / groups) * NR
+                                             : pw + AHEAD;
                     switch (end - m) {
                     case 1: TILE(1) case 2: TILE(2) case 3: TILE(3)
                     case 4: TILE(4) case 5: TILE(5) default: TILE(6)
