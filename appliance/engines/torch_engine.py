@@ -735,7 +735,7 @@ def _experts_in_c(model: LlamaModel, spec, linear, loader) -> None:
     moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
     for moe in moes:
         for lin in moe.gate_up + moe.down:
-            lin.use_kernel(linear)
+            getattr(lin, "linear", lin).use_kernel(linear)  # gpt-oss's BiasAfter wraps one
     if not moes or model.glue_kernel is None:
         return
     kernel = _load_kernel(spec, loader,
