@@ -732,7 +732,8 @@ def _experts_in_c(model: LlamaModel, spec, linear, loader) -> None:
     clamped activation) keep the kernel for their matmuls and Python's loop."""
     from appliance.engines.layers.moe import SparseMoE
 
-    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    moes = [mlp for mlp in (getattr(layer, "mlp", None) for layer in model.layers)  # Gemma 3's
+            if isinstance(mlp, SparseMoE)]         # layers hold their matmuls themselves
     for moe in moes:
         for lin in moe.gate_up + moe.down:
             getattr(lin, "linear", lin).use_kernel(linear)  # gpt-oss's BiasAfter wraps one

@@ -463,3 +463,57 @@ def test_fp32_prompts_go_through_the_prefill_kernel_only_where_it_applies(prefil
     assert not PagedAttention(shape, torch.device("cpu"), torch.bfloat16).set_prefill_kernel(prefill)
     with pytest.raises(ValueError, match="CPU float32"):
         prefill(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125)
+
+
+def _qwen3_moe(transformers):
+    cfg = transformers.Qwen3MoeConfig(vocab_size=bf16_parity.VOCAB, hidden_size=64,
+                                      intermediate_size=128, moe_intermediate_size=32,
+                                      num_experts=8, num_experts_per_tok=2,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=128, decoder_sparse_step=1,
+                                      norm_topk_prob=True)
+    return transformers.Qwen3MoeForCausalLM, cfg, 1.0
+
+
+@needs_avx2
+@pytest.mark.parametrize("make", [bf16_parity.gemma3, bf16_parity.qwen3, _qwen3_moe],
+                         ids=["gemma3", "qwen3", "qwen3-moe"])
+def test_every_family_starts_its_workers_on_the_fp32_kernels(make, tmp_path, monkeypatch):
+    """Each family's prefill and decode workers start on a CPU without AVX-512F (Gemma 3's
+    layers hold their matmuls themselves, not in an `mlp`: its workers failed to start),
+    take the matmul kernel, and a prompt then a decode step give torch's own logits."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx2", "fma"}))
+    cls, cfg, norm_mean = make(transformers)
+    torch.manual_seed(0)
+    ref = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_((norm_mean if "norm" in name else 0.0) + 0.15 * torch.randn(p.shape))
+    ref.save_pretrained(tmp_path / "m", safe_serialization=True)
+
+    def run(model) -> torch.Tensor:
+        kv = allocate_kv_pool(model.shape, 8, 16, dtype=torch.float32)
+        prompt = list(range(5, 29))
+        table = [3, 1, 6, 0]
+        with torch.no_grad():
+            first = model(torch.tensor(prompt), torch.arange(len(prompt)),
+                          AttnBatch(True, [len(prompt)], [len(prompt)], [table],
+                                    torch.tensor([table[p // 16] * 16 + p % 16
+                                                  for p in range(len(prompt))])), kv)[0]
+            p = len(prompt)
+            step = model(first.argmax().view(1), torch.tensor([p]),
+                         AttnBatch(False, [1], [p + 1], [table],
+                                   torch.tensor([table[p // 16] * 16 + p % 16])), kv)[0]
+        return torch.stack([first, step])
+    want = run(load_model(tmp_path / "m", dtype=torch.float32))
+    for role in ("prefill", "decode"):
+        spec = WorkerSpec(worker=f"{role}0", role=role, engine="torch", devices=["cpu"],
+                          device_kind="cpu", model_dir=str(tmp_path / "m"), block_size=16,
+                          kv_cache_bytes=8 << 20, max_batch_tokens=256, dtype="float32",
+                          cpu_kernels="auto", kernel_dir=str(tmp_path / "k"), cpu_threads=1)
+        e = build_torch_engine(spec, tmp_path / "m")
+        assert all(isinstance(layer.kernel, cpu_kernels.LinearF32)
+                   for layer in dense_linears(e.model))
+        torch.testing.assert_close(run(e.model), want, rtol=1e-4, atol=1e-4)
