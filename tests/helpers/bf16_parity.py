@@ -40,6 +40,17 @@ def gemma3(transformers):
     return transformers.Gemma3ForCausalLM, cfg, 0.0
 
 
+def qwen3_moe(transformers):
+    """A Qwen3-MoE: 8 experts of 32, top 2, renormalized."""
+    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                      moe_intermediate_size=32, num_experts=8,
+                                      num_experts_per_tok=2, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=128, decoder_sparse_step=1,
+                                      norm_topk_prob=True)
+    return transformers.Qwen3MoeForCausalLM, cfg, 1.0
+
+
 def check_bf16_greedy_parity(make, tmp_path, decode_kernel=None, linear_kernel=None,
                              prefill_kernel=None, glue_kernel=None, decode_layers=None,
                              ride: int = 0) -> None:

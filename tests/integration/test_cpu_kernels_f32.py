@@ -219,6 +219,14 @@ def test_fp32_greedy_parity_with_transformers_through_the_kernels(linear, attent
         assert len(calls) == 12
 
 
+def _fp32_worker(role: str, model_dir, kernel_dir, kernels: str = "auto",
+                 threads: int = 1) -> WorkerSpec:
+    """A one-core fp32 torch worker's spec, its kernels built into `kernel_dir`."""
+    return WorkerSpec(worker=f"{role}0", role=role, engine="torch", devices=["cpu"],
+                      device_kind="cpu", model_dir=str(model_dir), block_size=16,
+                      kv_cache_bytes=8 << 20, max_batch_tokens=256, dtype="float32",
+                      cpu_kernels=kernels, kernel_dir=str(kernel_dir), cpu_threads=threads)
+
 @needs_avx2
 def test_worker_uses_the_fp32_kernels_where_the_cpu_has_no_avx512(tiny_model, tmp_path,
                                                                    monkeypatch, capfd):
@@ -230,11 +238,7 @@ def test_worker_uses_the_fp32_kernels_where_the_cpu_has_no_avx512(tiny_model, tm
     monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx2", "fma"}))
 
     def spec(role: str, where: str, kernels: str = "auto", threads: int = 1) -> WorkerSpec:
-        return WorkerSpec(worker=f"{role}0", role=role, engine="torch", devices=["cpu"],
-                          device_kind="cpu", model_dir=str(tiny_model), block_size=16,
-                          kv_cache_bytes=8 << 20, max_batch_tokens=256, dtype="float32",
-                          cpu_kernels=kernels, kernel_dir=str(tmp_path / where),
-                          cpu_threads=threads)
+        return _fp32_worker(role, tiny_model, tmp_path / where, kernels, threads)
 
     def matmuls_in_c(e) -> bool:
         on = [isinstance(layer.kernel, cpu_kernels.LinearF32) for layer in dense_linears(e.model)]
@@ -465,19 +469,8 @@ def test_fp32_prompts_go_through_the_prefill_kernel_only_where_it_applies(prefil
         prefill(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125)
 
 
-def _qwen3_moe(transformers):
-    cfg = transformers.Qwen3MoeConfig(vocab_size=bf16_parity.VOCAB, hidden_size=64,
-                                      intermediate_size=128, moe_intermediate_size=32,
-                                      num_experts=8, num_experts_per_tok=2,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=16,
-                                      max_position_embeddings=128, decoder_sparse_step=1,
-                                      norm_topk_prob=True)
-    return transformers.Qwen3MoeForCausalLM, cfg, 1.0
-
-
 @needs_avx2
-@pytest.mark.parametrize("make", [bf16_parity.gemma3, bf16_parity.qwen3, _qwen3_moe],
+@pytest.mark.parametrize("make", [bf16_parity.gemma3, bf16_parity.qwen3, bf16_parity.qwen3_moe],
                          ids=["gemma3", "qwen3", "qwen3-moe"])
 def test_every_family_starts_its_workers_on_the_fp32_kernels(make, tmp_path, monkeypatch):
     """Each family's prefill and decode workers start on a CPU without AVX-512F (Gemma 3's
@@ -509,11 +502,7 @@ def test_every_family_starts_its_workers_on_the_fp32_kernels(make, tmp_path, mon
         return torch.stack([first, step])
     want = run(load_model(tmp_path / "m", dtype=torch.float32))
     for role in ("prefill", "decode"):
-        spec = WorkerSpec(worker=f"{role}0", role=role, engine="torch", devices=["cpu"],
-                          device_kind="cpu", model_dir=str(tmp_path / "m"), block_size=16,
-                          kv_cache_bytes=8 << 20, max_batch_tokens=256, dtype="float32",
-                          cpu_kernels="auto", kernel_dir=str(tmp_path / "k"), cpu_threads=1)
-        e = build_torch_engine(spec, tmp_path / "m")
+        e = build_torch_engine(_fp32_worker(role, tmp_path / "m", tmp_path / "k"), tmp_path / "m")
         assert all(isinstance(layer.kernel, cpu_kernels.LinearF32)
                    for layer in dense_linears(e.model))
         torch.testing.assert_close(run(e.model), want, rtol=1e-4, atol=1e-4)
