@@ -58,7 +58,8 @@ def _within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int = 4) -> None:
 
 @needs_avx2
 @pytest.mark.parametrize("rows,cols", [(1280, 768), (37, 64), (768, 2048), (2, 8), (4, 16),
-                                       (20, 12), (33, 520), (9, 777)])
+                                       (20, 12), (33, 520), (9, 777),
+                                       (64, 272), (48, 80)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_kernel_matches_torch(linear, rows, cols, bias):
     """Every way a call splits (groups of 1-6 input rows, one to six groups sharing the
@@ -102,7 +103,9 @@ def test_linear_kernel_refuses_what_it_does_not_take(linear):
 # the bf16 decode kernel's cases, and head sizes that are multiples of 8 but not of 16
 CASES = [*BF16_CASES,
          (4, 2, 8, 8, [12, 13, 40], 12, 0.25),            # heads of one vector, window
-         (5, 5, 80, 16, [70, 7], None, None)]             # head_dim 80: 10 vectors
+         (5, 5, 80, 16, [70, 7], None, None),             # head_dim 80: 10 vectors
+         (8, 2, 256, 16, [1, 2, 3, 4, 5, 66, 91], None, None),    # Gemma 3's 256: four streams
+         (12, 4, 64, 16, [8, 9, 250, 251], 17, None)]     # windows that start mid-block
 
 
 @needs_avx2

@@ -3,21 +3,28 @@
 
    Why a kernel: torch's path gathers each sequence's blocks into a buffer (a copy of every
    K and V a step reads) and then runs SDPA on it; here K and V are read where they lie in
-   the pool, once, with the rows two blocks ahead prefetched. Measured on an AMD EPYC Zen 3
-   core, the 82m shape, contexts of 320 scattered through a pool no cache holds, 12 layers:
-   a step's attention 18.9 against 29.6 ms (torch's gather + SDPA) at 8 sequences, 56.4
-   against 88.7 at 32 (bench/bench_f32_kernels.py).
+   the pool, once. Measured on an AMD EPYC Zen 3 core, the 82m shape, contexts of 320
+   scattered through a pool no cache holds, 12 layers: a step's attention 18.9 against
+   29.6 ms (torch's gather + SDPA) at 8 sequences, 56.4 against 88.7 at 32 (session 48,
+   bench/bench_f32_kernels.py).
 
    Two passes a sequence. Scores: 4 positions at a time, each K vector loaded once for up
-   to 3 query heads of its KV head (12 accumulators). Values: a block's run of rows at a
-   time, every query head over them (the run's rows in L1 after the first head), summed
-   into the output per run. The kernel before read scores for 8 positions of one head (two
-   loads an FMA) and, in the values pass, swept all of V once for each query head (12
-   strided passes at the 82m shape); against it, in one harness on the Zen 3 core (12
-   layers from memory, alternating, a noisy host): 8 sequences x1.06-1.24, 32 x1.09-1.25
-   (11-13 -> 10-12 ms, 49-59 -> 41-50 ms). That is ~5-6 GB/s of K and V where the core
-   streams ~9-12: each pass's rows arrive no sooner for any prefetch distance tried (1-64
-   rows, into L1 or L2) or on huge pages, an open question.
+   to 3 query heads of its KV head (12 accumulators). Values: a run of rows at a time,
+   every query head over them (the rows in L1 after the first head), summed into the
+   output per run. The kernel before read scores for 8 positions of one head (two loads
+   an FMA) and, in the values pass, swept all of V once for each query head.
+
+   Two ways to walk a sequence's rows. `decode_one`: in order, the rows two blocks ahead
+   prefetched; it gets ~5-8 GB/s of K and V where the core streams ~9-12, and no prefetch
+   distance tried (1-64 rows, into L1 or L2), nor huge pages, nor none at all, brought the
+   rows sooner. `decode_four`: four streams side by side, a quarter of the span each, then
+   the last n % 4 rows, and no software prefetch: one core read 16 KB blocks in a random
+   order at 10.6 GB/s as one stream, 15.5 as two, 22.6 as four (session 63, a Zen 3;
+   bench/read_streams.c). Against `decode_one`, 12 layers of the 82m shape from memory,
+   alternating (bench_f32_kernels --rows 0 --contexts 290): 8 sequences 8.2-9.2 -> 7.0-8.6
+   ms, 32 sequences 28.3-29.2 -> 24.7-29.9 (session 64; session 63: 8.5-9.7 -> 6.5-7.7,
+   30-40 -> 23-26). Four streams serve the head sizes of the families served (64, 128,
+   256); the others read one, so that the file builds in ~30 s, not 2-3.5x that.
 
    The numbers are SDPA's in fp32: scores = (q . k) * scale, softmax, out = sum p * v, all
    in fp32; only summation order and exp differ (exp: Cephes' polynomial, within ~1 ulp of
@@ -71,10 +78,11 @@ INLINE void row_next(rows_t* r) {
 }
 
 /* 4 positions' scores (rows[0..3], at column hoff) for GH query heads of one KV head
-   (q: their rows, head_dim apart), times scale, into sc[j * n] for head j: nt of them.
-   Each K vector is loaded once for the GH heads; 12 accumulators, 3 q vectors, 1 K. */
+   (q: their rows, head_dim apart), times scale, into sc[j * n + i * step] for head j and
+   row i: nt of them. Each K vector is loaded once for the GH heads; 12 accumulators, 3 q
+   vectors, 1 K. */
 INLINE void scores4(const float* const* rows, int hoff, const float* q, float scale,
-                    float* sc, int64_t n, int nt, const int NV, const int GH) {
+                    float* sc, int64_t n, int nt, int step, const int NV, const int GH) {
     __m256 acc[3][4];
     for (int j = 0; j < GH; j++)
         for (int i = 0; i < 4; i++) acc[j][i] = _mm256_setzero_ps();
@@ -89,12 +97,12 @@ INLINE void scores4(const float* const* rows, int hoff, const float* q, float sc
     for (int j = 0; j < GH; j++) {
         const __m128 s = _mm_mul_ps(sums_of_4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]),
                                     _mm_set1_ps(scale));
-        if (nt == 4) {
+        if (nt == 4 && step == 1) {
             _mm_storeu_ps(sc + j * n, s);
         } else {
             float t[4];
             _mm_storeu_ps(t, s);
-            for (int i = 0; i < nt; i++) sc[j * n + i] = t[i];
+            for (int i = 0; i < nt; i++) sc[j * n + i * step] = t[i];
         }
     }
 }
@@ -142,6 +150,21 @@ INLINE void values_run(const float* v, int64_t tok, const float* p, int run, flo
         _mm256_storeu_ps(out + 8 * c, _mm256_add_ps(_mm256_loadu_ps(out + 8 * c), acc[c]));
 }
 
+/* out (NC vectors of one query head's output, a chunk of head_dim) += sum over nr rows
+   of w[r] * rows[r][off..] */
+INLINE void values_rows(const float* const* rows, int off, const float* w, int nr, float* out,
+                        const int NC) {
+    __m256 acc[8];
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
+    for (int r = 0; r < nr; r++) {
+        const __m256 b = _mm256_broadcast_ss(w + r);
+        const float* vr = rows[r] + off;
+        for (int c = 0; c < NC; c++) acc[c] = _mm256_fmadd_ps(b, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < NC; c++)
+        _mm256_storeu_ps(out + 8 * c, _mm256_add_ps(_mm256_loadu_ps(out + 8 * c), acc[c]));
+}
+
 /* the lines of `rows` rows from `r` on, into L2: the stream a pass reads next */
 INLINE void prefetch_rows(rows_t r, int rows, int64_t tok) {
     for (int i = 0; i < rows; i++, row_next(&r)) {
@@ -150,7 +173,7 @@ INLINE void prefetch_rows(rows_t r, int rows, int64_t tok) {
     }
 }
 
-INLINE int decode(const float* q, const float* kpool, const float* vpool, const int64_t* tables,
+INLINE int decode_one(const float* q, const float* kpool, const float* vpool, const int64_t* tables,
                   int64_t table_stride, const int32_t* ctx_lens, const int32_t* starts, int B,
                   int H, int KVH, int bs, float scale, float* scratch, int64_t scratch_elems,
                   float* out, const int NV) {
@@ -185,7 +208,7 @@ INLINE int decode(const float* q, const float* kpool, const float* vpool, const 
                 /* up to 3 query heads of one KV head at a time */
                 const int kvh = h / g, left = (kvh + 1) * g - h, gh = left < 3 ? left : 3;
                 float* at_sc = sc + (int64_t)h * n + (t0 - s0);
-#define SCORES(GH) scores4(rows, kvh * hd, qb + h * hd, scale, at_sc, n, nt, NV, GH); break;
+#define SCORES(GH) scores4(rows, kvh * hd, qb + h * hd, scale, at_sc, n, nt, 1, NV, GH); break;
                 switch (gh) {
                 case 1: SCORES(1) case 2: SCORES(2) default: SCORES(3)
                 }
@@ -229,6 +252,99 @@ INLINE int decode(const float* q, const float* kpool, const float* vpool, const 
     return 0;
 }
 
+INLINE int decode_four(const float* q, const float* kpool, const float* vpool, const int64_t* tables,
+                  int64_t table_stride, const int32_t* ctx_lens, const int32_t* starts, int B,
+                  int H, int KVH, int bs, float scale, float* scratch, int64_t scratch_elems,
+                  float* out, const int NV) {
+    const int hd = 8 * NV, g = H / KVH;
+    const int64_t tok = (int64_t)KVH * hd; /* floats of one position's row */
+    for (int b = 0; b < B; b++) {
+        const int c = ctx_lens[b], s0 = starts[b], n = c - s0;
+        if (n < 1) return -1;
+        if ((int64_t)H * n > scratch_elems) return -2;
+        const int64_t* tab = tables + (int64_t)b * table_stride;
+        const float* qb = q + (int64_t)b * H * hd;
+        float* sc = scratch; /* [H][n] */
+        /* pass 1: scores. K's rows as four streams side by side, a quarter of the span
+           each, then the last n % 4 rows: one core read four scattered streams of 16 KB
+           blocks twice as fast as one (session 63, a Zen 3: 22.6 against 10.6 GB/s),
+           and the hardware's prefetcher follows each without software prefetches */
+        const int L = n / 4;
+        rows_t st[4];
+        for (int i = 0; i < 4; i++) st[i] = rows_from(kpool, tab, s0 + i * L, bs, tok);
+        for (int t = 0; t < L + 1; t++) {
+            const int tail = t == L, nt = tail ? n - 4 * L : 4;
+            if (nt == 0) break;
+            const float* rows[4];
+            if (tail) {     /* st[3] stands at the first of the last n % 4 rows */
+                for (int i = 0; i < 4; i++) {
+                    rows[i] = row_here(&st[3]);   /* past the end: the last row again */
+                    if (i + 1 < nt) row_next(&st[3]);
+                }
+            } else {
+                for (int i = 0; i < 4; i++) {
+                    rows[i] = row_here(&st[i]);
+                    row_next(&st[i]);
+                }
+            }
+            const int step = tail ? 1 : L;
+            float* at_t = sc + (tail ? 4 * L : t);
+            for (int h = 0; h < H; h += 3) {
+                /* up to 3 query heads of one KV head at a time */
+                const int kvh = h / g, left = (kvh + 1) * g - h, gh = left < 3 ? left : 3;
+                float* at_sc = at_t + (int64_t)h * n;
+#define SCORES(GH) scores4(rows, kvh * hd, qb + h * hd, scale, at_sc, n, nt, step, NV, GH); break;
+                switch (gh) {
+                case 1: SCORES(1) case 2: SCORES(2) default: SCORES(3)
+                }
+#undef SCORES
+                h += gh - 3;
+            }
+        }
+        softmax_rows(sc, H, n);
+        /* pass 2: values, the same four streams of V's rows, up to 4 rows of each at a
+           time (their lines in L1 after the first head reads them), every head over them */
+        float* ob = out + (int64_t)b * H * hd;
+        for (int i = 0; i < H * hd; i += 8) _mm256_storeu_ps(ob + i, _mm256_setzero_ps());
+        for (int i = 0; i < 4; i++) st[i] = rows_from(vpool, tab, s0 + i * L, bs, tok);
+        for (int t = 0; t < L + 4; t += 4) {
+            const float* rows[16];
+            int pos[16], nr = 0;
+            if (t < L) {
+                const int k = L - t < 4 ? L - t : 4;
+                for (int i = 0; i < 4; i++)
+                    for (int j = 0; j < k; j++, nr++) {
+                        rows[nr] = row_here(&st[i]);
+                        pos[nr] = i * L + t + j;
+                        row_next(&st[i]);
+                    }
+            } else {        /* the last n % 4 rows: st[3] stands at the first of them */
+                for (int j = 4 * L; j < n; j++, nr++) {
+                    rows[nr] = row_here(&st[3]);
+                    pos[nr] = j;
+                    row_next(&st[3]);
+                }
+            }
+            if (nr == 0) break;
+            for (int h = 0; h < H; h++) {
+                float w[16];
+                for (int r = 0; r < nr; r++) w[r] = sc[(int64_t)h * n + pos[r]];
+                const int voff = (h / g) * hd;
+                for (int c0 = 0; c0 < NV; c0 += 8) {
+                    float* o = ob + (int64_t)h * hd + 8 * c0;
+#define RUN(NC) values_rows(rows, voff + 8 * c0, w, nr, o, NC); break;
+                    switch (NV - c0 < 8 ? NV - c0 : 8) {
+                    case 1: RUN(1) case 2: RUN(2) case 3: RUN(3) case 4: RUN(4)
+                    case 5: RUN(5) case 6: RUN(6) case 7: RUN(7) default: RUN(8)
+                    }
+#undef RUN
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* Returns 0; -1 when the shape is outside this kernel (the caller uses torch's path);
    -2 when `scratch` (heads x longest span floats) is too small. */
 int paged_decode_f32(const float* q, const float* kpool, const float* vpool,
@@ -236,14 +352,25 @@ int paged_decode_f32(const float* q, const float* kpool, const float* vpool,
                      const int32_t* starts, int B, int H, int KVH, int hd, int bs, float scale,
                      float* scratch, int64_t scratch_elems, float* out) {
     if (H > MAX_HEADS || hd > MAX_HEAD_DIM || hd % 8 || KVH < 1 || H % KVH || bs < 1) return -1;
-#define CASE(NV) case NV: return decode(q, kpool, vpool, tables, table_stride, ctx_lens, \
-                                        starts, B, H, KVH, bs, scale, scratch, scratch_elems, out, NV);
+#define ARGS q, kpool, vpool, tables, table_stride, ctx_lens, starts, B, H, KVH, bs, scale, \
+             scratch, scratch_elems, out
+    /* the head sizes of the families served (64: Llama 3.2, gpt-oss; 128: Qwen3, Llama 3
+       8B; 256: Gemma 3) read four streams; the rest one, which keeps the build short (a
+       four-stream copy for every head size took 2-3.5x as long to build, 36-70 s under
+       load, and timed out test daemons) */
     switch (hd / 8) {
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-    CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+    case 8: return decode_four(ARGS, 8);
+    case 16: return decode_four(ARGS, 16);
+    case 32: return decode_four(ARGS, 32);
+    }
+#define CASE(NV) case NV: return decode_one(ARGS, NV);
+    switch (hd / 8) {
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
+    CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15)
     CASE(17) CASE(18) CASE(19) CASE(20) CASE(21) CASE(22) CASE(23) CASE(24)
-    CASE(25) CASE(26) CASE(27) CASE(28) CASE(29) CASE(30) CASE(31) CASE(32)
+    CASE(25) CASE(26) CASE(27) CASE(28) CASE(29) CASE(30) CASE(31)
     }
 #undef CASE
+#undef ARGS
     return -1;
 }
