@@ -316,15 +316,20 @@ def test_on_the_cpu_torch_engine_long_contexts_pay_what_they_cost(tiny_model):
             tokens[rid[0]] += 1
     ratio = (billed["L"] / tokens["L"]) / (billed["S"] / tokens["S"])
 
-    # what the device takes: 8 long vs 8 short, same engine, right after
-    device = {}
-    for kind, n in (("L", 1200), ("S", 60)):
-        records.clear()
-        for j in range(8):
-            submit(f"ref{kind}{j}", n + j, 24)
-        run()
-        device[kind] = statistics.median(r.wall_s for r in records if r.phase == "decode")
-    physical = device["L"] / device["S"]
+    # what the device takes: 8 long vs 8 short, same engine, right after; the median of
+    # three such pairs, as one pair's ratio swung 1.86-2.8 on a shared 2-core box (CI
+    # failed on a pair at 1.86 while the bill's side stood at 3.44)
+    pairs = []
+    for rep in range(3):
+        device = {}
+        for kind, n in (("L", 1200), ("S", 60)):
+            records.clear()
+            for j in range(8):
+                submit(f"ref{rep}{kind}{j}", n + j, 24)
+            run()
+            device[kind] = statistics.median(r.wall_s for r in records if r.phase == "decode")
+        pairs.append(device["L"] / device["S"])
+    physical = statistics.median(pairs)
     # the fit's error: its rms residual over the mean step. On a small machine shared
     # with other work it is large (35-70% measured on a loaded 2-core box), so this
     # bound is loose there; both sides of the comparison come from this same run.
@@ -332,8 +337,8 @@ def test_on_the_cpu_torch_engine_long_contexts_pay_what_they_cost(tiny_model):
         pytest.skip(f"the fit's error is {err:.2f} of a step: this machine is too loaded "
                     "for the comparison to mean anything")
     tol = 3 * err + 0.05
-    print(f"CPU: billed L/S per token {ratio:.3f}, device L/S {physical:.3f}, "
-          f"fit error {err:.3f}")
+    print(f"CPU: billed L/S per token {ratio:.3f}, device L/S {physical:.3f} "
+          f"(pairs {', '.join(f'{p:.3f}' for p in pairs)}), fit error {err:.3f}")
     # never cheaper per token for the longer contexts (no negative term reaches the
     # bill), and no dearer than the device's own ratio beyond the fit's error
     assert 1.0 <= ratio <= physical * (1 + tol), (ratio, physical, err, fit)
