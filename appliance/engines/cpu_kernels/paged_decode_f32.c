@@ -14,13 +14,13 @@
    output per run. The kernel before read scores for 8 positions of one head (two loads
    an FMA) and, in the values pass, swept all of V once for each query head.
 
-   Two ways to walk a sequence's rows. `decode_one`: in order, the rows two blocks ahead
+   Two ways to walk a sequence's rows. `seq_one`: in order, the rows two blocks ahead
    prefetched; it gets ~5-8 GB/s of K and V where the core streams ~9-12, and no prefetch
    distance tried (1-64 rows, into L1 or L2), nor huge pages, nor none at all, brought the
-   rows sooner. `decode_four`: four streams side by side, a quarter of the span each, then
+   rows sooner. `seq_four`: four streams side by side, a quarter of the span each, then
    the last n % 4 rows, and no software prefetch: one core read 16 KB blocks in a random
    order at 10.6 GB/s as one stream, 15.5 as two, 22.6 as four (session 63, a Zen 3;
-   bench/read_streams.c). Against `decode_one`, 12 layers of the 82m shape from memory,
+   bench/read_streams.c). Against `seq_one`, 12 layers of the 82m shape from memory,
    alternating (bench_f32_kernels --rows 0 --contexts 290): 8 sequences 8.2-9.2 -> 7.0-8.6
    ms, 32 sequences 28.3-29.2 -> 24.7-29.9 (session 64; session 63: 8.5-9.7 -> 6.5-7.7,
    30-40 -> 23-26). Four streams serve the head sizes of the families served (64, 128,
@@ -173,174 +173,177 @@ INLINE void prefetch_rows(rows_t r, int rows, int64_t tok) {
     }
 }
 
-INLINE int decode_one(const float* q, const float* kpool, const float* vpool, const int64_t* tables,
-                  int64_t table_stride, const int32_t* ctx_lens, const int32_t* starts, int B,
-                  int H, int KVH, int bs, float scale, float* scratch, int64_t scratch_elems,
-                  float* out, const int NV) {
-    const int hd = 8 * NV, g = H / KVH;
-    const int64_t tok = (int64_t)KVH * hd; /* floats of one position's row */
-    for (int b = 0; b < B; b++) {
-        const int c = ctx_lens[b], s0 = starts[b], n = c - s0;
-        if (n < 1) return -1;
-        if ((int64_t)H * n > scratch_elems) return -2;
-        const int64_t* tab = tables + (int64_t)b * table_stride;
-        const float* qb = q + (int64_t)b * H * hd;
-        float* sc = scratch; /* [H][n] */
-        /* pass 1: scores, K's rows in order, AHEAD rows prefetched ahead of them */
-        rows_t at = rows_from(kpool, tab, s0, bs, tok), ahead = at;
-        const int first = n < AHEAD ? n : AHEAD;
-        prefetch_rows(at, first, tok);
-        for (int i = 0; i < first; i++) row_next(&ahead);
-        for (int t0 = s0; t0 < c; t0 += 4) {
-            const int nt = c - t0 < 4 ? c - t0 : 4;
-            const float* rows[4];
-            for (int i = 0; i < 4; i++) {
-                rows[i] = row_here(&at);   /* past the end: the last row again */
-                if (i + 1 < nt) row_next(&at);
-            }
-            row_next(&at);
-            const int more = c - (t0 + AHEAD) < 4 ? c - (t0 + AHEAD) : 4;
-            if (more > 0) {
-                prefetch_rows(ahead, more, tok);
-                for (int i = 0; i < more; i++) row_next(&ahead);
-            }
-            for (int h = 0; h < H; h += 3) {
-                /* up to 3 query heads of one KV head at a time */
-                const int kvh = h / g, left = (kvh + 1) * g - h, gh = left < 3 ? left : 3;
-                float* at_sc = sc + (int64_t)h * n + (t0 - s0);
-#define SCORES(GH) scores4(rows, kvh * hd, qb + h * hd, scale, at_sc, n, nt, 1, NV, GH); break;
-                switch (gh) {
-                case 1: SCORES(1) case 2: SCORES(2) default: SCORES(3)
-                }
-#undef SCORES
-                h += gh - 3;
-            }
+/* one sequence's attention: rows s0 .. c-1 of its table `tab`; q and out its rows,
+   sc its [H][n] scores */
+INLINE void seq_one(const float* qb, const float* kpool, const float* vpool,
+                   const int64_t* tab, int s0, int c, int H, int g, int bs, float scale,
+                   float* sc, float* ob, const int NV) {
+    const int hd = 8 * NV, n = c - s0;
+    const int64_t tok = (int64_t)(H / g) * hd; /* floats of one position's row */
+    /* pass 1: scores, K's rows in order, AHEAD rows prefetched ahead of them */
+    rows_t at = rows_from(kpool, tab, s0, bs, tok), ahead = at;
+    const int first = n < AHEAD ? n : AHEAD;
+    prefetch_rows(at, first, tok);
+    for (int i = 0; i < first; i++) row_next(&ahead);
+    for (int t0 = s0; t0 < c; t0 += 4) {
+        const int nt = c - t0 < 4 ? c - t0 : 4;
+        const float* rows[4];
+        for (int i = 0; i < 4; i++) {
+            rows[i] = row_here(&at);   /* past the end: the last row again */
+            if (i + 1 < nt) row_next(&at);
         }
-        softmax_rows(sc, H, n);
-        /* pass 2: values, V's rows in order a block's run at a time; each run's rows (in
-           L1 after the first head reads them) serve every head */
-        float* ob = out + (int64_t)b * H * hd;
-        for (int i = 0; i < H * hd; i += 8) _mm256_storeu_ps(ob + i, _mm256_setzero_ps());
-        rows_t vat = rows_from(vpool, tab, s0, bs, tok), vahead = vat;
-        prefetch_rows(vat, first, tok);
-        for (int i = 0; i < first; i++) row_next(&vahead);
-        for (int t0 = s0; t0 < c;) {
-            const int run = bs - vat.off < c - t0 ? bs - vat.off : c - t0;
-            const float* v0 = row_here(&vat);
-            const int more = c - (t0 + AHEAD) < run ? c - (t0 + AHEAD) : run;
-            if (more > 0) {
-                prefetch_rows(vahead, more, tok);
-                for (int i = 0; i < more; i++) row_next(&vahead);
+        row_next(&at);
+        const int more = c - (t0 + AHEAD) < 4 ? c - (t0 + AHEAD) : 4;
+        if (more > 0) {
+            prefetch_rows(ahead, more, tok);
+            for (int i = 0; i < more; i++) row_next(&ahead);
+        }
+        for (int h = 0; h < H; h += 3) {
+            /* up to 3 query heads of one KV head at a time */
+            const int kvh = h / g, left = (kvh + 1) * g - h, gh = left < 3 ? left : 3;
+            float* at_sc = sc + (int64_t)h * n + (t0 - s0);
+#define SCORES(GH) scores4(rows, kvh * hd, qb + h * hd, scale, at_sc, n, nt, 1, NV, GH); break;
+            switch (gh) {
+            case 1: SCORES(1) case 2: SCORES(2) default: SCORES(3)
             }
-            for (int h = 0; h < H; h++) {
-                const float* v = v0 + (h / g) * hd;
-                const float* p = sc + (int64_t)h * n + (t0 - s0);
-                for (int c0 = 0; c0 < NV; c0 += 8) {
-                    float* o = ob + (int64_t)h * hd + 8 * c0;
-#define RUN(NC) values_run(v + 8 * c0, tok, p, run, o, NC); break;
-                    switch (NV - c0 < 8 ? NV - c0 : 8) {
-                    case 1: RUN(1) case 2: RUN(2) case 3: RUN(3) case 4: RUN(4)
-                    case 5: RUN(5) case 6: RUN(6) case 7: RUN(7) default: RUN(8)
-                    }
-#undef RUN
-                }
-            }
-            for (int i = 0; i < run; i++) row_next(&vat);
-            t0 += run;
+#undef SCORES
+            h += gh - 3;
         }
     }
-    return 0;
+    softmax_rows(sc, H, n);
+    /* pass 2: values, V's rows in order a block's run at a time; each run's rows (in
+       L1 after the first head reads them) serve every head */
+    for (int i = 0; i < H * hd; i += 8) _mm256_storeu_ps(ob + i, _mm256_setzero_ps());
+    rows_t vat = rows_from(vpool, tab, s0, bs, tok), vahead = vat;
+    prefetch_rows(vat, first, tok);
+    for (int i = 0; i < first; i++) row_next(&vahead);
+    for (int t0 = s0; t0 < c;) {
+        const int run = bs - vat.off < c - t0 ? bs - vat.off : c - t0;
+        const float* v0 = row_here(&vat);
+        const int more = c - (t0 + AHEAD) < run ? c - (t0 + AHEAD) : run;
+        if (more > 0) {
+            prefetch_rows(vahead, more, tok);
+            for (int i = 0; i < more; i++) row_next(&vahead);
+        }
+        for (int h = 0; h < H; h++) {
+            const float* v = v0 + (h / g) * hd;
+            const float* p = sc + (int64_t)h * n + (t0 - s0);
+            for (int c0 = 0; c0 < NV; c0 += 8) {
+                float* o = ob + (int64_t)h * hd + 8 * c0;
+#define RUN(NC) values_run(v + 8 * c0, tok, p, run, o, NC); break;
+                switch (NV - c0 < 8 ? NV - c0 : 8) {
+                case 1: RUN(1) case 2: RUN(2) case 3: RUN(3) case 4: RUN(4)
+                case 5: RUN(5) case 6: RUN(6) case 7: RUN(7) default: RUN(8)
+                }
+#undef RUN
+            }
+        }
+        for (int i = 0; i < run; i++) row_next(&vat);
+        t0 += run;
+    }
 }
 
-INLINE int decode_four(const float* q, const float* kpool, const float* vpool, const int64_t* tables,
-                  int64_t table_stride, const int32_t* ctx_lens, const int32_t* starts, int B,
-                  int H, int KVH, int bs, float scale, float* scratch, int64_t scratch_elems,
-                  float* out, const int NV) {
-    const int hd = 8 * NV, g = H / KVH;
-    const int64_t tok = (int64_t)KVH * hd; /* floats of one position's row */
-    for (int b = 0; b < B; b++) {
-        const int c = ctx_lens[b], s0 = starts[b], n = c - s0;
-        if (n < 1) return -1;
-        if ((int64_t)H * n > scratch_elems) return -2;
-        const int64_t* tab = tables + (int64_t)b * table_stride;
-        const float* qb = q + (int64_t)b * H * hd;
-        float* sc = scratch; /* [H][n] */
-        /* pass 1: scores. K's rows as four streams side by side, a quarter of the span
-           each, then the last n % 4 rows: one core read four scattered streams of 16 KB
-           blocks twice as fast as one (session 63, a Zen 3: 22.6 against 10.6 GB/s),
-           and the hardware's prefetcher follows each without software prefetches */
-        const int L = n / 4;
-        rows_t st[4];
-        for (int i = 0; i < 4; i++) st[i] = rows_from(kpool, tab, s0 + i * L, bs, tok);
-        for (int t = 0; t < L + 1; t++) {
-            const int tail = t == L, nt = tail ? n - 4 * L : 4;
-            if (nt == 0) break;
-            const float* rows[4];
-            if (tail) {     /* st[3] stands at the first of the last n % 4 rows */
-                for (int i = 0; i < 4; i++) {
-                    rows[i] = row_here(&st[3]);   /* past the end: the last row again */
-                    if (i + 1 < nt) row_next(&st[3]);
-                }
-            } else {
-                for (int i = 0; i < 4; i++) {
-                    rows[i] = row_here(&st[i]);
+/* one sequence's attention: rows s0 .. c-1 of its table `tab`; q and out its rows,
+   sc its [H][n] scores */
+INLINE void seq_four(const float* qb, const float* kpool, const float* vpool,
+                   const int64_t* tab, int s0, int c, int H, int g, int bs, float scale,
+                   float* sc, float* ob, const int NV) {
+    const int hd = 8 * NV, n = c - s0;
+    const int64_t tok = (int64_t)(H / g) * hd; /* floats of one position's row */
+    /* pass 1: scores. K's rows as four streams side by side, a quarter of the span
+       each, then the last n % 4 rows: one core read four scattered streams of 16 KB
+       blocks twice as fast as one (session 63, a Zen 3: 22.6 against 10.6 GB/s),
+       and the hardware's prefetcher follows each without software prefetches */
+    const int L = n / 4;
+    rows_t st[4];
+    for (int i = 0; i < 4; i++) st[i] = rows_from(kpool, tab, s0 + i * L, bs, tok);
+    for (int t = 0; t < L + 1; t++) {
+        const int tail = t == L, nt = tail ? n - 4 * L : 4;
+        if (nt == 0) break;
+        const float* rows[4];
+        if (tail) {     /* st[3] stands at the first of the last n % 4 rows */
+            for (int i = 0; i < 4; i++) {
+                rows[i] = row_here(&st[3]);   /* past the end: the last row again */
+                if (i + 1 < nt) row_next(&st[3]);
+            }
+        } else {
+            for (int i = 0; i < 4; i++) {
+                rows[i] = row_here(&st[i]);
+                row_next(&st[i]);
+            }
+        }
+        const int step = tail ? 1 : L;
+        float* at_t = sc + (tail ? 4 * L : t);
+        for (int h = 0; h < H; h += 3) {
+            /* up to 3 query heads of one KV head at a time */
+            const int kvh = h / g, left = (kvh + 1) * g - h, gh = left < 3 ? left : 3;
+            float* at_sc = at_t + (int64_t)h * n;
+#define SCORES(GH) scores4(rows, kvh * hd, qb + h * hd, scale, at_sc, n, nt, step, NV, GH); break;
+            switch (gh) {
+            case 1: SCORES(1) case 2: SCORES(2) default: SCORES(3)
+            }
+#undef SCORES
+            h += gh - 3;
+        }
+    }
+    softmax_rows(sc, H, n);
+    /* pass 2: values, the same four streams of V's rows, up to 4 rows of each at a
+       time (their lines in L1 after the first head reads them), every head over them */
+    for (int i = 0; i < H * hd; i += 8) _mm256_storeu_ps(ob + i, _mm256_setzero_ps());
+    for (int i = 0; i < 4; i++) st[i] = rows_from(vpool, tab, s0 + i * L, bs, tok);
+    for (int t = 0; t < L + 4; t += 4) {
+        const float* rows[16];
+        int pos[16], nr = 0;
+        if (t < L) {
+            const int k = L - t < 4 ? L - t : 4;
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < k; j++, nr++) {
+                    rows[nr] = row_here(&st[i]);
+                    pos[nr] = i * L + t + j;
                     row_next(&st[i]);
                 }
-            }
-            const int step = tail ? 1 : L;
-            float* at_t = sc + (tail ? 4 * L : t);
-            for (int h = 0; h < H; h += 3) {
-                /* up to 3 query heads of one KV head at a time */
-                const int kvh = h / g, left = (kvh + 1) * g - h, gh = left < 3 ? left : 3;
-                float* at_sc = at_t + (int64_t)h * n;
-#define SCORES(GH) scores4(rows, kvh * hd, qb + h * hd, scale, at_sc, n, nt, step, NV, GH); break;
-                switch (gh) {
-                case 1: SCORES(1) case 2: SCORES(2) default: SCORES(3)
-                }
-#undef SCORES
-                h += gh - 3;
+        } else {        /* the last n % 4 rows: st[3] stands at the first of them */
+            for (int j = 4 * L; j < n; j++, nr++) {
+                rows[nr] = row_here(&st[3]);
+                pos[nr] = j;
+                row_next(&st[3]);
             }
         }
-        softmax_rows(sc, H, n);
-        /* pass 2: values, the same four streams of V's rows, up to 4 rows of each at a
-           time (their lines in L1 after the first head reads them), every head over them */
-        float* ob = out + (int64_t)b * H * hd;
-        for (int i = 0; i < H * hd; i += 8) _mm256_storeu_ps(ob + i, _mm256_setzero_ps());
-        for (int i = 0; i < 4; i++) st[i] = rows_from(vpool, tab, s0 + i * L, bs, tok);
-        for (int t = 0; t < L + 4; t += 4) {
-            const float* rows[16];
-            int pos[16], nr = 0;
-            if (t < L) {
-                const int k = L - t < 4 ? L - t : 4;
-                for (int i = 0; i < 4; i++)
-                    for (int j = 0; j < k; j++, nr++) {
-                        rows[nr] = row_here(&st[i]);
-                        pos[nr] = i * L + t + j;
-                        row_next(&st[i]);
-                    }
-            } else {        /* the last n % 4 rows: st[3] stands at the first of them */
-                for (int j = 4 * L; j < n; j++, nr++) {
-                    rows[nr] = row_here(&st[3]);
-                    pos[nr] = j;
-                    row_next(&st[3]);
-                }
-            }
-            if (nr == 0) break;
-            for (int h = 0; h < H; h++) {
-                float w[16];
-                for (int r = 0; r < nr; r++) w[r] = sc[(int64_t)h * n + pos[r]];
-                const int voff = (h / g) * hd;
-                for (int c0 = 0; c0 < NV; c0 += 8) {
-                    float* o = ob + (int64_t)h * hd + 8 * c0;
+        if (nr == 0) break;
+        for (int h = 0; h < H; h++) {
+            float w[16];
+            for (int r = 0; r < nr; r++) w[r] = sc[(int64_t)h * n + pos[r]];
+            const int voff = (h / g) * hd;
+            for (int c0 = 0; c0 < NV; c0 += 8) {
+                float* o = ob + (int64_t)h * hd + 8 * c0;
 #define RUN(NC) values_rows(rows, voff + 8 * c0, w, nr, o, NC); break;
-                    switch (NV - c0 < 8 ? NV - c0 : 8) {
-                    case 1: RUN(1) case 2: RUN(2) case 3: RUN(3) case 4: RUN(4)
-                    case 5: RUN(5) case 6: RUN(6) case 7: RUN(7) default: RUN(8)
-                    }
-#undef RUN
+                switch (NV - c0 < 8 ? NV - c0 : 8) {
+                case 1: RUN(1) case 2: RUN(2) case 3: RUN(3) case 4: RUN(4)
+                case 5: RUN(5) case 6: RUN(6) case 7: RUN(7) default: RUN(8)
                 }
+#undef RUN
             }
         }
+    }
+}
+
+/* every sequence through seq_one, or seq_four where FOUR */
+INLINE int decode(const float* q, const float* kpool, const float* vpool, const int64_t* tables,
+                  int64_t table_stride, const int32_t* ctx_lens, const int32_t* starts, int B,
+                  int H, int KVH, int bs, float scale, float* scratch, int64_t scratch_elems,
+                  float* out, const int NV, const int FOUR) {
+    const int hd = 8 * NV, g = H / KVH;
+    for (int b = 0; b < B; b++) {
+        const int c = ctx_lens[b], s0 = starts[b];
+        if (c - s0 < 1) return -1;
+        if ((int64_t)H * (c - s0) > scratch_elems) return -2;
+        const int64_t* tab = tables + (int64_t)b * table_stride;
+        const float* qb = q + (int64_t)b * H * hd;
+        float* ob = out + (int64_t)b * H * hd;
+        if (FOUR)
+            seq_four(qb, kpool, vpool, tab, s0, c, H, g, bs, scale, scratch, ob, NV);
+        else
+            seq_one(qb, kpool, vpool, tab, s0, c, H, g, bs, scale, scratch, ob, NV);
     }
     return 0;
 }
@@ -359,11 +362,11 @@ int paged_decode_f32(const float* q, const float* kpool, const float* vpool,
        four-stream copy for every head size took 2-3.5x as long to build, 36-70 s under
        load, and timed out test daemons) */
     switch (hd / 8) {
-    case 8: return decode_four(ARGS, 8);
-    case 16: return decode_four(ARGS, 16);
-    case 32: return decode_four(ARGS, 32);
+    case 8: return decode(ARGS, 8, 1);
+    case 16: return decode(ARGS, 16, 1);
+    case 32: return decode(ARGS, 32, 1);
     }
-#define CASE(NV) case NV: return decode_one(ARGS, NV);
+#define CASE(NV) case NV: return decode(ARGS, NV, 0);
     switch (hd / 8) {
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
     CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15)
