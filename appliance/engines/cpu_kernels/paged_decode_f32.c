@@ -9,9 +9,9 @@
    bench/bench_f32_kernels.py).
 
    Two passes a sequence. Scores: 4 positions at a time, each K vector loaded once for up
-   to 3 query heads of its KV head (12 accumulators). Values: a run of rows at a time,
-   every query head over them (the rows in L1 after the first head), summed into the
-   output per run. The kernel before read scores for 8 positions of one head (two loads
+   to 3 query heads of its KV head (12 accumulators). Values: a run of rows at a time
+   (seq_one: every query head over them, the rows in L1 after the first head; seq_four:
+   as its scores), summed into the output per run. The kernel before read scores for 8 positions of one head (two loads
    an FMA) and, in the values pass, swept all of V once for each query head.
 
    Two ways to walk a sequence's rows. `seq_one`: in order, the rows two blocks ahead
@@ -20,7 +20,14 @@
    rows sooner. `seq_four`: four streams side by side, a quarter of the span each, then
    the last n % 4 rows, and no software prefetch: one core read 16 KB blocks in a random
    order at 10.6 GB/s as one stream, 15.5 as two, 22.6 as four (session 63, a Zen 3;
-   bench/read_streams.c). Against `seq_one`, 12 layers of the 82m shape from memory,
+   bench/read_streams.c). Its values pass reads V as its scores pass reads K, a row of
+   each stream at a time, each V vector for up to 3 query heads: it read 4 rows of each
+   stream at a time and every query head loaded them again from L1, and took ~1.6x the
+   scores pass's time. Session 66 (a Zen 3, 12 layers of the 82m shape, contexts of 290,
+   from memory, a C loop over the kernel alone, alternating): 8 sequences 5.2-5.6 ->
+   3.8-4.2 ms, 32 sequences 21.6-23.0 -> 16.1-19.7; contexts of 1000 and 4000 and 64
+   20-28% less too. A walk prefetching the step's rows 64-256 KB ahead (across passes and
+   sequences) gained nothing there. Against `seq_one`, 12 layers of the 82m shape from memory,
    alternating (bench_f32_kernels --rows 0 --contexts 290): 8 sequences 8.2-9.2 -> 7.0-8.6
    ms, 32 sequences 28.3-29.2 -> 24.7-29.9 (session 64; session 63: 8.5-9.7 -> 6.5-7.7,
    30-40 -> 23-26). Four streams serve the head sizes of the families served (64, 128,
@@ -150,19 +157,28 @@ INLINE void values_run(const float* v, int64_t tok, const float* p, int run, flo
         _mm256_storeu_ps(out + 8 * c, _mm256_add_ps(_mm256_loadu_ps(out + 8 * c), acc[c]));
 }
 
-/* out (NC vectors of one query head's output, a chunk of head_dim) += sum over nr rows
-   of w[r] * rows[r][off..] */
+/* out (GH query heads of one KV head, head_dim apart; 4 vectors of each from column off)
+   += sum over nr rows of w[j * 4 + r] * rows[r][off..]: each V vector loaded once for the
+   GH heads (12 accumulators, 3 broadcasts, 1 V) */
 INLINE void values_rows(const float* const* rows, int off, const float* w, int nr, float* out,
-                        const int NC) {
-    __m256 acc[8];
-    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
+                        int64_t hd, const int GH) {
+    __m256 acc[3][4];
+    for (int j = 0; j < GH; j++)
+        for (int c = 0; c < 4; c++) acc[j][c] = _mm256_setzero_ps();
     for (int r = 0; r < nr; r++) {
-        const __m256 b = _mm256_broadcast_ss(w + r);
+        __m256 b[3];
+        for (int j = 0; j < GH; j++) b[j] = _mm256_broadcast_ss(w + j * 4 + r);
         const float* vr = rows[r] + off;
-        for (int c = 0; c < NC; c++) acc[c] = _mm256_fmadd_ps(b, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+        for (int c = 0; c < 4; c++) {
+            const __m256 v = _mm256_loadu_ps(vr + 8 * c);
+            for (int j = 0; j < GH; j++) acc[j][c] = _mm256_fmadd_ps(b[j], v, acc[j][c]);
+        }
     }
-    for (int c = 0; c < NC; c++)
-        _mm256_storeu_ps(out + 8 * c, _mm256_add_ps(_mm256_loadu_ps(out + 8 * c), acc[c]));
+    for (int j = 0; j < GH; j++)
+        for (int c = 0; c < 4; c++) {
+            float* o = out + j * hd + 8 * c;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[j][c]));
+        }
 }
 
 /* the lines of `rows` rows from `r` on, into L2: the stream a pass reads next */
@@ -287,42 +303,38 @@ INLINE void seq_four(const float* qb, const float* kpool, const float* vpool,
         }
     }
     softmax_rows(sc, H, n);
-    /* pass 2: values, the same four streams of V's rows, up to 4 rows of each at a
-       time (their lines in L1 after the first head reads them), every head over them */
+    /* pass 2: values, the same four streams of V's rows, a row of each at a time, as
+       pass 1 reads K, then the last n % 4 rows; each V vector serves up to 3 query heads
+       of its KV head. (Before: 4 rows of each stream at a time, then every query head
+       over those 16 rows, each head loading V again from L1: it read V at ~2/3 of
+       pass 1's rate from memory, and hot in the caches at ~1.4x the CPU time.) */
     for (int i = 0; i < H * hd; i += 8) _mm256_storeu_ps(ob + i, _mm256_setzero_ps());
     for (int i = 0; i < 4; i++) st[i] = rows_from(vpool, tab, s0 + i * L, bs, tok);
-    for (int t = 0; t < L + 4; t += 4) {
-        const float* rows[16];
-        int pos[16], nr = 0;
-        if (t < L) {
-            const int k = L - t < 4 ? L - t : 4;
-            for (int i = 0; i < 4; i++)
-                for (int j = 0; j < k; j++, nr++) {
-                    rows[nr] = row_here(&st[i]);
-                    pos[nr] = i * L + t + j;
-                    row_next(&st[i]);
-                }
-        } else {        /* the last n % 4 rows: st[3] stands at the first of them */
-            for (int j = 4 * L; j < n; j++, nr++) {
-                rows[nr] = row_here(&st[3]);
-                pos[nr] = j;
-                row_next(&st[3]);
-            }
-        }
+    for (int t = 0; t < L + 1; t++) {
+        const int tail = t == L, nr = tail ? n - 4 * L : 4;
         if (nr == 0) break;
-        for (int h = 0; h < H; h++) {
-            float w[16];
-            for (int r = 0; r < nr; r++) w[r] = sc[(int64_t)h * n + pos[r]];
-            const int voff = (h / g) * hd;
-            for (int c0 = 0; c0 < NV; c0 += 8) {
+        const float* rows[4];
+        int pos[4];
+        for (int i = 0; i < nr; i++) {
+            rows_t* from = tail ? &st[3] : &st[i];   /* st[3] stands at the tail's first */
+            rows[i] = row_here(from);
+            pos[i] = tail ? 4 * L + i : i * L + t;
+            row_next(from);
+        }
+        for (int h = 0; h < H; h += 3) {
+            const int kvh = h / g, left = (kvh + 1) * g - h, gh = left < 3 ? left : 3;
+            float w[3 * 4];
+            for (int j = 0; j < gh; j++)
+                for (int r = 0; r < nr; r++) w[j * 4 + r] = sc[(int64_t)(h + j) * n + pos[r]];
+            for (int c0 = 0; c0 < NV; c0 += 4) {
                 float* o = ob + (int64_t)h * hd + 8 * c0;
-#define RUN(NC) values_rows(rows, voff + 8 * c0, w, nr, o, NC); break;
-                switch (NV - c0 < 8 ? NV - c0 : 8) {
-                case 1: RUN(1) case 2: RUN(2) case 3: RUN(3) case 4: RUN(4)
-                case 5: RUN(5) case 6: RUN(6) case 7: RUN(7) default: RUN(8)
+#define RUN(GH) values_rows(rows, kvh * hd + 8 * c0, w, nr, o, hd, GH); break;
+                switch (gh) {
+                case 1: RUN(1) case 2: RUN(2) default: RUN(3)
                 }
 #undef RUN
             }
+            h += gh - 3;
         }
     }
 }
