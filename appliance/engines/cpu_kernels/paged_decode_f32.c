@@ -11,8 +11,9 @@
    Two passes a sequence. Scores: 4 positions at a time, each K vector loaded once for up
    to 3 query heads of its KV head (12 accumulators). Values: a run of rows at a time
    (seq_one: every query head over them, the rows in L1 after the first head; seq_four:
-   as its scores), summed into the output per run. The kernel before read scores for 8 positions of one head (two loads
-   an FMA) and, in the values pass, swept all of V once for each query head.
+   as its scores), summed into the output per run. The kernel before read scores for 8
+   positions of one head (two loads an FMA) and, in the values pass, swept all of V once
+   for each query head.
 
    Two ways to walk a sequence's rows. `seq_one`: in order, the rows two blocks ahead
    prefetched; it gets ~5-8 GB/s of K and V where the core streams ~9-12, and no prefetch
