@@ -9,7 +9,8 @@
    the project: a probe for docs/benchmarks.md (session 66).
 
        cc -O3 -march=native -ffp-contract=off -Iappliance/engines/cpu_kernels \
-          bench/paged_decode_loop.c appliance/engines/cpu_kernels/paged_decode_f32.c -lm -o /tmp/pdl
+          bench/paged_decode_loop.c appliance/engines/cpu_kernels/paged_decode_f32.c \
+          -lm -o /tmp/pdl
        taskset -c 1 /tmp/pdl 8 290 0      # B CTX HOT [PASSES]
 */
 #include <stdint.h>
@@ -21,44 +22,68 @@ int paged_decode_f32(const float* q, const float* kpool, const float* vpool,
                      const int64_t* tables, int64_t table_stride, const int32_t* ctx_lens,
                      const int32_t* starts, int B, int H, int KVH, int hd, int bs, float scale,
                      float* scratch, int64_t scratch_elems, float* out);
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static float* random_floats(size_t n, size_t align) {
+    float* p = aligned_alloc(align, (n * sizeof(float) + align - 1) / align * align);
+    for (size_t i = 0; i < n; i++) p[i] = (rand() % 1000) * 1e-3f;
+    return p;
+}
+
 int main(int argc, char** argv) {
     if (argc < 4 || atoi(argv[1]) < 1 || atoi(argv[2]) < 1) {
         fprintf(stderr, "usage: %s B CTX HOT [PASSES]\n", argv[0]);
         return 2;
     }
-    const int B = atoi(argv[1]), ctx = atoi(argv[2]), hot = atoi(argv[3]), passes = argc > 4 ? atoi(argv[4]) : 20;
+    const int B = atoi(argv[1]), ctx = atoi(argv[2]), hot = atoi(argv[3]);
+    const int passes = argc > 4 ? atoi(argv[4]) : 20;
     const int H = 12, KVH = 4, hd = 64, bs = 16, L = 12;
     const int per = (ctx + bs - 1) / bs;
     const int blocks = hot ? B * per : (B * per > 2048 ? B * per : 2048);
-    const size_t blk = (size_t)bs * KVH * hd;
+    const size_t pool = (size_t)blocks * bs * KVH * hd;
     float *K[12], *V[12];
     srand(1);
     for (int l = 0; l < L; l++) {
-        if (hot && l) { K[l] = K[0]; V[l] = V[0]; continue; }
-        K[l] = aligned_alloc(4096, blocks * blk * 4); V[l] = aligned_alloc(4096, blocks * blk * 4);
-        for (size_t i = 0; i < blocks * blk; i++) { K[l][i] = (rand() % 1000) * 1e-3f; V[l][i] = (rand() % 1000) * 1e-3f; }
+        K[l] = hot && l ? K[0] : random_floats(pool, 4096);
+        V[l] = hot && l ? V[0] : random_floats(pool, 4096);
     }
-    int* freel = malloc(blocks * sizeof(int));
-    for (int i = 0; i < blocks; i++) freel[i] = i;
-    for (int i = blocks - 1; i > 0; i--) { int j = rand() % (i + 1), t = freel[i]; freel[i] = freel[j]; freel[j] = t; }
+    /* each sequence's blocks: distinct, in a random order through the pool */
+    int* ids = malloc(blocks * sizeof(int));
+    for (int i = 0; i < blocks; i++) ids[i] = i;
+    for (int i = blocks - 1; i > 0; i--) {
+        const int j = rand() % (i + 1), t = ids[i];
+        ids[i] = ids[j];
+        ids[j] = t;
+    }
     int64_t* tab = malloc(sizeof(int64_t) * B * per);
-    for (int i = 0; i < B * per; i++) tab[i] = freel[i];
-    int32_t* lens = malloc(4 * B); int32_t* st = calloc(B, 4);
+    for (int i = 0; i < B * per; i++) tab[i] = ids[i];
+    int32_t* lens = malloc(sizeof(int32_t) * B);
+    int32_t* starts = calloc(B, sizeof(int32_t));
     for (int b = 0; b < B; b++) lens[b] = ctx;
-    float* q = malloc(sizeof(float) * (size_t)B * H * hd); float* out = malloc(sizeof(float) * (size_t)B * H * hd);
-    for (int i = 0; i < B * H * hd; i++) q[i] = (rand() % 1000) * 1e-3f;
-    float* sc = malloc(sizeof(float) * (size_t)H * ctx);
+    float* q = random_floats((size_t)B * H * hd, 64);
+    float* out = random_floats((size_t)B * H * hd, 64);
+    float* sc = random_floats((size_t)H * ctx, 64);
     double best = 1e9;
     for (int p = 0; p < passes; p++) {
         const double t0 = now();
         for (int l = 0; l < L; l++)
-            if (paged_decode_f32(q, K[l], V[l], tab, per, lens, st, B, H, KVH, hd, bs, 0.125f, sc, H * ctx, out)) return 1;
+            if (paged_decode_f32(q, K[l], V[l], tab, per, lens, starts, B, H, KVH, hd, bs,
+                                 0.125f, sc, (int64_t)H * ctx, out)) {
+                fprintf(stderr, "the kernel refused the shape\n");
+                return 1;
+            }
         const double t = now() - t0;
         if (t < best) best = t;
     }
-    const double bytes = 2.0 * L * B * ctx * KVH * hd * 4;
-    double cs = 0; for (int i = 0; i < B * H * hd; i++) cs += out[i] * (1 + i % 7);
-    printf("[%.6f] B=%d ctx=%d %s: %.2f ms, %.1f GB/s of K and V\n", cs, B, ctx, hot ? "hot" : "cold", best * 1e3, bytes / best / 1e9);
+    const double bytes = 2.0 * L * B * ctx * KVH * hd * sizeof(float);
+    double sum = 0;
+    for (int i = 0; i < B * H * hd; i++) sum += out[i] * (1 + i % 7);
+    printf("[%.6f] B=%d ctx=%d %s: %.2f ms, %.1f GB/s of K and V\n", sum, B, ctx,
+           hot ? "hot" : "cold", best * 1e3, bytes / best / 1e9);
     return 0;
 }
