@@ -1,7 +1,7 @@
 /* The fp32 decode attention kernel (appliance/engines/cpu_kernels/paged_decode_f32.c) alone,
    called from C: one decode step over 12 layers of the 82m shape (12 heads over 4 KV heads of
    64, blocks of 16), B sequences of CTX positions whose blocks lie scattered through each
-   layer's pool. COLD 0: each layer a pool of its own (at least 2048 blocks, 64 MB of K and
+   layer's pool. HOT 0: each layer a pool of its own (at least 2048 blocks, 64 MB of K and
    V), so no cache holds the step's reads; 1: every layer the same pool of just the blocks
    read (the CPU time without memory). Prints the best pass and a checksum of the output
    (equal across kernel versions that sum in the same order). Without Python between calls,
@@ -17,7 +17,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
-#include <sys/mman.h>
 int paged_decode_f32(const float* q, const float* kpool, const float* vpool,
                      const int64_t* tables, int64_t table_stride, const int32_t* ctx_lens,
                      const int32_t* starts, int B, int H, int KVH, int hd, int bs, float scale,

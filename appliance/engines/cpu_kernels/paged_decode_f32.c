@@ -260,6 +260,17 @@ INLINE void seq_one(const float* qb, const float* kpool, const float* vpool,
     }
 }
 
+/* the next row of each of four streams (st[i]); on the tail (nt = n % 4 rows, from
+   st[3], which stands at the first of them) nt rows of st[3], the last repeated to fill
+   rows[4] */
+INLINE void four_rows(rows_t* st, int tail, int nt, const float** rows) {
+    for (int i = 0; i < 4; i++) {
+        rows_t* from = tail ? &st[3] : &st[i];
+        rows[i] = row_here(from);
+        if (!tail || i + 1 < nt) row_next(from);
+    }
+}
+
 /* one sequence's attention: rows s0 .. c-1 of its table `tab`; q and out its rows,
    sc its [H][n] scores */
 INLINE void seq_four(const float* qb, const float* kpool, const float* vpool,
@@ -278,17 +289,7 @@ INLINE void seq_four(const float* qb, const float* kpool, const float* vpool,
         const int tail = t == L, nt = tail ? n - 4 * L : 4;
         if (nt == 0) break;
         const float* rows[4];
-        if (tail) {     /* st[3] stands at the first of the last n % 4 rows */
-            for (int i = 0; i < 4; i++) {
-                rows[i] = row_here(&st[3]);   /* past the end: the last row again */
-                if (i + 1 < nt) row_next(&st[3]);
-            }
-        } else {
-            for (int i = 0; i < 4; i++) {
-                rows[i] = row_here(&st[i]);
-                row_next(&st[i]);
-            }
-        }
+        four_rows(st, tail, nt, rows);
         const int step = tail ? 1 : L;
         float* at_t = sc + (tail ? 4 * L : t);
         for (int h = 0; h < H; h += 3) {
@@ -304,29 +305,22 @@ INLINE void seq_four(const float* qb, const float* kpool, const float* vpool,
         }
     }
     softmax_rows(sc, H, n);
-    /* pass 2: values, the same four streams of V's rows, a row of each at a time, as
+    /* pass 2: values, the same four streams of V's rows, a row of each at a time as
        pass 1 reads K, then the last n % 4 rows; each V vector serves up to 3 query heads
-       of its KV head. (Before: 4 rows of each stream at a time, then every query head
-       over those 16 rows, each head loading V again from L1: it read V at ~2/3 of
-       pass 1's rate from memory, and hot in the caches at ~1.4x the CPU time.) */
+       of its KV head (the header says why) */
     for (int i = 0; i < H * hd; i += 8) _mm256_storeu_ps(ob + i, _mm256_setzero_ps());
     for (int i = 0; i < 4; i++) st[i] = rows_from(vpool, tab, s0 + i * L, bs, tok);
     for (int t = 0; t < L + 1; t++) {
         const int tail = t == L, nr = tail ? n - 4 * L : 4;
         if (nr == 0) break;
         const float* rows[4];
-        int pos[4];
-        for (int i = 0; i < nr; i++) {
-            rows_t* from = tail ? &st[3] : &st[i];   /* st[3] stands at the tail's first */
-            rows[i] = row_here(from);
-            pos[i] = tail ? 4 * L + i : i * L + t;
-            row_next(from);
-        }
+        four_rows(st, tail, nr, rows);
         for (int h = 0; h < H; h += 3) {
             const int kvh = h / g, left = (kvh + 1) * g - h, gh = left < 3 ? left : 3;
             float w[3 * 4];
             for (int j = 0; j < gh; j++)
-                for (int r = 0; r < nr; r++) w[j * 4 + r] = sc[(int64_t)(h + j) * n + pos[r]];
+                for (int r = 0; r < nr; r++)   /* row r's position: r * L + t, or the tail's */
+                    w[j * 4 + r] = sc[(int64_t)(h + j) * n + (tail ? 4 * L + r : r * L + t)];
             for (int c0 = 0; c0 < NV; c0 += 4) {
                 float* o = ob + (int64_t)h * hd + 8 * c0;
 #define RUN(GH) values_rows(rows, kvh * hd + 8 * c0, w, nr, o, hd, GH); break;
