@@ -34,6 +34,18 @@
    32 rows 62-80 -> 56-57, 48 rows 91-98 -> 88; 1-12 rows, whose code is the same, within
    the noise. Without any prefetch 8 rows took 27-30 ms there against 18-19.
 
+   Four streams (session 67, the Zen 3 core): one core there reads one sequential stream at
+   ~16-18 GB/s and four side by side at ~24 (bench/read_streams.c). So one or two groups of
+   rows (1-12, a decode step of few sequences) take the panels in four runs of a quarter
+   each, a block of each run in turn, and spread their prefetches over the four streams'
+   next blocks (`streams`). Alternating with the single stream (bench/linear_f32_loop.c,
+   the same 12 layers, best of 15): 1-6 rows 18-22 -> 13.4-14.9 ms, 7-11 rows 18.4-23.4 ->
+   16.2-20.4, 12 rows 22.7-23.0 -> 21.6-22.3; from 13 rows on (three groups and more) the
+   single stream, level with four there. The same layout, so a worker packs nothing new.
+   Tried before and lost at 8 rows: four slabs of the weight (session 65), and this order
+   with prefetches further ahead and each group asking for its own (session 66); here each
+   stream is asked for one block ahead, and two groups split the asking.
+
    Before this layout the weight stayed [N, K] row-major and a tile was 3 weight rows by 4
    input rows, dot products along K reduced across lanes at the end: the same at 1-8 rows,
    but at 16-48 rows its input rows came from L2 for every tile. Against it, alternating
@@ -62,6 +74,9 @@
 #define FAR 16384              /* floats (64 KB, 4 blocks) ahead: 1-6 groups prefetch there */
 #define SHARED 6               /* up to this many groups share a block's prefetches */
 #define XMAX (64 * 1024)       /* floats of packed input rows: 256 KB */
+#define STREAMS 4              /* one or two groups of rows read the panels as 4 streams */
+#define NEXT (KC * NR)         /* floats (16 KB, a block) ahead: each stream prefetches there */
+#define SPREAD 8               /* tile's prefetch mode for them: a line of each stream in turn */
 #define INLINE static inline __attribute__((always_inline))
 
 /* the first n of 8 lanes, as a mask for maskload/maskstore */
@@ -72,8 +87,8 @@ INLINE __m256i lanes(int n) {
 /* y[0..R-1][0..ncols-1] = (first ? bias or 0 : y) + x @ panel over kc values of k.
    x: [kc][R] packed rows; pw: the panel's kc lines; ncols < 16 only on the last panel. */
 INLINE void tile(const float* x, const float* pw, int kc, float* y, int64_t ldy,
-                 const float* bias, int first, const float* pf, int ncols, const int R,
-                 const int PF) {
+                 const float* bias, int first, const float* pf, int64_t stride, int ncols,
+                 const int R, const int PF) {
     __m256 acc[MR][2];
     const __m256i m0 = lanes(ncols), m1 = lanes(ncols - 8);
     const int full = ncols == NR;
@@ -88,8 +103,14 @@ INLINE void tile(const float* x, const float* pw, int kc, float* y, int64_t ldy,
     }
     for (int k = 0; k < kc; k++) {
         /* PF 1: a line of the stream ahead each k; PF n > 1: each n-th k (n groups share
-           a block's prefetches, so the stream is asked for all the time, not by one) */
-        if (PF == 1 || (PF > 1 && k % PF == 0))
+           a block's prefetches, so the stream is asked for all the time, not by one);
+           PF SPREAD + n - 1: each n-th k a line of the next of four streams (`streams`) */
+        if (PF >= SPREAD && k % (PF - SPREAD + 1) == 0) {
+            const int j = k / (PF - SPREAD + 1);
+            _mm_prefetch((const char*)(pf + (j % STREAMS) * stride + NR * (j / STREAMS)),
+                         _MM_HINT_T1);
+        }
+        else if (PF == 1 || (PF > 1 && k % PF == 0))
             _mm_prefetch((const char*)(pf + NR * (k / PF)), _MM_HINT_T1);
         __m256 w0 = _mm256_loadu_ps(pw + NR * k), w1 = _mm256_loadu_ps(pw + NR * k + 8);
         /* keep the panel's line in two registers: gcc would fold the loads into every
@@ -126,7 +147,7 @@ INLINE int64_t group_end(int64_t rows, int64_t groups, int64_t g) {
 
 static __thread float xbuf[XMAX] __attribute__((aligned(64)));
 
-#define TILE_PF(R, PF) tile(xg, pw, kc, yg, ldy, bp, first, pf, ncols, R, PF); break;
+#define TILE_PF(R, PF) tile(xg, pw, kc, yg, ldy, bp, first, pf, 0, ncols, R, PF); break;
 #define TILE(R)                                                          \
     switch (pfmode) {                                                    \
     case 1: TILE_PF(R, 1) case 2: TILE_PF(R, 2) case 3: TILE_PF(R, 3)   \
@@ -134,6 +155,44 @@ static __thread float xbuf[XMAX] __attribute__((aligned(64)));
     default: TILE_PF(R, 0)                                               \
     }                                                                    \
     break;
+
+#define STREAM_PF(R, n) tile(xg, pw, kc, yg, ldy, bp, first, pf, stride, ncols, R, SPREAD + n - 1); break;
+#define STREAM_TILE(R) if (groups == 1) { STREAM_PF(R, 1) } else { STREAM_PF(R, 2) }
+
+/* One or two groups of rows (1-12: a decode step of few sequences) over the panels, read as
+   four streams side by side (the top of the file says why): the panels in four runs of Q,
+   a block (16 KB) of each run in turn, and each tile prefetches its share of every stream's
+   next block, a line of each stream in turn. Every output sums over k in the same order as
+   in `linear_f32`'s loop, so the results are the same bits. */
+static void streams(const float* packed, int64_t N, int64_t K, int64_t P, const float* xbuf0,
+                    int rows, const float* bias, float* y0, int64_t ldy) {
+    const int groups = (rows + MR - 1) / MR;
+    const int64_t Q = (P + STREAMS - 1) / STREAMS; /* panels a stream */
+    const int64_t stride = Q * K * NR;              /* floats from a stream to the next */
+    for (int64_t q = 0; q < Q; q++) {
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int kc = K - k0 < KC ? (int)(K - k0) : KC;
+            const int first = k0 == 0, share = (kc + STREAMS - 1) / STREAMS;
+            for (int s = 0; s < STREAMS && s * Q + q < P; s++)
+            for (int g = 0, m = 0; g < groups; g++) {
+                const int end = (int)group_end(rows, groups, g), rg = end - m;
+                const float* xg = xbuf0 + m * K + k0 * rg;
+                const int64_t p = s * Q + q;
+                const int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
+                const float* pw = packed + (p * K + k0) * NR;
+                const float* bp = bias ? bias + p * NR : 0;
+                const float* pf = packed + (q * K + k0) * NR + NEXT
+                                  + ((int64_t)s * share + g * (share / groups)) * NR;
+                float* yg = y0 + m * ldy + p * NR;
+                switch (rg) {
+                case 1: STREAM_TILE(1) case 2: STREAM_TILE(2) case 3: STREAM_TILE(3)
+                case 4: STREAM_TILE(4) case 5: STREAM_TILE(5) default: STREAM_TILE(6)
+                }
+                m = end;
+            }
+        }
+    }
+}
 
 /* Returns 0, or -1 for a K over the input buffer (65536). */
 int linear_f32(const float* packed, int64_t N, int64_t K, const float* x, int64_t M,
@@ -150,6 +209,11 @@ int linear_f32(const float* packed, int64_t N, int64_t K, const float* x, int64_
             const int64_t end = group_end(rows, groups, g);
             pack_rows(x + (m0 + m) * ldx, ldx, (int)(end - m), K, xbuf + m * K);
             m = end;
+        }
+        if (groups <= 2) {
+            streams(packed, N, K, P, xbuf, (int)rows, bias, y + m0 * ldy, ldy);
+            m0 = m1;
+            continue;
         }
         for (int64_t p = 0; p < P; p++) {
             const int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
