@@ -18,9 +18,9 @@
    buffer holds at this K (85 at K = 768, 32 at K = 2048) are done in blocks of even size,
    each streaming the weight again.
 
-   Prefetches: with one to six groups (1-36 rows, a decode step) the stream is asked for
-   64 KB ahead into L2 all the time, each group a share of a block's lines (n groups: a
-   line every n-th k); with more (a prompt, whose rows reuse each block from L1 long
+   Prefetches (one and two groups now read four streams: below): with one to six groups
+   (1-36 rows, a decode step) the stream is asked for 64 KB ahead into L2 all the time,
+   each group a share of a block's lines (n groups: a line every n-th k); with more (a prompt, whose rows reuse each block from L1 long
    enough for the hardware's prefetcher), the first group 4 KB ahead. Before, the first
    group alone asked, 4 KB ahead, and at 8 rows (4 + 4) the core read the weight while the
    first group ran and multiplied without reading while the second did: the two times
@@ -71,7 +71,7 @@
 #define MR 6                   /* input rows of a tile at most: 12 accumulators */
 #define KC 256                 /* k per block: a panel's block is 16 KB */
 #define AHEAD 1024             /* floats (4 KB) ahead: the first of 7+ groups prefetches there */
-#define FAR 16384              /* floats (64 KB, 4 blocks) ahead: 1-6 groups prefetch there */
+#define FAR 16384              /* floats (64 KB, 4 blocks) ahead: 3-6 groups prefetch there */
 #define SHARED 6               /* up to this many groups share a block's prefetches */
 #define XMAX (64 * 1024)       /* floats of packed input rows: 256 KB */
 #define STREAMS 4              /* one or two groups of rows read the panels as 4 streams */
