@@ -20,8 +20,9 @@
 
    Prefetches (one and two groups now read four streams: below): with one to six groups
    (1-36 rows, a decode step) the stream is asked for 64 KB ahead into L2 all the time,
-   each group a share of a block's lines (n groups: a line every n-th k); with more (a prompt, whose rows reuse each block from L1 long
-   enough for the hardware's prefetcher), the first group 4 KB ahead. Before, the first
+   each group a share of a block's lines (n groups: a line every n-th k); with more (a
+   prompt, whose rows reuse each block from L1 long enough for the hardware's prefetcher),
+   the first group 4 KB ahead. Before, the first
    group alone asked, 4 KB ahead, and at 8 rows (4 + 4) the core read the weight while the
    first group ran and multiplied without reading while the second did: the two times
    added up. The panel's line is held in two registers per k (gcc folded its loads into
