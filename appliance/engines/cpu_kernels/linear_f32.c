@@ -19,21 +19,21 @@
    each streaming the weight again.
 
    Prefetches (one and two groups now read four streams: below): with one to six groups
-   (1-36 rows, a decode step) the stream is asked for 64 KB ahead into L2 all the time,
-   each group a share of a block's lines (n groups: a line every n-th k); with more (a
-   prompt, whose rows reuse each block from L1 long enough for the hardware's prefetcher),
-   the first group 4 KB ahead. Before, the first
-   group alone asked, 4 KB ahead, and at 8 rows (4 + 4) the core read the weight while the
-   first group ran and multiplied without reading while the second did: the two times
-   added up. The panel's line is held in two registers per k (gcc folded its loads into
-   every FMA: 12 loads a k for 4 rows, not 6). Together, alternating with the kernel
-   before on an AMD EPYC Zen 4 core with AVX-512 hidden (12 layers of the 82m model from
-   memory, best of 6): 1 row 15-17 -> 13-15 ms, 4 rows 15-18 -> 13-15, 6 rows 16-17 -> 13,
-   8 rows 27-28 -> 17 (44 -> 72 GFLOPS, in quiet stretches). Sharing among three to six
-   groups came later (session 63, an AMD EPYC Zen 3 core, the same measure, two runs
-   alternating): 16 rows 35-37 -> 29 ms (65-69 -> 82-83 GFLOPS), 24 rows 49 -> 41-43,
-   32 rows 62-80 -> 56-57, 48 rows 91-98 -> 88; 1-12 rows, whose code is the same, within
-   the noise. Without any prefetch 8 rows took 27-30 ms there against 18-19.
+   (1-36 rows, a decode step) the stream is asked for 64 KB ahead into L2 all the time, each
+   group a share of a block's lines (n groups: a line every n-th k); with more (a prompt,
+   whose rows reuse each block from L1 long enough for the hardware's prefetcher), the first
+   group 4 KB ahead. Before, the first group alone asked, 4 KB ahead, and at 8 rows (4 + 4)
+   the core read the weight while the first group ran and multiplied without reading while
+   the second did: the two times added up. The panel's line is held in two registers per k
+   (gcc folded its loads into every FMA: 12 loads a k for 4 rows, not 6). Together,
+   alternating with the kernel before on an AMD EPYC Zen 4 core with AVX-512 hidden (12
+   layers of the 82m model from memory, best of 6): 1 row 15-17 -> 13-15 ms, 4 rows 15-18 ->
+   13-15, 6 rows 16-17 -> 13, 8 rows 27-28 -> 17 (44 -> 72 GFLOPS, in quiet stretches).
+   Sharing among three to six groups came later (session 63, an AMD EPYC Zen 3 core, the
+   same measure, two runs alternating): 16 rows 35-37 -> 29 ms (65-69 -> 82-83 GFLOPS), 24
+   rows 49 -> 41-43, 32 rows 62-80 -> 56-57, 48 rows 91-98 -> 88; 1-12 rows, whose code is
+   the same, within the noise. Without any prefetch 8 rows took 27-30 ms there against
+   18-19.
 
    Four streams (session 67, the Zen 3 core): one core there reads one sequential stream at
    ~16-18 GB/s and four side by side at ~24 (bench/read_streams.c). So one or two groups of
@@ -157,7 +157,8 @@ static __thread float xbuf[XMAX] __attribute__((aligned(64)));
     }                                                                    \
     break;
 
-#define STREAM_PF(R, n) tile(xg, pw, kc, yg, ldy, bp, first, pf, stride, ncols, R, SPREAD + n - 1); break;
+#define STREAM_PF(R, n) \
+    tile(xg, pw, kc, yg, ldy, bp, first, pf, stride, ncols, R, SPREAD + n - 1); break;
 #define STREAM_TILE(R) if (groups == 1) { STREAM_PF(R, 1) } else { STREAM_PF(R, 2) }
 
 /* One or two groups of rows (1-12: a decode step of few sequences) over the panels, read as
