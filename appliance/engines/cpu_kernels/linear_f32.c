@@ -175,22 +175,23 @@ static void streams(const float* packed, int64_t N, int64_t K, int64_t P, const 
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
             const int kc = K - k0 < KC ? (int)(K - k0) : KC;
             const int first = k0 == 0, share = (kc + STREAMS - 1) / STREAMS;
-            for (int s = 0; s < STREAMS && s * Q + q < P; s++)
-            for (int g = 0, m = 0; g < groups; g++) {
-                const int end = (int)group_end(rows, groups, g), rg = end - m;
-                const float* xg = xbuf0 + m * K + k0 * rg;
+            for (int s = 0; s < STREAMS && s * Q + q < P; s++) {
                 const int64_t p = s * Q + q;
                 const int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
                 const float* pw = packed + (p * K + k0) * NR;
                 const float* bp = bias ? bias + p * NR : 0;
-                const float* pf = packed + (q * K + k0) * NR + NEXT
-                                  + ((int64_t)s * share + g * (share / groups)) * NR;
-                float* yg = y0 + m * ldy + p * NR;
-                switch (rg) {
-                case 1: STREAM_TILE(1) case 2: STREAM_TILE(2) case 3: STREAM_TILE(3)
-                case 4: STREAM_TILE(4) case 5: STREAM_TILE(5) default: STREAM_TILE(6)
+                for (int g = 0, m = 0; g < groups; g++) {
+                    const int end = (int)group_end(rows, groups, g), rg = end - m;
+                    const float* xg = xbuf0 + m * K + k0 * rg;
+                    const float* pf = packed + (q * K + k0) * NR + NEXT
+                                      + ((int64_t)s * share + g * (share / groups)) * NR;
+                    float* yg = y0 + m * ldy + p * NR;
+                    switch (rg) {
+                    case 1: STREAM_TILE(1) case 2: STREAM_TILE(2) case 3: STREAM_TILE(3)
+                    case 4: STREAM_TILE(4) case 5: STREAM_TILE(5) default: STREAM_TILE(6)
+                    }
+                    m = end;
                 }
-                m = end;
             }
         }
     }
