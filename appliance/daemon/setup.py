@@ -372,7 +372,9 @@ def lend_prefill_cores(specs: list[WorkerSpec]) -> None:
 # kept off the decode core (`daemon.affinity`, session 25): the prefill core then carries
 # the daemon too, and 1536 against 1024 traded 4-9% of the rate at 8 clients for 20-23%
 # lower ITL (both shapes, the rate still >2x vLLM's), at 32 clients within the noise.
-# All of that on an AMD EPYC without AMX; with AMX auto is off (`queue_tokens`).
+# All of that on an AMD EPYC without AMX; with AMX auto is off (`queue_tokens`). In fp32
+# on a Zen 3 (session 68; a prompt ~0.5 s of the prefill core) 1024 was level in rate
+# with 1536 and its ITL longer, so 1536 holds there too.
 CPU_QUEUE_TOKENS = 1536
 
 
